@@ -1,0 +1,80 @@
+"""The two `GenerationConfig` fields this project adds: names, defaults, documentation and validation.
+
+Kept free of any patching: `patch.py` installs these into transformers' `GenerationConfig`, and the functional
+`generate` reads them from any config or keyword arguments.
+"""
+
+from typing import Any
+
+from .buckets import BUCKET_POLICIES, BucketPolicy
+
+
+PREFILL_PAD_TO_MULTIPLE_OF = "prefill_pad_to_multiple_of"
+PREFILL_BUCKETS = "prefill_buckets"
+FIELDS = (PREFILL_PAD_TO_MULTIPLE_OF, PREFILL_BUCKETS)
+
+# The docstring entries, in `GenerationConfig`'s own style. `patch.enable()` appends them to its docstring.
+FIELD_DOCS = """
+        > Parameters that pad the prompt to a few lengths, so a compiled model compiles a few graphs
+
+        prefill_pad_to_multiple_of (`int`, *optional*):
+            Left-pad the prompt (with masked pad tokens) up to a multiple of this length before prefill, and strip the
+            padding from the output. With a static cache and a compiled forward, prompts whose padded lengths are equal
+            share one compiled prefill graph. When `prefill_buckets` is also set, this is applied after it, as an
+            alignment: the bucket length is rounded up to a multiple of this value.
+        prefill_buckets (`list[int]` or `str`, *optional*):
+            Left-pad the prompt up to the smallest of these lengths that holds it, and strip the padding from the
+            output. Either a list of strictly increasing positive lengths, such as `[64, 256, 1024]`, or `"pow2"` for
+            every power of two. A prompt longer than the largest listed bucket is padded to a multiple of the largest
+            bucket (or of `prefill_pad_to_multiple_of` when set) and logs a warning, since each such length compiles a
+            new graph. With a static cache and no `max_cache_len`, the cache length is bucketed by the same rule.
+"""
+
+
+def _is_positive_int(value: Any) -> bool:
+    # `bool` is an `int` subclass: `True` is not a length.
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def validate_prefill_pad_to_multiple_of(value: Any) -> None:
+    """Raises `ValueError` unless `value` is `None` or a positive `int`."""
+    if value is not None and not _is_positive_int(value):
+        raise ValueError(
+            f"`{PREFILL_PAD_TO_MULTIPLE_OF}` must be a positive integer (such as 64) or None, but is {value!r}."
+        )
+
+
+def validate_prefill_buckets(value: Any) -> None:
+    """Raises `ValueError` unless `value` is `None`, a known policy name, or a strictly increasing list of positive ints."""
+    if value is None:
+        return
+    valid = (
+        f"a list of strictly increasing positive integers (such as [64, 256, 1024]), one of {BUCKET_POLICIES}, or None"
+    )
+    if isinstance(value, str):
+        if value not in BUCKET_POLICIES:
+            raise ValueError(f"`{PREFILL_BUCKETS}` must be {valid}, but is the unknown policy {value!r}.")
+        return
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"`{PREFILL_BUCKETS}` must be {valid}, but is {value!r} of type {type(value).__name__}.")
+    if len(value) == 0:
+        raise ValueError(f"`{PREFILL_BUCKETS}` must be {valid}, but is an empty list.")
+    bad = [bucket for bucket in value if not _is_positive_int(bucket)]
+    if bad:
+        raise ValueError(f"`{PREFILL_BUCKETS}` must be {valid}, but {value!r} holds {bad[0]!r}, which is not.")
+    if any(later <= earlier for earlier, later in zip(value, value[1:])):
+        raise ValueError(f"`{PREFILL_BUCKETS}` must be {valid}, but {value!r} is not strictly increasing.")
+
+
+def validate_fields(prefill_pad_to_multiple_of: Any = None, prefill_buckets: Any = None) -> None:
+    """Validates both fields; raises `ValueError` naming the field, the value and what is valid."""
+    validate_prefill_pad_to_multiple_of(prefill_pad_to_multiple_of)
+    validate_prefill_buckets(prefill_buckets)
+
+
+def policy_from_fields(prefill_pad_to_multiple_of: Any = None, prefill_buckets: Any = None) -> BucketPolicy | None:
+    """The validated `BucketPolicy` for these field values, or `None` when neither is set (plain upstream generate)."""
+    validate_fields(prefill_pad_to_multiple_of, prefill_buckets)
+    if prefill_pad_to_multiple_of is None and prefill_buckets is None:
+        return None
+    return BucketPolicy(buckets=prefill_buckets, pad_to_multiple_of=prefill_pad_to_multiple_of)

@@ -1,0 +1,482 @@
+"""`generate` with bucketed prefill: resolve the fields -> pick the bucket -> left-pad -> upstream generate -> strip.
+
+Upstream `generate` does all the real work. Three of its steps need to see through the padding, and are hooked on
+the model instance for the duration of one call (see `_bucketed_call`):
+
+- `_prepare_generated_length`: `max_length` / `min_length` are resolved against the *unpadded* prompt, then shifted
+  by the padding, so they keep their meaning.
+- `_prepare_cache_for_generation`: a static cache without `max_cache_len` gets a bucketed length, so calls with
+  different prompt lengths share one cache shape (and so one decode graph).
+- `prepare_inputs_for_generation`: upstream drops an all-ones attention mask before prefill. A prompt that exactly
+  fits its bucket would then reach the model without a mask, a different graph from every padded prompt. The hook
+  puts the (all-ones) mask back, so every prompt in a bucket reaches the model with one signature.
+"""
+
+import contextlib
+import contextvars
+import functools
+import inspect
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import GenerationConfig
+from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS
+from transformers.generation.streamers import BaseStreamer
+from transformers.generation.utils import GenerationMixin
+from transformers.utils import ModelOutput, logging
+
+from .buckets import BucketPolicy
+from .config import FIELDS, PREFILL_BUCKETS, PREFILL_PAD_TO_MULTIPLE_OF, policy_from_fields
+from .padding import left_pad, strip_left
+
+
+logger = logging.get_logger(__name__)
+
+# Captured at import, before `enable()` can replace it.
+UPSTREAM_GENERATE = GenerationMixin.generate
+_UPSTREAM_SIGNATURE = inspect.signature(UPSTREAM_GENERATE)
+
+# Per-token model inputs that are padded along with the prompt, and their fill value. Position ids of masked
+# positions are 0, as upstream fills them.
+_PER_TOKEN_KWARGS = {"attention_mask": 0, "position_ids": 0, "token_type_ids": 0, "mm_token_type_ids": 0}
+_CACHE_KWARGS = ("cache", "past_key_values")
+
+
+@dataclass
+class _Plan:
+    """What one bucketed `generate` call does to its inputs, read by the hooks while the call runs."""
+
+    model: Any
+    policy: BucketPolicy
+    prompt_length: int  # tokens in the prompt as the user passed it (their own padding included)
+    padded_length: int  # the bucket
+    ids_pad: int  # columns added to `input_ids` (0 when the prompt is only `inputs_embeds`)
+
+    @property
+    def pad(self) -> int:
+        return self.padded_length - self.prompt_length
+
+
+_ACTIVE_PLAN: contextvars.ContextVar[_Plan | None] = contextvars.ContextVar("prefill_buckets_plan", default=None)
+
+
+def resolve_policy(model, generation_config: GenerationConfig | None, field_kwargs: dict) -> BucketPolicy | None:
+    """
+    The bucket policy for one call, with upstream's priority: `generate` kwargs > the `generation_config` argument >
+    `model.generation_config`. A kwarg explicitly set to `None` turns the field off for the call.
+    """
+    values = {}
+    for field in FIELDS:
+        if field in field_kwargs:
+            values[field] = field_kwargs[field]
+            continue
+        value = getattr(generation_config, field, None) if generation_config is not None else None
+        if value is None:
+            value = getattr(getattr(model, "generation_config", None), field, None)
+        values[field] = value
+    return policy_from_fields(**values)
+
+
+def generate(model, *args, **kwargs):
+    r"""
+    [`~generation.GenerationMixin.generate`] with bucketed prefill, without patching transformers.
+
+    Takes exactly the arguments of `model.generate`, plus the fields `prefill_pad_to_multiple_of` and
+    `prefill_buckets` (as keyword arguments or on `generation_config`). When neither is set, this is upstream
+    `generate`, unchanged. When one is set, the prompt is left-padded to its bucket with masked pad tokens, upstream
+    `generate` runs on the padded prompt, and the padding is stripped again: the returned sequences have the shape
+    and ids of an unpadded run, and `max_new_tokens`, `max_length` and `min_length` mean what they mean without
+    padding.
+
+    Args:
+        model ([`PreTrainedModel`]):
+            A decoder-only model with a language modeling head, or a `torch.compile`d one.
+        args, kwargs:
+            Everything `model.generate` accepts.
+
+    Returns:
+        What `model.generate` returns, with the padding removed from `sequences` and from the per-position outputs
+        (prefill `hidden_states`, the query axis of prefill `attentions`, and any key axis that spans the padded
+        sequence). A returned cache holds the padded prompt.
+
+    Example:
+
+    ```python
+    >>> import prefill_buckets
+    >>> from transformers import GenerationConfig
+
+    >>> config = GenerationConfig(cache_implementation="static", max_new_tokens=8, do_sample=False)
+    >>> out = prefill_buckets.generate(model, **inputs, generation_config=config, prefill_buckets=[16, 64])
+    >>> out.shape[1] == inputs["input_ids"].shape[1] + 8
+    True
+    ```
+    """
+    model = getattr(model, "_orig_mod", model)  # an `OptimizedModule` hands `generate` to the module it wraps
+    bound = _UPSTREAM_SIGNATURE.bind(model, *args, **kwargs)
+    arguments = dict(bound.arguments)
+    arguments.pop("self")
+    model_kwargs = arguments.pop("kwargs", {})
+    field_kwargs = {field: model_kwargs.pop(field) for field in FIELDS if field in model_kwargs}
+    generation_config = arguments.get("generation_config")
+
+    active = _ACTIVE_PLAN.get()
+    if active is not None and active.model is model:
+        # Re-entered from inside a bucketed call (a model whose own `generate` calls ours): already padded.
+        return UPSTREAM_GENERATE(model, **arguments, **model_kwargs)
+
+    policy = resolve_policy(model, generation_config, field_kwargs)
+    if policy is None:
+        return UPSTREAM_GENERATE(model, **arguments, **model_kwargs)
+
+    skip_reason = _unsupported_reason(model, arguments, model_kwargs)
+    if skip_reason is not None:
+        logger.warning_once(
+            f"`{PREFILL_BUCKETS}`/`{PREFILL_PAD_TO_MULTIPLE_OF}` are ignored for this call: {skip_reason}"
+        )
+        return UPSTREAM_GENERATE(model, **arguments, **model_kwargs)
+
+    plan, arguments, model_kwargs = _pad_inputs(model, policy, generation_config, arguments, model_kwargs)
+    with _bucketed_call(plan):
+        output = UPSTREAM_GENERATE(model, **arguments, **model_kwargs)
+    return _strip_output(output, plan)
+
+
+def _unsupported_reason(model, arguments: dict, model_kwargs: dict) -> str | None:
+    """Why this call runs unpadded, or raises for the cases padding can't serve; `None` when it can be bucketed."""
+    if model.config.is_encoder_decoder:
+        raise ValueError(
+            f"`{PREFILL_BUCKETS}` and `{PREFILL_PAD_TO_MULTIPLE_OF}` support decoder-only models, but "
+            f"{type(model).__name__} is an encoder-decoder model. Its prompt goes to the encoder: pad it there with "
+            "the tokenizer's `pad_to_multiple_of` (any side, with the attention mask), and unset both fields."
+        )
+    if arguments.get("custom_generate") is not None:
+        return "`custom_generate` replaces the generation loop."
+    if model_kwargs.get("cache_implementation") == "paged":
+        return "`cache_implementation='paged'` switches to continuous batching, which schedules its own shapes."
+    for key in _CACHE_KWARGS:
+        cache = model_kwargs.get(key)
+        if cache is not None and hasattr(cache, "get_seq_length") and cache.get_seq_length() > 0:
+            return (
+                "the cache passed in already holds tokens, and padding can only go in front of the whole sequence. "
+                "The output is exact, but this prompt length may compile a new graph."
+            )
+    if "attention_mask" not in inspect.signature(model.forward).parameters:
+        return f"{type(model).__name__}.forward takes no `attention_mask`, so padding could not be masked."
+    return None
+
+
+def _resolved_token_id(model, generation_config, model_kwargs, name):
+    """A special token id with upstream's priority (kwargs > `generation_config` > `model.generation_config`)."""
+    if model_kwargs.get(name) is not None:
+        value = model_kwargs[name]
+    elif generation_config is not None and getattr(generation_config, name, None) is not None:
+        value = getattr(generation_config, name)
+    else:
+        value = getattr(model.generation_config, name, None)
+    if isinstance(value, torch.Tensor):
+        value = value.flatten().tolist()
+    if isinstance(value, (list, tuple)):
+        return [int(v) for v in value]
+    return value
+
+
+def _pad_token_id(model, generation_config, model_kwargs) -> int:
+    """The id that fills the added positions. They are masked, so any id in the vocabulary gives the same output."""
+    vocab_size = model.get_input_embeddings().num_embeddings
+    pad_token_id = _resolved_token_id(model, generation_config, model_kwargs, "pad_token_id")
+    eos_token_id = _resolved_token_id(model, generation_config, model_kwargs, "eos_token_id")
+    candidates = [pad_token_id, *(eos_token_id if isinstance(eos_token_id, list) else [eos_token_id]), 0]
+    return next(c for c in candidates if isinstance(c, int) and 0 <= c < vocab_size)
+
+
+def _default_attention_mask(model, generation_config, model_kwargs, input_ids: torch.Tensor) -> torch.Tensor:
+    """The mask upstream infers when none is passed: pad tokens are masked, unless the pad token is also eos."""
+    pad_token_id = _resolved_token_id(model, generation_config, model_kwargs, "pad_token_id")
+    eos_token_id = _resolved_token_id(model, generation_config, model_kwargs, "eos_token_id")
+    if pad_token_id is None and eos_token_id is not None:
+        pad_token_id = eos_token_id[0] if isinstance(eos_token_id, list) else eos_token_id
+    eos_ids = eos_token_id if isinstance(eos_token_id, list) else [eos_token_id]
+    if pad_token_id is not None and pad_token_id not in eos_ids and (input_ids == pad_token_id).any():
+        return input_ids.ne(pad_token_id).long()
+    return torch.ones(input_ids.shape[:2], dtype=torch.long, device=input_ids.device)
+
+
+def _pad_inputs(model, policy: BucketPolicy, generation_config, arguments: dict, model_kwargs: dict):
+    """Left-pads the prompt and every per-token input to the bucket. Returns the plan and new call arguments."""
+    arguments = dict(arguments)
+    model_kwargs = dict(model_kwargs)  # the user's dict and tensors are never modified
+
+    input_ids = arguments.pop("inputs", None)
+    if input_ids is None:
+        input_ids = model_kwargs.pop("input_ids", None)
+    inputs_embeds = model_kwargs.get("inputs_embeds")
+
+    if inputs_embeds is not None:
+        prompt_length = inputs_embeds.shape[1]
+    elif input_ids is not None:
+        if input_ids.ndim != 2 or input_ids.dtype not in (torch.long, torch.int):
+            raise ValueError(
+                f"`{PREFILL_BUCKETS}` pads `input_ids` of shape [batch, length] with an integer dtype, but got shape "
+                f"{tuple(input_ids.shape)} and dtype {input_ids.dtype}."
+            )
+        prompt_length = input_ids.shape[1]
+    else:
+        # Upstream starts from a lone BOS token: one token, one bucket.
+        bos_token_id = _resolved_token_id(model, generation_config, model_kwargs, "bos_token_id")
+        if bos_token_id is None:
+            raise ValueError("`bos_token_id` has to be defined when no `input_ids` are provided.")
+        batch_size = next((v.shape[0] for v in model_kwargs.values() if isinstance(v, torch.Tensor)), 1)
+        input_ids = torch.full((batch_size, 1), bos_token_id, dtype=torch.long, device=model.device)
+        prompt_length = 1
+    if prompt_length == 0:
+        raise ValueError(
+            f"The prompt is empty (0 tokens). `{PREFILL_BUCKETS}` pads a prompt up to a bucket, so it needs at least "
+            "one token: start the prompt with the BOS token."
+        )
+
+    padded_length = policy.bucket(prompt_length)
+    if policy.exceeds_buckets(prompt_length):
+        logger.warning_once(
+            f"A prompt of {prompt_length} tokens is longer than the largest of `{PREFILL_BUCKETS}` "
+            f"({policy.largest_bucket}), so it is padded to {padded_length}. Each such length compiles a new graph: "
+            f"add a larger bucket, or set `{PREFILL_PAD_TO_MULTIPLE_OF}` to choose the length for long prompts."
+        )
+    pad = padded_length - prompt_length
+    pad_token_id = _pad_token_id(model, generation_config, model_kwargs)
+
+    if model_kwargs.get("attention_mask") is None:
+        mask_source = input_ids if input_ids is not None and input_ids.shape[1] == prompt_length else None
+        if mask_source is not None:
+            model_kwargs["attention_mask"] = _default_attention_mask(
+                model, generation_config, model_kwargs, mask_source
+            )
+        else:
+            batch_size = inputs_embeds.shape[0]
+            model_kwargs["attention_mask"] = torch.ones(
+                batch_size, prompt_length, dtype=torch.long, device=inputs_embeds.device
+            )
+
+    ids_pad = 0
+    if input_ids is not None:
+        if input_ids.shape[1] == prompt_length:
+            ids_pad = pad
+            input_ids = left_pad(input_ids, pad, pad_token_id)
+        elif input_ids.shape[1] != 0:
+            raise ValueError(
+                f"`input_ids` ({input_ids.shape[1]} tokens) and `inputs_embeds` ({prompt_length} positions) must have "
+                f"the same length to be padded with `{PREFILL_BUCKETS}`; pass `inputs_embeds` alone."
+            )
+        model_kwargs["input_ids"] = input_ids
+    if inputs_embeds is not None:
+        pad_embedding = model.get_input_embeddings().weight[pad_token_id].detach()
+        model_kwargs["inputs_embeds"] = left_pad(inputs_embeds, pad, pad_embedding, dim=1)
+
+    for key, fill in _PER_TOKEN_KWARGS.items():
+        value = model_kwargs.get(key)
+        if isinstance(value, torch.Tensor) and value.shape[-1] == prompt_length:
+            model_kwargs[key] = left_pad(value, pad, fill)
+
+    streamer = arguments.get("streamer")
+    if streamer is not None and ids_pad > 0:
+        arguments["streamer"] = _PromptStrippingStreamer(streamer, ids_pad)
+
+    plan = _Plan(model, policy, prompt_length=prompt_length, padded_length=padded_length, ids_pad=ids_pad)
+    return plan, arguments, model_kwargs
+
+
+class _PromptStrippingStreamer(BaseStreamer):
+    """Hands the wrapped streamer the prompt without the added columns; everything after it unchanged."""
+
+    def __init__(self, streamer: BaseStreamer, pad: int):
+        self.streamer = streamer
+        self.pad = pad
+        self.prompt_seen = False
+
+    def put(self, value):
+        if not self.prompt_seen:
+            self.prompt_seen = True
+            value = strip_left(value, self.pad)
+        self.streamer.put(value)
+
+    def end(self):
+        self.streamer.end()
+
+    def __getattr__(self, name):
+        return getattr(self.streamer, name)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Hooks on the model instance, live while a bucketed call runs
+# ---------------------------------------------------------------------------------------------------------------
+
+_HOOKED_METHODS = ("_prepare_generated_length", "_prepare_cache_for_generation", "prepare_inputs_for_generation")
+_hook_lock = threading.Lock()
+_hook_users: dict[int, int] = {}  # id(model) -> calls in flight that rely on its hooks
+
+
+def _hook_prepare_generated_length(original, model):
+    @functools.wraps(original)
+    def hooked(
+        generation_config,
+        has_default_max_length,
+        has_default_min_length,
+        model_input_name,
+        input_ids_length,
+        inputs_tensor,
+    ):
+        plan = _ACTIVE_PLAN.get()
+        if plan is None or plan.model is not model:
+            return original(
+                generation_config,
+                has_default_max_length,
+                has_default_min_length,
+                model_input_name,
+                input_ids_length,
+                inputs_tensor,
+            )
+        # Resolve the lengths as upstream would for the unpadded prompt, then move them by the added columns.
+        unpadded_ids_length = input_ids_length - plan.ids_pad
+        generation_config = original(
+            generation_config,
+            has_default_max_length,
+            has_default_min_length,
+            model_input_name,
+            unpadded_ids_length,
+            strip_left(inputs_tensor, plan.pad, dim=1),
+        )
+        if unpadded_ids_length >= generation_config.max_length:
+            # Upstream's own check, made here so that it names the lengths the user passed.
+            raise ValueError(
+                f"Input length of input_ids is {unpadded_ids_length}, but `max_length` is set to "
+                f"{generation_config.max_length}. This can lead to unexpected behavior. You should consider "
+                "increasing `max_length` or, better yet, setting `max_new_tokens`."
+            )
+        generation_config.max_length += plan.ids_pad
+        if generation_config.min_length is not None:
+            generation_config.min_length += plan.ids_pad
+        return generation_config
+
+    return hooked
+
+
+def _hook_prepare_cache_for_generation(original, model):
+    @functools.wraps(original)
+    def hooked(generation_config, model_kwargs, generation_mode, batch_size, max_cache_length):
+        plan = _ACTIVE_PLAN.get()
+        if (
+            plan is not None
+            and plan.model is model
+            and generation_config.cache_implementation in ALL_STATIC_CACHE_IMPLEMENTATIONS
+            and generation_config.max_cache_len is None
+            and model_kwargs.get("cache") is None
+        ):
+            # `generation_config` is upstream's private copy: the user's config is untouched.
+            generation_config.max_cache_len = plan.policy.bucket(max_cache_length)
+        return original(generation_config, model_kwargs, generation_mode, batch_size, max_cache_length)
+
+    return hooked
+
+
+def _hook_prepare_inputs_for_generation(original, model):
+    @functools.wraps(original)
+    def hooked(input_ids, *args, **kwargs):
+        plan = _ACTIVE_PLAN.get()
+        if plan is not None and plan.model is model and kwargs.get("attention_mask") is None:
+            # Upstream dropped an all-ones mask. Put it back, with the length upstream would have carried: the
+            # tokens already in the cache plus the ones this forward adds.
+            cache = next((kwargs[key] for key in _CACHE_KWARGS if kwargs.get(key) is not None), None)
+            past_length = cache.get_seq_length() if cache is not None else 0
+            next_sequence_length = kwargs.get("next_sequence_length")
+            inputs_embeds = kwargs.get("inputs_embeds")
+            if next_sequence_length is not None:
+                new_length = next_sequence_length
+            elif inputs_embeds is not None and kwargs.get("is_first_iteration"):
+                new_length = inputs_embeds.shape[1] - past_length
+            else:
+                new_length = input_ids.shape[1] - past_length
+            kwargs["attention_mask"] = torch.ones(
+                input_ids.shape[0], past_length + new_length, dtype=torch.long, device=input_ids.device
+            )
+        return original(input_ids, *args, **kwargs)
+
+    return hooked
+
+
+_HOOKS = {
+    "_prepare_generated_length": _hook_prepare_generated_length,
+    "_prepare_cache_for_generation": _hook_prepare_cache_for_generation,
+    "prepare_inputs_for_generation": _hook_prepare_inputs_for_generation,
+}
+
+
+@contextlib.contextmanager
+def _bucketed_call(plan: _Plan):
+    """
+    Makes `plan` the active plan of this thread (and task) and installs the hooks on the model instance while any
+    bucketed call on it runs. The hooks act only for the model and the context whose plan is active, so concurrent
+    calls, on one model or several, don't see each other's plans.
+    """
+    model = plan.model
+    with _hook_lock:
+        if _hook_users.get(id(model), 0) == 0:
+            for name, make_hook in _HOOKS.items():
+                if name in model.__dict__:
+                    raise RuntimeError(
+                        f"{type(model).__name__}.{name} is overridden on this instance; prefill buckets can't hook it."
+                    )
+                object.__setattr__(model, name, make_hook(getattr(model, name), model))
+        _hook_users[id(model)] = _hook_users.get(id(model), 0) + 1
+    token = _ACTIVE_PLAN.set(plan)
+    try:
+        yield
+    finally:
+        _ACTIVE_PLAN.reset(token)
+        with _hook_lock:
+            _hook_users[id(model)] -= 1
+            if _hook_users[id(model)] == 0:
+                del _hook_users[id(model)]
+                for name in _HOOKS:
+                    model.__dict__.pop(name, None)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Taking the padding off the output
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _strip_output(output, plan: _Plan):
+    """Removes the added columns from what `generate` returns (a tensor, or a `ModelOutput`)."""
+    if isinstance(output, torch.Tensor):
+        return strip_left(output, plan.ids_pad)
+    if not isinstance(output, ModelOutput):
+        return output
+    sequences = output.get("sequences")
+    if sequences is not None:
+        output["sequences"] = strip_left(sequences, plan.ids_pad)
+    padded_total = plan.padded_length  # sequence length the model has seen, at the current step
+    if output.get("hidden_states") is not None:
+        steps = list(output["hidden_states"])
+        if steps:  # prefill: [B, S, H] per layer, S spans the padded prompt
+            steps[0] = tuple(_strip_if(h, 1, plan.padded_length, plan.pad) for h in steps[0])
+        output["hidden_states"] = tuple(steps)
+    if output.get("attentions") is not None:
+        steps = []
+        for step, layers in enumerate(output["attentions"]):
+            seen = padded_total + step
+            new_layers = []
+            for attention in layers:  # [B, heads, query, key]
+                if step == 0:
+                    attention = _strip_if(attention, -2, plan.padded_length, plan.pad)
+                new_layers.append(_strip_if(attention, -1, seen, plan.pad))
+            steps.append(tuple(new_layers))
+        output["attentions"] = tuple(steps)
+    return output
+
+
+def _strip_if(tensor, dim: int, padded_size: int, pad: int):
+    """Strips `pad` from `dim` when that axis spans the padded sequence, as a dynamic cache's key axis does."""
+    if tensor is None or tensor.shape[dim] != padded_size:
+        return tensor
+    return strip_left(tensor, pad, dim=dim)

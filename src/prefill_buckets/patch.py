@@ -1,0 +1,85 @@
+"""`enable()` / `disable()`: install the fields and the bucketed `generate` into transformers, reversibly.
+
+What `enable()` changes, and `disable()` puts back exactly:
+
+- `GenerationConfig.__init__` also takes `prefill_pad_to_multiple_of` and `prefill_buckets` (default `None`);
+- `GenerationConfig.validate` also checks them, so a bad value raises at construction, in `update()`, and when it is
+  passed as a `generate` kwarg;
+- `GenerationConfig.__doc__` documents them;
+- `GenerationMixin.generate` is `prefill_buckets.generate`, which is upstream `generate` when neither field is set.
+"""
+
+import functools
+import threading
+
+from transformers import GenerationConfig
+from transformers.generation.utils import GenerationMixin
+
+from . import generation
+from .config import FIELD_DOCS, FIELDS, validate_fields
+
+
+_lock = threading.Lock()
+_originals: dict[tuple[type, str], object] = {}  # (owner, attribute) -> what transformers had; empty when disabled
+
+
+def is_enabled() -> bool:
+    """Whether `enable()` is in effect."""
+    return bool(_originals)
+
+
+def enable() -> None:
+    """
+    Teaches transformers' own `GenerationConfig` and `model.generate` the fields `prefill_pad_to_multiple_of` and
+    `prefill_buckets`. Idempotent and thread-safe; undone by [`disable`].
+
+    Example:
+
+    ```python
+    >>> import prefill_buckets
+    >>> from transformers import GenerationConfig
+
+    >>> prefill_buckets.enable()
+    >>> GenerationConfig(prefill_buckets="pow2").prefill_buckets
+    'pow2'
+    >>> prefill_buckets.disable()
+    ```
+    """
+    with _lock:
+        if _originals:
+            return
+        original_init = GenerationConfig.__init__
+        original_validate = GenerationConfig.validate
+
+        @functools.wraps(original_init)
+        def __init__(self, **kwargs):
+            # Set before upstream's `__init__`, which ends by calling `validate()`.
+            for field in FIELDS:
+                setattr(self, field, kwargs.pop(field, None))
+            original_init(self, **kwargs)
+
+        @functools.wraps(original_validate)
+        def validate(self, *args, **kwargs):
+            validate_fields(**{field: getattr(self, field, None) for field in FIELDS})
+            return original_validate(self, *args, **kwargs)
+
+        @functools.wraps(generation.UPSTREAM_GENERATE)
+        def generate(self, *args, **kwargs):
+            return generation.generate(self, *args, **kwargs)
+
+        _originals[(GenerationConfig, "__init__")] = original_init
+        _originals[(GenerationConfig, "validate")] = original_validate
+        _originals[(GenerationConfig, "__doc__")] = GenerationConfig.__doc__
+        _originals[(GenerationMixin, "generate")] = GenerationMixin.__dict__["generate"]
+        GenerationConfig.__init__ = __init__
+        GenerationConfig.validate = validate
+        GenerationConfig.__doc__ = (GenerationConfig.__doc__ or "") + FIELD_DOCS
+        GenerationMixin.generate = generate
+
+
+def disable() -> None:
+    """Restores transformers exactly as it was before [`enable`]. Idempotent; a no-op when not enabled."""
+    with _lock:
+        for (owner, name), original in _originals.items():
+            setattr(owner, name, original)
+        _originals.clear()
