@@ -7,9 +7,12 @@ the model instance for the duration of one call (see `_bucketed_call`):
   by the padding, so they keep their meaning.
 - `_prepare_cache_for_generation`: a static cache without `max_cache_len` gets a bucketed length, so calls with
   different prompt lengths share one cache shape (and so one decode graph).
-- `prepare_inputs_for_generation`: upstream drops an all-ones attention mask before prefill. A prompt that exactly
-  fits its bucket would then reach the model without a mask, a different graph from every padded prompt. The hook
-  puts the (all-ones) mask back, so every prompt in a bucket reaches the model with one signature.
+- `prepare_inputs_for_generation`: a prompt that exactly fits its bucket has no padding, and upstream uses that twice
+  to skip the mask: it drops an all-ones 2D attention mask before prefill, and with SDPA and a static cache it
+  builds no 4D mask for an unpadded prefill (`is_causal` instead). Either way the prompt would reach the model
+  without a mask, a different graph from every padded prompt in its bucket. The hook puts the all-ones mask back
+  and, while upstream builds the 4D mask, turns off the SDPA skip (`masking_utils._ignore_causal_mask_sdpa`), so
+  every prompt in a bucket reaches the model with one signature.
 """
 
 import contextlib
@@ -21,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import GenerationConfig
+from transformers import GenerationConfig, masking_utils
 from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS
 from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerationMixin
@@ -314,6 +317,7 @@ class _PromptStrippingStreamer(BaseStreamer):
 _HOOKED_METHODS = ("_prepare_generated_length", "_prepare_cache_for_generation", "prepare_inputs_for_generation")
 _hook_lock = threading.Lock()
 _hook_users: dict[int, int] = {}  # id(model) -> calls in flight that rely on its hooks
+_sdpa_skip: dict[str, Any] = {}  # "original": upstream's `_ignore_causal_mask_sdpa` while any bucketed call runs
 
 
 def _hook_prepare_generated_length(original, model):
@@ -399,7 +403,28 @@ def _hook_prepare_inputs_for_generation(original, model):
             kwargs["attention_mask"] = torch.ones(
                 input_ids.shape[0], past_length + new_length, dtype=torch.long, device=input_ids.device
             )
-        return original(input_ids, *args, **kwargs)
+        if plan is None or plan.model is not model:
+            return original(input_ids, *args, **kwargs)
+        token = _MATERIALIZE_SDPA_MASK.set(True)
+        try:
+            return original(input_ids, *args, **kwargs)
+        finally:
+            _MATERIALIZE_SDPA_MASK.reset(token)
+
+    return hooked
+
+
+# True while a bucketed call builds its 4D masks: the mask is then always a tensor, never SDPA's `is_causal` skip.
+_MATERIALIZE_SDPA_MASK: contextvars.ContextVar[bool] = contextvars.ContextVar("prefill_buckets_mask", default=False)
+
+
+def _hook_ignore_causal_mask_sdpa(original):
+    @functools.wraps(original)
+    def hooked(*args, **kwargs):
+        # Inside a compiled forward (a model building its own mask), stay out of the graph: upstream's rule applies.
+        if not torch.compiler.is_compiling() and _MATERIALIZE_SDPA_MASK.get():
+            return False
+        return original(*args, **kwargs)
 
     return hooked
 
@@ -420,12 +445,19 @@ def _bucketed_call(plan: _Plan):
     """
     model = plan.model
     with _hook_lock:
-        if _hook_users.get(id(model), 0) == 0:
+        first_for_model = id(model) not in _hook_users
+        if first_for_model:
+            overridden = [name for name in _HOOKS if name in model.__dict__]
+            if overridden:
+                raise RuntimeError(
+                    f"`{type(model).__name__}` has `{overridden[0]}` set on the instance, which prefill buckets need to "
+                    "hook for the duration of the call. Set it on a subclass instead."
+                )
+        if not _hook_users:
+            _sdpa_skip["original"] = masking_utils._ignore_causal_mask_sdpa
+            masking_utils._ignore_causal_mask_sdpa = _hook_ignore_causal_mask_sdpa(_sdpa_skip["original"])
+        if first_for_model:
             for name, make_hook in _HOOKS.items():
-                if name in model.__dict__:
-                    raise RuntimeError(
-                        f"{type(model).__name__}.{name} is overridden on this instance; prefill buckets can't hook it."
-                    )
                 object.__setattr__(model, name, make_hook(getattr(model, name), model))
         _hook_users[id(model)] = _hook_users.get(id(model), 0) + 1
     token = _ACTIVE_PLAN.set(plan)
@@ -439,6 +471,8 @@ def _bucketed_call(plan: _Plan):
                 del _hook_users[id(model)]
                 for name in _HOOKS:
                     model.__dict__.pop(name, None)
+            if not _hook_users:
+                masking_utils._ignore_causal_mask_sdpa = _sdpa_skip.pop("original")
 
 
 # ---------------------------------------------------------------------------------------------------------------
