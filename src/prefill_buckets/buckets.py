@@ -11,6 +11,11 @@ The rule, in one place:
 3. `pad_to_multiple_of` applies last, as an alignment: the length from steps 1-2 is rounded up to a multiple of it.
 
 So `buckets="pow2", pad_to_multiple_of=64` gives 64, 64, ..., 64, 128, 256, ...: powers of two with a floor of 64.
+
+A static cache needs `padded prompt + max_new_tokens - 1` slots. Its length is bucketed geometrically, whatever the
+prompt policy: the next power of two (then aligned to `pad_to_multiple_of`). Every cache size is a compiled decode
+graph, and upstream keeps the largest cache seen so far on the model, so geometric sizes bound the decode graphs by
+log2 of the longest sequence, where prompt-sized steps (say multiples of 64) would compile one per step.
 """
 
 from collections.abc import Sequence
@@ -76,6 +81,13 @@ class BucketPolicy:
                 padded = round_up(length, self.largest_bucket)
         if self.pad_to_multiple_of is not None:
             padded = round_up(max(padded, 1), self.pad_to_multiple_of)
+        return padded
+
+    def cache_length(self, length: int) -> int:
+        """The static cache length for a sequence that needs `length` slots: the next power of two, aligned."""
+        padded = next_power_of_two(length)
+        if self.pad_to_multiple_of is not None:
+            padded = round_up(padded, self.pad_to_multiple_of)
         return padded
 
     def __str__(self) -> str:

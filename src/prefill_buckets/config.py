@@ -27,7 +27,8 @@ FIELD_DOCS = """
             output. Either a list of strictly increasing positive lengths, such as `[64, 256, 1024]`, or `"pow2"` for
             every power of two. A prompt longer than the largest listed bucket is padded to a multiple of the largest
             bucket (or of `prefill_pad_to_multiple_of` when set) and logs a warning, since each such length compiles a
-            new graph. With a static cache and no `max_cache_len`, the cache length is bucketed by the same rule.
+            new graph. With a static cache and no `max_cache_len`, the cache length is rounded up to a power of
+            two (aligned to `prefill_pad_to_multiple_of`), so prompts of different lengths share cache shapes.
 """
 
 

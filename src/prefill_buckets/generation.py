@@ -377,7 +377,7 @@ def _hook_prepare_cache_for_generation(original, model):
             and model_kwargs.get("cache") is None
         ):
             # `generation_config` is upstream's private copy: the user's config is untouched.
-            generation_config.max_cache_len = plan.policy.bucket(max_cache_length)
+            generation_config.max_cache_len = plan.policy.cache_length(max_cache_length)
         return original(generation_config, model_kwargs, generation_mode, batch_size, max_cache_length)
 
     return hooked
