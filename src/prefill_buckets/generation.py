@@ -31,6 +31,7 @@ from transformers.generation.utils import GenerationMixin
 from transformers.utils import ModelOutput, logging
 
 from .buckets import BucketPolicy
+from .compilation import compiled_forward, compiled_wrapper_forward, graph_budget, is_compiled_wrapper
 from .config import FIELDS, PREFILL_BUCKETS, PREFILL_PAD_TO_MULTIPLE_OF, policy_from_fields
 from .padding import left_pad, strip_left
 
@@ -116,6 +117,7 @@ def generate(model, *args, **kwargs):
     True
     ```
     """
+    wrapper = model if is_compiled_wrapper(model) else None
     model = getattr(model, "_orig_mod", model)  # an `OptimizedModule` hands `generate` to the module it wraps
     bound = _UPSTREAM_SIGNATURE.bind(model, *args, **kwargs)
     arguments = dict(bound.arguments)
@@ -131,6 +133,7 @@ def generate(model, *args, **kwargs):
 
     policy = resolve_policy(model, generation_config, field_kwargs)
     if policy is None:
+        _warn_unbucketed(model, wrapper, generation_config, arguments, model_kwargs)
         return UPSTREAM_GENERATE(model, **arguments, **model_kwargs)
 
     skip_reason = _unsupported_reason(model, arguments, model_kwargs)
@@ -141,7 +144,7 @@ def generate(model, *args, **kwargs):
         return UPSTREAM_GENERATE(model, **arguments, **model_kwargs)
 
     plan, arguments, model_kwargs = _pad_inputs(model, policy, generation_config, arguments, model_kwargs)
-    with _bucketed_call(plan):
+    with _bucketed_call(plan), compiled_wrapper_forward(wrapper) if wrapper is not None else contextlib.nullcontext():
         output = UPSTREAM_GENERATE(model, **arguments, **model_kwargs)
     return _strip_output(output, plan)
 
@@ -170,14 +173,58 @@ def _unsupported_reason(model, arguments: dict, model_kwargs: dict) -> str | Non
     return None
 
 
-def _resolved_token_id(model, generation_config, model_kwargs, name):
-    """A special token id with upstream's priority (kwargs > `generation_config` > `model.generation_config`)."""
+def _warn_unbucketed(model, wrapper, generation_config, arguments: dict, model_kwargs: dict) -> None:
+    """The advice for a call without buckets: upstream runs unchanged, these only say what it will cost."""
+    if wrapper is not None and compiled_forward(model) is None:
+        logger.warning_once(
+            "`generate` was called on the `torch.compile(model)` wrapper (an `OptimizedModule`), which hands "
+            "`generate` to the module it wraps: every forward of this call runs eagerly, and no compiled graph is "
+            f"used. Set `{PREFILL_BUCKETS}` (the call then runs through the wrapper's compiled forward, with one graph "
+            "per bucket), or compile in place with `model.compile(...)`."
+        )
+    compiled = compiled_forward(model)
+    if compiled is None:
+        return
+    cache = next((model_kwargs[key] for key in _CACHE_KWARGS if model_kwargs.get(key) is not None), None)
+    static = type(cache).__name__ == "StaticCache" or (
+        cache is None
+        and _resolved(model, generation_config, model_kwargs, "cache_implementation")
+        in ALL_STATIC_CACHE_IMPLEMENTATIONS
+    )
+    prompt = arguments.get("inputs")
+    prompt = prompt if prompt is not None else model_kwargs.get("input_ids", model_kwargs.get("inputs_embeds"))
+    if not static or not isinstance(prompt, torch.Tensor) or prompt.ndim < 2:
+        return
+    lengths = model.__dict__.setdefault("_prefill_buckets_prompt_lengths", set())
+    lengths.add(prompt.shape[1])
+    if len(lengths) == 2:
+        logger.warning_once(
+            f"The model's forward is compiled ({compiled}) and generates with a static cache, so each new prompt "
+            f"length recompiles it (seen so far: {sorted(lengths)}). Set `{PREFILL_BUCKETS}` (for example 'pow2') or "
+            f"`{PREFILL_PAD_TO_MULTIPLE_OF}`, or pad with the tokenizer's `pad_to_multiple_of` and "
+            "`padding_side='left'`."
+        )
+    limit = torch._dynamo.config.recompile_limit
+    if len(lengths) + 1 >= limit:  # one prefill graph per length, plus at least one decode graph
+        logger.warning_once(
+            f"{len(lengths)} prompt lengths have each compiled a prefill graph, and torch's "
+            f"`torch._dynamo.config.recompile_limit` is {limit}: past it, torch silently runs the forward eagerly. "
+            f"Set `{PREFILL_BUCKETS}` to bound the number of graphs."
+        )
+
+
+def _resolved(model, generation_config, model_kwargs, name):
+    """A generation field with upstream's priority (kwargs > `generation_config` > `model.generation_config`)."""
     if model_kwargs.get(name) is not None:
-        value = model_kwargs[name]
-    elif generation_config is not None and getattr(generation_config, name, None) is not None:
-        value = getattr(generation_config, name)
-    else:
-        value = getattr(model.generation_config, name, None)
+        return model_kwargs[name]
+    if generation_config is not None and getattr(generation_config, name, None) is not None:
+        return getattr(generation_config, name)
+    return getattr(model.generation_config, name, None)
+
+
+def _resolved_token_id(model, generation_config, model_kwargs, name):
+    """A special token id (or list of ids) as plain ints."""
+    value = _resolved(model, generation_config, model_kwargs, name)
     if isinstance(value, torch.Tensor):
         value = value.flatten().tolist()
     if isinstance(value, (list, tuple)):
@@ -369,18 +416,50 @@ def _hook_prepare_cache_for_generation(original, model):
     @functools.wraps(original)
     def hooked(generation_config, model_kwargs, generation_mode, batch_size, max_cache_length):
         plan = _ACTIVE_PLAN.get()
-        if (
+        static = (
             plan is not None
             and plan.model is model
             and generation_config.cache_implementation in ALL_STATIC_CACHE_IMPLEMENTATIONS
-            and generation_config.max_cache_len is None
             and model_kwargs.get("cache") is None
-        ):
-            # `generation_config` is upstream's private copy: the user's config is untouched.
+        )
+        if not static:
+            return original(generation_config, model_kwargs, generation_mode, batch_size, max_cache_length)
+        # `generation_config` is upstream's private copy: what the user passed is untouched.
+        if generation_config.max_cache_len is None:
             generation_config.max_cache_len = plan.policy.cache_length(max_cache_length)
-        return original(generation_config, model_kwargs, generation_mode, batch_size, max_cache_length)
+        if generation_config.compile_config is not None:
+            # An explicit `compile_config` compiles on every device, CPU included (upstream: CUDA/XPU only).
+            generation_config.compile_config._compile_all_devices = True
+        result = original(generation_config, model_kwargs, generation_mode, batch_size, max_cache_length)
+        auto_compile = model._valid_auto_compile_criteria(model_kwargs, generation_config)
+        if auto_compile and generation_config.prefill_chunk_size is None:
+            # Upstream compiles decode only and runs prefill eagerly, since prefill shapes are unbounded. Here they
+            # are the buckets: one chunk of the whole padded prompt sends prefill through the same compiled call.
+            generation_config.prefill_chunk_size = plan.padded_length
+        if auto_compile or compiled_forward(model) is not None:
+            rows = batch_size * max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
+            _account_graphs(model, rows, plan, model._previous_max_cache_length)
+        return result
 
     return hooked
+
+
+def _account_graphs(model, rows: int, plan: _Plan, cache_length: int) -> None:
+    """Keeps torch's recompile limit above the graphs this workload has needed, and says so when it raises it."""
+    budget = graph_budget(model)
+    if not budget.add(rows, plan.padded_length, cache_length):
+        return
+    limit = torch._dynamo.config.recompile_limit
+    if budget.graphs > limit:
+        raised = max(budget.graphs, 2 * limit)
+        torch._dynamo.config.recompile_limit = raised
+        logger.warning_once(
+            f"Prefill buckets have needed {budget.graphs} compiled graphs so far ({len(budget.prefill)} prefill, "
+            f"{len(budget.decode)} decode shapes), more than torch's `torch._dynamo.config.recompile_limit` "
+            f"({limit}), past which torch silently runs the forward eagerly. Raised the limit to {raised}. To need "
+            "fewer graphs: pin `max_cache_len` (one decode graph per batch size), use fewer buckets, or call "
+            "`prefill_buckets.precompile` to compile them all up front."
+        )
 
 
 def _hook_prepare_inputs_for_generation(original, model):

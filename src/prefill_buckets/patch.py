@@ -6,12 +6,16 @@ What `enable()` changes, and `disable()` puts back exactly:
 - `GenerationConfig.validate` also checks them, so a bad value raises at construction, in `update()`, and when it is
   passed as a `generate` kwarg;
 - `GenerationConfig.__doc__` documents them;
-- `GenerationMixin.generate` is `prefill_buckets.generate`, which is upstream `generate` when neither field is set.
+- `GenerationMixin.generate` is `prefill_buckets.generate`, which is upstream `generate` when neither field is set;
+- `OptimizedModule.generate` (the wrapper `torch.compile(model)` returns) is `prefill_buckets.generate` on the
+  wrapper, so that a bucketed call runs the wrapper's compiled forward. Without it the wrapper forwards `generate` to
+  the module it wraps, which runs eagerly; only modules that have a `generate` get one.
 """
 
 import functools
 import threading
 
+from torch._dynamo.eval_frame import OptimizedModule
 from transformers import GenerationConfig
 from transformers.generation.utils import GenerationMixin
 
@@ -67,6 +71,15 @@ def enable() -> None:
         def generate(self, *args, **kwargs):
             return generation.generate(self, *args, **kwargs)
 
+        def compiled_generate(self):
+            module_generate = getattr(self._orig_mod, "generate")  # AttributeError when the module has none
+
+            @functools.wraps(module_generate)
+            def generate(*args, **kwargs):
+                return generation.generate(self, *args, **kwargs)
+
+            return generate
+
         _originals[(GenerationConfig, "__init__")] = original_init
         _originals[(GenerationConfig, "validate")] = original_validate
         _originals[(GenerationConfig, "__doc__")] = GenerationConfig.__doc__
@@ -75,6 +88,7 @@ def enable() -> None:
         GenerationConfig.validate = validate
         GenerationConfig.__doc__ = (GenerationConfig.__doc__ or "") + FIELD_DOCS
         GenerationMixin.generate = generate
+        OptimizedModule.generate = property(compiled_generate)
 
 
 def disable() -> None:
@@ -82,4 +96,6 @@ def disable() -> None:
     with _lock:
         for (owner, name), original in _originals.items():
             setattr(owner, name, original)
+        if _originals:
+            del OptimizedModule.generate  # upstream has none: attribute lookup falls back to the wrapped module
         _originals.clear()
