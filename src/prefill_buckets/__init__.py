@@ -2,18 +2,26 @@
 
 __version__ = "0.1.0"
 
-from .buckets import BucketPolicy
+from .buckets import BucketPolicy, WasteReport, padding_waste, suggest_buckets
 from .config import PREFILL_BUCKETS, PREFILL_PAD_TO_MULTIPLE_OF
 from .generation import generate
 from .patch import disable, enable, is_enabled
+from .warmup import CompiledShape, load_compile_cache, precompile, save_compile_cache
 
 
 __all__ = [
     "PREFILL_BUCKETS",
     "PREFILL_PAD_TO_MULTIPLE_OF",
     "BucketPolicy",
+    "CompiledShape",
+    "WasteReport",
     "disable",
     "enable",
     "generate",
     "is_enabled",
+    "load_compile_cache",
+    "padding_waste",
+    "precompile",
+    "save_compile_cache",
+    "suggest_buckets",
 ]

@@ -223,7 +223,7 @@ def suggest_buckets(lengths: Iterable[int], max_buckets: int = 8, pad_to_multipl
                     best_cost, best_i = candidate, i
             current[mid], split[mid] = best_cost, best_i
             pending.append((lo, mid - 1, option_lo, best_i))
-            pending.append((mid + 1, hi, best_i + 1, option_hi))
+            pending.append((mid + 1, hi, best_i, option_hi))
         best = current
         first.append(split)
 

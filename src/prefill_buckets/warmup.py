@@ -1,0 +1,184 @@
+"""Compile every graph a bucket config can need, up front, and keep the compiled code across processes."""
+
+import copy
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import GenerationConfig
+from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS
+from transformers.utils import logging
+
+from .buckets import BucketPolicy
+from .generation import generate, resolve_policy
+
+
+logger = logging.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class CompiledShape:
+    """One warm-up call of [`precompile`]: the shapes it compiled for, and what it cost."""
+
+    batch_size: int
+    prompt_length: int
+    cache_length: int | None  # `None` with a dynamic cache
+    graphs: int  # graphs dynamo compiled during the call (0 when they already existed)
+    seconds: float
+
+
+def bucket_lengths(policy: BucketPolicy, max_prompt_length: int) -> list[int]:
+    """Every padded length `policy` gives a prompt of 1 to `max_prompt_length` tokens, increasing."""
+    lengths, length = [], 1
+    while length <= max_prompt_length:
+        padded = policy.bucket(length)
+        lengths.append(padded)
+        length = padded + 1
+    return lengths
+
+
+def precompile(
+    model,
+    generation_config: GenerationConfig | None = None,
+    batch_sizes: tuple[int, ...] | list[int] = (1,),
+    max_prompt_length: int | None = None,
+    progress: bool = True,
+) -> list[CompiledShape]:
+    r"""
+    Compiles every graph that `generate` with `generation_config` can need for prompts up to `max_prompt_length`
+    tokens, so that later calls compile nothing.
+
+    Runs one short `generate` (2 new tokens) per batch size and bucket, longest first, on a prompt that exactly fits
+    the bucket. With a static cache and no `max_cache_len`, the cache is pinned to the length the longest bucket needs
+    with `max_new_tokens` (the first call sets it, and upstream keeps the largest cache seen on the model), so every
+    later call uses that one cache shape. The model then holds, per batch size, one prefill graph per bucket and one
+    decode graph:
+
+        graphs = len(batch_sizes) * (prefill buckets up to max_prompt_length + 1)
+
+    Args:
+        model ([`PreTrainedModel`]):
+            The model, compiled the way it will serve (`model.compile()`, a compiled `forward`, `compile_config`, or
+            the `torch.compile(model)` wrapper).
+        generation_config ([`~generation.GenerationConfig`], *optional*):
+            The config later calls will use; `prefill_buckets` and/or `prefill_pad_to_multiple_of` must be set on it
+            or on `model.generation_config`. Defaults to `model.generation_config`.
+        batch_sizes (`tuple[int]`, *optional*, defaults to `(1,)`):
+            The batch sizes later calls will use. Each is its own set of graphs.
+        max_prompt_length (`int`, *optional*):
+            The longest prompt later calls will send. Required unless `prefill_buckets` is a list, in which case it
+            defaults to the largest bucket.
+        progress (`bool`, *optional*, defaults to `True`):
+            Show a progress bar.
+
+    Returns:
+        `list[CompiledShape]`: one entry per warm-up call, longest first.
+
+    Example:
+
+    ```python
+    >>> model.compile()
+    >>> config = GenerationConfig(cache_implementation="static", max_new_tokens=8, prefill_buckets=[16, 64])
+    >>> compiled = prefill_buckets.precompile(model, config, batch_sizes=(1,), progress=False)
+    >>> [shape.prompt_length for shape in compiled]
+    [64, 16]
+    ```
+    """
+    wrapper = model
+    module = getattr(model, "_orig_mod", model)
+    generation_config = copy.deepcopy(generation_config if generation_config is not None else module.generation_config)
+    policy = resolve_policy(module, generation_config, {})
+    if policy is None:
+        raise ValueError(
+            "`precompile` needs `prefill_buckets` or `prefill_pad_to_multiple_of` on `generation_config` (or on "
+            "`model.generation_config`): without buckets every prompt length is its own graph."
+        )
+    if max_prompt_length is None:
+        if policy.largest_bucket is None or policy.pad_to_multiple_of is not None:
+            raise ValueError(
+                f"`max_prompt_length` is required with {policy}: the buckets have no upper end. Pass the longest "
+                "prompt your calls will send."
+            )
+        max_prompt_length = policy.largest_bucket
+    if not isinstance(max_prompt_length, int) or isinstance(max_prompt_length, bool) or max_prompt_length < 1:
+        raise ValueError(f"`max_prompt_length` must be a positive integer, but is {max_prompt_length!r}.")
+    if not batch_sizes or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in batch_sizes):
+        raise ValueError(f"`batch_sizes` must be a non-empty list of positive integers, but is {batch_sizes!r}.")
+
+    lengths = sorted(bucket_lengths(policy, max_prompt_length), reverse=True)
+    max_new_tokens = generation_config.max_new_tokens
+    if max_new_tokens is None:
+        max_new_tokens = (generation_config.max_length or 20) - 1
+    cache_implementation = generation_config.cache_implementation or module.generation_config.cache_implementation
+    if cache_implementation in ALL_STATIC_CACHE_IMPLEMENTATIONS and generation_config.max_cache_len is None:
+        generation_config.max_cache_len = policy.cache_length(lengths[0] + max_new_tokens - 1)
+
+    # Warm-up calls: 2 new tokens = one prefill and one decode step; sampling and stopping don't change the graphs.
+    generation_config.max_new_tokens = 2
+    generation_config.min_new_tokens = 2
+    generation_config.max_length = None
+    token_id = 0
+    device = module.device
+    jobs = [(batch_size, length) for batch_size in sorted(set(batch_sizes), reverse=True) for length in lengths]
+    compiled = []
+    bar = _progress(jobs, progress)
+    for batch_size, length in bar:
+        if hasattr(bar, "set_postfix_str"):
+            bar.set_postfix_str(f"batch {batch_size}, prompt {length}")
+        input_ids = torch.full((batch_size, length), token_id, dtype=torch.long, device=device)
+        attention_mask = torch.ones_like(input_ids)
+        graphs_before = _graphs_compiled()
+        start = time.perf_counter()
+        generate(wrapper, input_ids, attention_mask=attention_mask, generation_config=generation_config)
+        cache_length = getattr(module, "_previous_max_cache_length", None)
+        compiled.append(
+            CompiledShape(
+                batch_size=batch_size,
+                prompt_length=length,
+                cache_length=cache_length if cache_implementation in ALL_STATIC_CACHE_IMPLEMENTATIONS else None,
+                graphs=_graphs_compiled() - graphs_before,
+                seconds=time.perf_counter() - start,
+            )
+        )
+    logger.info(f"precompile: {sum(c.graphs for c in compiled)} graphs in {sum(c.seconds for c in compiled):.1f} s")
+    return compiled
+
+
+def _graphs_compiled() -> int:
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def _progress(jobs, enabled: bool):
+    if not enabled:
+        return jobs
+    from tqdm.auto import tqdm
+
+    return tqdm(jobs, desc="precompile", unit="graph set")
+
+
+def save_compile_cache(path: str | os.PathLike) -> int:
+    """
+    Writes the compiled artifacts of this process (inductor kernels, autotuning results) to `path`, with
+    `torch.compiler.save_cache_artifacts`, so another process can load them with [`load_compile_cache`] before it
+    compiles. Returns the number of bytes written (0, and no file, when there is nothing to save).
+    """
+    saved = torch.compiler.save_cache_artifacts()
+    if saved is None:
+        logger.warning("Nothing compiled in this process can be saved (no inductor artifacts).")
+        return 0
+    artifacts, _ = saved
+    with open(path, "wb") as f:
+        f.write(artifacts)
+    return len(artifacts)
+
+
+def load_compile_cache(path: str | os.PathLike) -> bool:
+    """
+    Loads artifacts written by [`save_compile_cache`] into this process's compile caches, so that compiling the same
+    graphs (for example with [`precompile`]) reuses the saved kernels instead of generating them. Call it before the
+    first compile. Returns whether anything was loaded.
+    """
+    with open(path, "rb") as f:
+        artifacts = f.read()
+    return torch.compiler.load_cache_artifacts(artifacts) is not None
