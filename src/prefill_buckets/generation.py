@@ -436,18 +436,30 @@ def _hook_prepare_cache_for_generation(original, model):
             # Upstream compiles decode only and runs prefill eagerly, since prefill shapes are unbounded. Here they
             # are the buckets: one chunk of the whole padded prompt sends prefill through the same compiled call.
             generation_config.prefill_chunk_size = plan.padded_length
+        chunk = generation_config.prefill_chunk_size
+        if chunk is not None and plan.padded_length % chunk:
+            logger.warning_once(
+                f"`prefill_chunk_size={chunk}` does not divide the padded prompt length {plan.padded_length}, so the "
+                f"last chunk has its own shape, and its own compiled graph. Set `{PREFILL_PAD_TO_MULTIPLE_OF}` to a "
+                f"multiple of {chunk}: then every chunk of every prompt shares one prefill graph."
+            )
         if auto_compile or compiled_forward(model) is not None:
             rows = batch_size * max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
-            _account_graphs(model, rows, plan, model._previous_max_cache_length)
+            # Chunked prefill runs a graph per chunk shape: the chunk, and a shorter last chunk if any.
+            shapes = (
+                {plan.padded_length} if chunk is None else {min(chunk, plan.padded_length), plan.padded_length % chunk}
+            )
+            for prefill_length in shapes - {0}:
+                _account_graphs(model, rows, prefill_length, model._previous_max_cache_length)
         return result
 
     return hooked
 
 
-def _account_graphs(model, rows: int, plan: _Plan, cache_length: int) -> None:
+def _account_graphs(model, rows: int, prefill_length: int, cache_length: int) -> None:
     """Keeps torch's recompile limit above the graphs this workload has needed, and says so when it raises it."""
     budget = graph_budget(model)
-    if not budget.add(rows, plan.padded_length, cache_length):
+    if not budget.add(rows, prefill_length, cache_length):
         return
     limit = torch._dynamo.config.recompile_limit
     if budget.graphs > limit:
@@ -473,22 +485,31 @@ def _hook_prepare_inputs_for_generation(original, model):
             past_length = cache.get_seq_length() if cache is not None else 0
             next_sequence_length = kwargs.get("next_sequence_length")
             inputs_embeds = kwargs.get("inputs_embeds")
-            if next_sequence_length is not None:
-                new_length = next_sequence_length
+            if next_sequence_length is not None:  # decode: the new tokens are the last ones of `input_ids`
+                total_length = past_length + next_sequence_length
             elif inputs_embeds is not None and kwargs.get("is_first_iteration"):
-                new_length = inputs_embeds.shape[1] - past_length
-            else:
-                new_length = input_ids.shape[1] - past_length
+                total_length = inputs_embeds.shape[1]
+            elif input_ids.shape[1] > past_length:  # the whole sequence so far
+                total_length = input_ids.shape[1]
+            else:  # a later chunk of chunked prefill: only the chunk's ids
+                total_length = past_length + input_ids.shape[1]
             kwargs["attention_mask"] = torch.ones(
-                input_ids.shape[0], past_length + new_length, dtype=torch.long, device=input_ids.device
+                input_ids.shape[0], total_length, dtype=torch.long, device=input_ids.device
             )
         if plan is None or plan.model is not model:
             return original(input_ids, *args, **kwargs)
         token = _MATERIALIZE_SDPA_MASK.set(True)
         try:
-            return original(input_ids, *args, **kwargs)
+            model_inputs = original(input_ids, *args, **kwargs)
         finally:
             _MATERIALIZE_SDPA_MASK.reset(token)
+        # Chunked prefill slices per-token inputs out of the whole prompt's: views whose strides depend on the prompt
+        # length, which a compiled forward guards on. Fresh copies give every chunk of every prompt one signature.
+        for key in _PER_TOKEN_KWARGS:
+            value = model_inputs.get(key)
+            if isinstance(value, torch.Tensor) and value.ndim >= 2 and key != "attention_mask":
+                model_inputs[key] = value.clone(memory_format=torch.contiguous_format)
+        return model_inputs
 
     return hooked
 
