@@ -11,7 +11,8 @@ from .buckets import BUCKET_POLICIES, BucketPolicy
 
 PREFILL_PAD_TO_MULTIPLE_OF = "prefill_pad_to_multiple_of"
 PREFILL_BUCKETS = "prefill_buckets"
-FIELDS = (PREFILL_PAD_TO_MULTIPLE_OF, PREFILL_BUCKETS)
+PREFILL_BATCH_BUCKETS = "prefill_batch_buckets"
+FIELDS = (PREFILL_PAD_TO_MULTIPLE_OF, PREFILL_BUCKETS, PREFILL_BATCH_BUCKETS)
 
 # The docstring entries, in `GenerationConfig`'s own style. `patch.enable()` appends them to its docstring.
 FIELD_DOCS = """
@@ -29,6 +30,13 @@ FIELD_DOCS = """
             bucket (or of `prefill_pad_to_multiple_of` when set) and logs a warning, since each such length compiles a
             new graph. With a static cache and no `max_cache_len`, the cache length is rounded up to a power of
             two (aligned to `prefill_pad_to_multiple_of`), so prompts of different lengths share cache shapes.
+        prefill_batch_buckets (`list[int]` or `str`, *optional*):
+            Pad the batch up to the smallest of these sizes that holds it, with dummy rows (one masked-in pad token
+            each) that are finished from the first step and stripped from the output. Same values as
+            `prefill_buckets`. Every batch size is its own set of compiled graphs, so this bounds them too. Not
+            applied with beam search, whose rows are not independent. With `do_sample=True` the dummy rows take
+            their share of the random stream, so seeded samples differ from an unpadded run (as they would in a
+            batch of another size); greedy outputs are unchanged.
 """
 
 
@@ -45,7 +53,7 @@ def validate_prefill_pad_to_multiple_of(value: Any) -> None:
         )
 
 
-def validate_prefill_buckets(value: Any) -> None:
+def validate_prefill_buckets(value: Any, field: str = PREFILL_BUCKETS) -> None:
     """Raises `ValueError` unless `value` is `None`, a known policy name, or a strictly increasing list of positive ints."""
     if value is None:
         return
@@ -54,28 +62,42 @@ def validate_prefill_buckets(value: Any) -> None:
     )
     if isinstance(value, str):
         if value not in BUCKET_POLICIES:
-            raise ValueError(f"`{PREFILL_BUCKETS}` must be {valid}, but is the unknown policy {value!r}.")
+            raise ValueError(f"`{field}` must be {valid}, but is the unknown policy {value!r}.")
         return
     if not isinstance(value, (list, tuple)):
-        raise ValueError(f"`{PREFILL_BUCKETS}` must be {valid}, but is {value!r} of type {type(value).__name__}.")
+        raise ValueError(f"`{field}` must be {valid}, but is {value!r} of type {type(value).__name__}.")
     if len(value) == 0:
-        raise ValueError(f"`{PREFILL_BUCKETS}` must be {valid}, but is an empty list.")
+        raise ValueError(f"`{field}` must be {valid}, but is an empty list.")
     bad = [bucket for bucket in value if not _is_positive_int(bucket)]
     if bad:
-        raise ValueError(f"`{PREFILL_BUCKETS}` must be {valid}, but {value!r} holds {bad[0]!r}, which is not.")
+        raise ValueError(f"`{field}` must be {valid}, but {value!r} holds {bad[0]!r}, which is not.")
     if any(later <= earlier for earlier, later in zip(value, value[1:])):
-        raise ValueError(f"`{PREFILL_BUCKETS}` must be {valid}, but {value!r} is not strictly increasing.")
+        raise ValueError(f"`{field}` must be {valid}, but {value!r} is not strictly increasing.")
 
 
-def validate_fields(prefill_pad_to_multiple_of: Any = None, prefill_buckets: Any = None) -> None:
-    """Validates both fields; raises `ValueError` naming the field, the value and what is valid."""
+def validate_fields(
+    prefill_pad_to_multiple_of: Any = None, prefill_buckets: Any = None, prefill_batch_buckets: Any = None
+) -> None:
+    """Validates the fields; raises `ValueError` naming the field, the value and what is valid."""
     validate_prefill_pad_to_multiple_of(prefill_pad_to_multiple_of)
     validate_prefill_buckets(prefill_buckets)
+    validate_prefill_buckets(prefill_batch_buckets, field=PREFILL_BATCH_BUCKETS)
 
 
-def policy_from_fields(prefill_pad_to_multiple_of: Any = None, prefill_buckets: Any = None) -> BucketPolicy | None:
-    """The validated `BucketPolicy` for these field values, or `None` when neither is set (plain upstream generate)."""
-    validate_fields(prefill_pad_to_multiple_of, prefill_buckets)
+def policy_from_fields(
+    prefill_pad_to_multiple_of: Any = None, prefill_buckets: Any = None, prefill_batch_buckets: Any = None
+) -> BucketPolicy | None:
+    """
+    The validated `BucketPolicy` for the prompt length, or `None` when no field is set (plain upstream generate).
+    With only `prefill_batch_buckets` set, prompt lengths are kept (an alignment of 1).
+    """
+    validate_fields(prefill_pad_to_multiple_of, prefill_buckets, prefill_batch_buckets)
     if prefill_pad_to_multiple_of is None and prefill_buckets is None:
-        return None
+        return None if prefill_batch_buckets is None else BucketPolicy(pad_to_multiple_of=1)
     return BucketPolicy(buckets=prefill_buckets, pad_to_multiple_of=prefill_pad_to_multiple_of)
+
+
+def batch_policy_from_fields(prefill_batch_buckets: Any = None, **_) -> BucketPolicy | None:
+    """The validated `BucketPolicy` for the batch size, or `None` when `prefill_batch_buckets` is not set."""
+    validate_prefill_buckets(prefill_batch_buckets, field=PREFILL_BATCH_BUCKETS)
+    return None if prefill_batch_buckets is None else BucketPolicy(buckets=prefill_batch_buckets)

@@ -26,13 +26,21 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, masking_utils
 from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS
+from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerationMixin
 from transformers.utils import ModelOutput, logging
 
 from .buckets import BucketPolicy
 from .compilation import compiled_forward, compiled_wrapper_forward, graph_budget, is_compiled_wrapper
-from .config import FIELDS, PREFILL_BUCKETS, PREFILL_PAD_TO_MULTIPLE_OF, policy_from_fields
+from .config import (
+    FIELDS,
+    PREFILL_BATCH_BUCKETS,
+    PREFILL_BUCKETS,
+    PREFILL_PAD_TO_MULTIPLE_OF,
+    batch_policy_from_fields,
+    policy_from_fields,
+)
 from .padding import left_pad, strip_left
 
 
@@ -57,6 +65,8 @@ class _Plan:
     prompt_length: int  # tokens in the prompt as the user passed it (their own padding included)
     padded_length: int  # the bucket
     ids_pad: int  # columns added to `input_ids` (0 when the prompt is only `inputs_embeds`)
+    rows: int = 1  # output rows the user gets: batch * max(num_beams, num_return_sequences)
+    padded_rows: int = 1  # output rows generated, dummy rows of `prefill_batch_buckets` included
 
     @property
     def pad(self) -> int:
@@ -66,10 +76,10 @@ class _Plan:
 _ACTIVE_PLAN: contextvars.ContextVar[_Plan | None] = contextvars.ContextVar("prefill_buckets_plan", default=None)
 
 
-def resolve_policy(model, generation_config: GenerationConfig | None, field_kwargs: dict) -> BucketPolicy | None:
+def resolve_fields(model, generation_config: GenerationConfig | None, field_kwargs: dict) -> dict[str, Any]:
     """
-    The bucket policy for one call, with upstream's priority: `generate` kwargs > the `generation_config` argument >
-    `model.generation_config`. A kwarg explicitly set to `None` turns the field off for the call.
+    The fields' values for one call, with upstream's priority: `generate` kwargs > the `generation_config` argument
+    > `model.generation_config`. A kwarg explicitly set to `None` turns the field off for the call.
     """
     values = {}
     for field in FIELDS:
@@ -80,7 +90,12 @@ def resolve_policy(model, generation_config: GenerationConfig | None, field_kwar
         if value is None:
             value = getattr(getattr(model, "generation_config", None), field, None)
         values[field] = value
-    return policy_from_fields(**values)
+    return values
+
+
+def resolve_policy(model, generation_config: GenerationConfig | None, field_kwargs: dict) -> BucketPolicy | None:
+    """The prompt-length `BucketPolicy` for one call (see `resolve_fields`), or `None` when no field is set."""
+    return policy_from_fields(**resolve_fields(model, generation_config, field_kwargs))
 
 
 def generate(model, *args, **kwargs):
@@ -131,7 +146,8 @@ def generate(model, *args, **kwargs):
         # Re-entered from inside a bucketed call (a model whose own `generate` calls ours): already padded.
         return UPSTREAM_GENERATE(model, **arguments, **model_kwargs)
 
-    policy = resolve_policy(model, generation_config, field_kwargs)
+    fields = resolve_fields(model, generation_config, field_kwargs)
+    policy = policy_from_fields(**fields)
     if policy is None:
         _warn_unbucketed(model, wrapper, generation_config, arguments, model_kwargs)
         return UPSTREAM_GENERATE(model, **arguments, **model_kwargs)
@@ -144,6 +160,9 @@ def generate(model, *args, **kwargs):
         return UPSTREAM_GENERATE(model, **arguments, **model_kwargs)
 
     plan, arguments, model_kwargs = _pad_inputs(model, policy, generation_config, arguments, model_kwargs)
+    batch_policy = batch_policy_from_fields(**fields)
+    if batch_policy is not None:
+        plan, arguments, model_kwargs = _pad_rows(plan, batch_policy, generation_config, arguments, model_kwargs)
     with _bucketed_call(plan), compiled_wrapper_forward(wrapper) if wrapper is not None else contextlib.nullcontext():
         output = UPSTREAM_GENERATE(model, **arguments, **model_kwargs)
     return _strip_output(output, plan)
@@ -336,18 +355,105 @@ def _pad_inputs(model, policy: BucketPolicy, generation_config, arguments: dict,
     return plan, arguments, model_kwargs
 
 
-class _PromptStrippingStreamer(BaseStreamer):
-    """Hands the wrapped streamer the prompt without the added columns; everything after it unchanged."""
+def _pad_rows(plan: _Plan, batch_policy: BucketPolicy, generation_config, arguments: dict, model_kwargs: dict):
+    """
+    Appends dummy rows up to the batch bucket: one unmasked pad token each (a fully masked row would give NaNs), no
+    other inputs. A stopping criterion marks them finished from the first step, so they never keep generation going,
+    and `_strip_output` drops them.
+    """
+    model = plan.model
+    input_ids = model_kwargs.get("input_ids")
+    prompt = model_kwargs["inputs_embeds"] if model_kwargs.get("inputs_embeds") is not None else input_ids
+    batch_size = prompt.shape[0]
+    padded_batch = batch_policy.bucket(batch_size)
+    expand = max(
+        _resolved(model, generation_config, model_kwargs, "num_beams") or 1,
+        _resolved(model, generation_config, model_kwargs, "num_return_sequences") or 1,
+    )
+    plan.rows = plan.padded_rows = batch_size * expand
+    if padded_batch == batch_size:
+        return plan, arguments, model_kwargs
+    known = {"input_ids", "inputs_embeds", *_PER_TOKEN_KWARGS}
+    per_row = sorted(
+        k
+        for k, v in model_kwargs.items()
+        if isinstance(v, torch.Tensor) and k not in known and v.shape[:1] == (batch_size,)
+    )
+    if (_resolved(model, generation_config, model_kwargs, "num_beams") or 1) > 1 or per_row:
+        reason = "beam search ranks rows together" if not per_row else f"it can't pad the per-row input {per_row[0]!r}"
+        logger.warning_once(f"`{PREFILL_BATCH_BUCKETS}` is not applied to this call: {reason}.")
+        return plan, arguments, model_kwargs
+    if arguments.get("negative_prompt_ids") is not None:
+        logger.warning_once(
+            f"`{PREFILL_BATCH_BUCKETS}` is not applied to this call: it can't pad `negative_prompt_ids`."
+        )
+        return plan, arguments, model_kwargs
 
-    def __init__(self, streamer: BaseStreamer, pad: int):
+    extra = padded_batch - batch_size
+    pad_token_id = _pad_token_id(model, generation_config, model_kwargs)
+    length = plan.padded_length
+    model_kwargs = dict(model_kwargs)
+    dummy_mask = torch.zeros(extra, length, dtype=torch.long, device=prompt.device)
+    dummy_mask[:, -1] = 1
+    if input_ids is not None and input_ids.shape[1] > 0:
+        dummy = torch.full((extra, input_ids.shape[1]), pad_token_id, dtype=input_ids.dtype, device=input_ids.device)
+        model_kwargs["input_ids"] = torch.cat([input_ids, dummy])
+    elif input_ids is not None:
+        model_kwargs["input_ids"] = input_ids.new_empty(padded_batch, 0)
+    if model_kwargs.get("inputs_embeds") is not None:
+        embeds = model_kwargs["inputs_embeds"]
+        pad_embedding = model.get_input_embeddings().weight[pad_token_id].detach().to(embeds.dtype)
+        model_kwargs["inputs_embeds"] = torch.cat([embeds, pad_embedding.expand(extra, *embeds.shape[1:])])
+    for key in _PER_TOKEN_KWARGS:
+        value = model_kwargs.get(key)
+        if not isinstance(value, torch.Tensor):
+            continue
+        if key == "attention_mask":
+            model_kwargs[key] = torch.cat([value, dummy_mask.to(value.dtype)])
+        else:
+            row_dim = 0 if value.ndim == 2 else 1  # multimodal rope position ids are [3, batch, length]
+            shape = list(value.shape)
+            shape[row_dim] = extra
+            model_kwargs[key] = torch.cat([value, value.new_zeros(shape)], dim=row_dim)
+
+    criteria = StoppingCriteriaList(arguments.get("stopping_criteria") or [])
+    criteria.append(_DummyRowsFinished(first_dummy_row=batch_size * expand))
+    arguments = dict(arguments, stopping_criteria=criteria)
+    plan.padded_rows = padded_batch * expand
+    if isinstance(arguments.get("streamer"), _PromptStrippingStreamer):
+        arguments["streamer"].rows = batch_size * expand
+    elif arguments.get("streamer") is not None:
+        arguments["streamer"] = _PromptStrippingStreamer(arguments["streamer"], 0, rows=batch_size * expand)
+    return plan, arguments, model_kwargs
+
+
+class _DummyRowsFinished(StoppingCriteria):
+    """Reports the dummy rows added by `prefill_batch_buckets` as finished, from the first step on."""
+
+    def __init__(self, first_dummy_row: int):
+        self.first_dummy_row = first_dummy_row
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
+        finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        finished[self.first_dummy_row :] = True
+        return finished
+
+
+class _PromptStrippingStreamer(BaseStreamer):
+    """Hands the wrapped streamer the prompt without the added columns, and every value without dummy rows."""
+
+    def __init__(self, streamer: BaseStreamer, pad: int, rows: int | None = None):
         self.streamer = streamer
         self.pad = pad
+        self.rows = rows  # the user's rows, when `prefill_batch_buckets` added dummy ones after them
         self.prompt_seen = False
 
     def put(self, value):
         if not self.prompt_seen:
             self.prompt_seen = True
             value = strip_left(value, self.pad)
+        if self.rows is not None:
+            value = value[: self.rows]
         self.streamer.put(value)
 
     def end(self):
@@ -581,7 +687,9 @@ def _bucketed_call(plan: _Plan):
 
 
 def _strip_output(output, plan: _Plan):
-    """Removes the added columns from what `generate` returns (a tensor, or a `ModelOutput`)."""
+    """Removes the added columns and dummy rows from what `generate` returns (a tensor, or a `ModelOutput`)."""
+    if plan.padded_rows > plan.rows:
+        output = _take_rows(output, plan.rows)
     if isinstance(output, torch.Tensor):
         return strip_left(output, plan.ids_pad)
     if not isinstance(output, ModelOutput):
@@ -607,6 +715,20 @@ def _strip_output(output, plan: _Plan):
             steps.append(tuple(new_layers))
         output["attentions"] = tuple(steps)
     return output
+
+
+def _take_rows(value, rows: int):
+    """The first `rows` rows of every tensor in `value` (a tensor, nested tuples, or a `ModelOutput`; not the cache)."""
+    if isinstance(value, torch.Tensor):
+        return value[:rows]
+    if isinstance(value, ModelOutput):
+        for key in list(value.keys()):
+            if key not in _CACHE_KWARGS:
+                value[key] = _take_rows(value[key], rows)
+        return value
+    if isinstance(value, tuple):
+        return tuple(_take_rows(item, rows) for item in value)
+    return value
 
 
 def _strip_if(tensor, dim: int, padded_size: int, pad: int):
