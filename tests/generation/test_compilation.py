@@ -1,0 +1,555 @@
+# Compilation tests: every way of compiling a model runs bucketed `generate` through compiled graphs, a bounded number
+# of them, with the tokens of an uncompiled, unbucketed run.
+#
+# Counting: `GraphCounter` (eager backend, so a graph costs only dynamo's tracing) counts graphs and compiled calls.
+# Every compile here uses `dynamic=False, fullgraph=True`, so one forward is exactly one compiled call (or an error),
+# and `min_new_tokens == max_new_tokens`, so one call is exactly `MAX_NEW_TOKENS` forwards (one prefill, the rest
+# decode). "compiled calls == forwards" is then the proof that no forward ran eagerly (for example past torch's
+# recompile limit, where torch silently falls back to eager).
+
+import random
+import unittest
+
+import torch
+from parameterized import parameterized
+from torch._dynamo.backends.registry import register_backend
+from transformers import CompileConfig, GenerationConfig, LlamaConfig, LlamaForCausalLM
+from transformers.testing_utils import CaptureLogger, slow
+from transformers.utils import logging
+
+import prefill_buckets
+from prefill_buckets.buckets import BucketPolicy
+from prefill_buckets.compilation import GraphCounter
+from prefill_buckets.warmup import bucket_lengths
+
+
+PAD, EOS, BOS = 0, 1, 2
+VOCAB = 128
+FIRST_PROMPT_ID = 3  # prompt ids are above pad, eos and bos, so no prompt token reads as padding
+MAX_NEW_TOKENS = 4
+
+# Two buckets, lengths in both; the exact fit of the first bucket comes first (it is the one prompt upstream would
+# run without a mask, so a second prefill graph for it would show at once).
+BUCKETS = [16, 32]
+LENGTHS = [16, 9, 12, 5, 3, 30, 17]
+# What those lengths compile, from the rules: the static cache is sized from the bucket (`padded + MAX_NEW_TOKENS -
+# 1`, to the next power of two) and never shrinks on a model. The bucket-16 prompts run at cache 32 (16 + 3 -> 32),
+# then 30 grows it to 64 (32 + 3 -> 64): prefill 16 @ 32, decode @ 32, prefill 32 @ 64, decode @ 64. 17 (bucket 32,
+# cache 64) compiles nothing new.
+GRAPHS_FOR_LENGTHS = 4
+
+logger = logging.get_logger("prefill_buckets.generation")
+
+
+# ---- a registered counting backend, for `CompileConfig` --------------------------------------------------------------
+# `generate` deep-copies its `GenerationConfig`, `compile_config` included, and upstream recompiles whenever the
+# (copied) `CompileConfig` differs from the last one: a backend *object* would be copied into an unequal one every
+# call. A registered name compares equal. `register_backend` refuses a name twice (`AssertionError: duplicate name`),
+# so the name is registered once, and its backend hands each graph to the counter of the running test.
+
+COUNTER_BACKEND = "pb_test_counter"
+_active_counter: dict[str, GraphCounter | None] = {"counter": None}
+
+
+def _counting_backend(gm, example_inputs):
+    counter = _active_counter["counter"]
+    if counter is None:
+        raise RuntimeError(f"The `{COUNTER_BACKEND}` backend was used outside a test that set its counter.")
+    return counter(gm, example_inputs)
+
+
+if COUNTER_BACKEND not in torch._dynamo.list_backends(exclude_tags=()):
+    register_backend(name=COUNTER_BACKEND, compiler_fn=_counting_backend)
+
+
+# ---- models, prompts, configs ----------------------------------------------------------------------------------------
+
+
+def make_model() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        pad_token_id=PAD,
+        eos_token_id=EOS,
+        bos_token_id=BOS,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def make_reference(model: LlamaForCausalLM) -> LlamaForCausalLM:
+    """An uncompiled copy of `model` (same weights), run without buckets for the expected tokens."""
+    reference = LlamaForCausalLM(model.config).eval()
+    reference.load_state_dict(model.state_dict())
+    return reference
+
+
+def make_prompt(length: int, batch_size: int = 1, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1000 * seed + length)
+    return torch.randint(FIRST_PROMPT_ID, VOCAB, (batch_size, length), generator=generator)
+
+
+def make_config(max_new_tokens: int = MAX_NEW_TOKENS, **fields) -> GenerationConfig:
+    """Greedy, static cache, exactly `max_new_tokens` forwards per call. Without `enable()`, the bucket fields are
+    stored on the config as plain attributes, which `prefill_buckets.generate` reads all the same."""
+    return GenerationConfig(
+        cache_implementation="static",
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=max_new_tokens,
+        do_sample=False,
+        **fields,
+    )
+
+
+def prefill_lengths(counter: GraphCounter) -> list[int]:
+    """Sequence lengths of the prefill graphs (first input `input_ids` [B, S], S > 1), in compile order."""
+    return [shapes[0][1] for shapes in counter.shapes if shapes[0][1] > 1]
+
+
+def decode_graphs(counter: GraphCounter) -> int:
+    return sum(1 for shapes in counter.shapes if shapes[0][1] == 1)
+
+
+class CompilationTestCase(unittest.TestCase):
+    def setUp(self):
+        torch._dynamo.reset()
+        self.addCleanup(torch._dynamo.reset)
+        recompile_limit = torch._dynamo.config.recompile_limit
+        self.addCleanup(setattr, torch._dynamo.config, "recompile_limit", recompile_limit)
+        # `warning_once` is one `functools.lru_cache` shared by every logger (keyed on logger and message): clear it
+        # so a warning an earlier test logged can be seen again here.
+        logger.warning_once.cache_clear()
+        self.addCleanup(logger.warning_once.cache_clear)
+        _active_counter["counter"] = None
+        self.addCleanup(_active_counter.__setitem__, "counter", None)
+
+    def enable(self):
+        prefill_buckets.enable()
+        self.addCleanup(prefill_buckets.disable)
+
+    def registered_counter(self) -> GraphCounter:
+        """A fresh counter behind the registered backend name `COUNTER_BACKEND`."""
+        counter = GraphCounter()
+        _active_counter["counter"] = counter
+        return counter
+
+    def check_call(
+        self,
+        counter: GraphCounter,
+        generate,
+        input_ids: torch.Tensor,
+        reference: LlamaForCausalLM,
+        reference_config: GenerationConfig,
+        expected_calls: int = MAX_NEW_TOKENS,
+        **kwargs,
+    ) -> torch.Tensor:
+        """
+        Runs `generate(input_ids, **kwargs)` and checks that it ran `expected_calls` compiled calls and returned the
+        tokens of the reference model, uncompiled and without buckets.
+        """
+        calls_before = counter.calls
+        output = generate(input_ids, **kwargs)
+        calls = counter.calls - calls_before
+        self.assertEqual(
+            calls,
+            expected_calls,
+            f"prompt {tuple(input_ids.shape)}: {calls} compiled calls, expected {expected_calls} "
+            f"({MAX_NEW_TOKENS} forwards); fewer means forwards ran eagerly. Graphs: {counter.shapes}",
+        )
+        self.assertEqual(tuple(output.shape), (input_ids.shape[0], input_ids.shape[1] + MAX_NEW_TOKENS))
+        expected = reference.generate(input_ids, generation_config=reference_config, **kwargs)
+        self.assertEqual(output.tolist(), expected.tolist(), f"prompt {tuple(input_ids.shape)}: tokens differ")
+        return output
+
+    def check_lengths(self, counter, generate, reference, reference_config, model):
+        """`LENGTHS` through `generate`: every forward compiled, the tokens of the reference, `GRAPHS_FOR_LENGTHS`."""
+        for length in LENGTHS:
+            self.check_call(counter, generate, make_prompt(length), reference, reference_config)
+        self.assertEqual(counter.graphs, GRAPHS_FOR_LENGTHS, f"graphs: {counter.shapes}")
+        self.assertEqual(sorted(prefill_lengths(counter)), BUCKETS, f"graphs: {counter.shapes}")
+        self.assertEqual(decode_graphs(counter), 2, f"graphs: {counter.shapes}")
+        self.assertEqual(model._previous_max_cache_length, 64)
+        self.assertEqual(counter.calls, MAX_NEW_TOKENS * len(LENGTHS))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 1. Every compile entry point
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+class CompileEntryPointTest(CompilationTestCase):
+    def test_model_compile(self):
+        # In place, called the patched way: `enable()`, then `model.generate` with the field on the config.
+        self.enable()
+        model = make_model()
+        reference = make_reference(model)
+        counter = GraphCounter()
+        model.compile(backend=counter, dynamic=False, fullgraph=True)
+        config = make_config(prefill_buckets=BUCKETS)
+
+        def generate(ids, **kwargs):
+            return model.generate(ids, generation_config=config, **kwargs)
+
+        self.check_lengths(counter, generate, reference, make_config(), model)
+
+    def test_compiled_forward(self):
+        # A compiled `forward`, called without patching: `prefill_buckets.generate` with the field as a kwarg.
+        model = make_model()
+        reference = make_reference(model)
+        counter = GraphCounter()
+        model.forward = torch.compile(model.forward, backend=counter, dynamic=False, fullgraph=True)
+        config = make_config()
+
+        def generate(ids, **kwargs):
+            return prefill_buckets.generate(model, ids, generation_config=config, prefill_buckets=BUCKETS, **kwargs)
+
+        self.check_lengths(counter, generate, reference, make_config(), model)
+
+    def test_compile_config(self):
+        # Upstream's auto-compile (`compile_config` + static cache) runs prefill eagerly and compiles decode only.
+        # With buckets, prefill runs through the same compiled call (one chunk of the padded prompt): every forward.
+        self.enable()
+        model = make_model()
+        reference = make_reference(model)
+        counter = self.registered_counter()
+        compile_config = CompileConfig(backend=COUNTER_BACKEND, fullgraph=True, dynamic=False, mode=None)
+        config = make_config(prefill_buckets=BUCKETS, compile_config=compile_config)
+
+        def generate(ids, **kwargs):
+            return model.generate(ids, generation_config=config, **kwargs)
+
+        self.check_lengths(counter, generate, reference, make_config(), model)
+        # The CPU opt-in is made on `generate`'s own copy of the config, never on the user's.
+        self.assertIsNone(compile_config._compile_all_devices)
+        self.assertIsNone(config.prefill_chunk_size)
+
+    def test_compile_config_without_buckets(self):
+        # The contrast, upstream unchanged. On CPU upstream honours `compile_config` only with the private
+        # `_compile_all_devices=True` (else only on CUDA/XPU/...): without it, nothing runs compiled at all; with it,
+        # decode runs compiled and prefill eagerly: `MAX_NEW_TOKENS - 1` compiled calls per call.
+        self.enable()
+        model = make_model()
+        reference = make_reference(model)
+        counter = self.registered_counter()
+        for compile_all_devices, expected_calls in ((None, 0), (True, MAX_NEW_TOKENS - 1)):
+            compile_config = CompileConfig(backend=COUNTER_BACKEND, fullgraph=True, dynamic=False, mode=None)
+            compile_config._compile_all_devices = compile_all_devices
+            config = make_config(compile_config=compile_config)
+            for length in (16, 9):
+                self.check_call(
+                    counter,
+                    lambda ids: model.generate(ids, generation_config=config),
+                    make_prompt(length),
+                    reference,
+                    make_config(),
+                    expected_calls=expected_calls,
+                )
+        self.assertEqual(prefill_lengths(counter), [], "upstream compiled a prefill graph")
+
+    def test_compiled_wrapper(self):
+        # `torch.compile(model)` returns an `OptimizedModule` whose `generate` is the wrapped module's: upstream runs
+        # every forward of it eagerly. With buckets the call goes through the wrapper's compiled forward, called
+        # either way: `wrapper.generate` after `enable()`, or `prefill_buckets.generate(wrapper, ...)` without it.
+        model = make_model()
+        reference = make_reference(model)
+        counter = GraphCounter()
+        wrapper = torch.compile(model, backend=counter, dynamic=False, fullgraph=True)
+        plain_config = make_config()
+
+        # Enabled: `wrapper.generate`. Bucketed first, while the `OptimizedModule` warning has not been logged yet.
+        self.enable()
+        bucketed_config = make_config(prefill_buckets=BUCKETS)
+        with CaptureLogger(logger) as captured:
+            self.check_lengths(
+                counter,
+                lambda ids: wrapper.generate(ids, generation_config=bucketed_config),
+                reference,
+                plain_config,
+                model,
+            )
+        self.assertNotIn("OptimizedModule", captured.out)
+        self.assertIsNone(model._compiled_call_impl, "the compiled call stayed on the module after the call")
+        self.check_unbucketed_wrapper(
+            counter, lambda ids: wrapper.generate(ids, generation_config=plain_config), reference, warns=True
+        )
+
+        # Not enabled: `prefill_buckets.generate(wrapper, ...)`. The wrapper keeps its compiled call, so the graphs
+        # compiled above serve these calls too (bucket 32, at the cache length 64 the model now has).
+        prefill_buckets.disable()
+        logger.warning_once.cache_clear()
+        graphs = counter.graphs
+        with CaptureLogger(logger) as captured:
+            for length in (32, 17, 30):
+                self.check_call(
+                    counter,
+                    lambda ids: prefill_buckets.generate(
+                        wrapper, ids, generation_config=plain_config, prefill_buckets=BUCKETS
+                    ),
+                    make_prompt(length, seed=1),
+                    reference,
+                    plain_config,
+                )
+        self.assertEqual(captured.out, "")
+        self.assertEqual(counter.graphs, graphs, f"graphs: {counter.shapes}")
+        self.check_unbucketed_wrapper(
+            counter,
+            lambda ids: prefill_buckets.generate(wrapper, ids, generation_config=plain_config),
+            reference,
+            warns=True,
+        )
+        # ... while upstream's own `wrapper.generate` compiles nothing, and says nothing.
+        self.check_unbucketed_wrapper(
+            counter, lambda ids: wrapper.generate(ids, generation_config=plain_config), reference, warns=False
+        )
+
+    def check_unbucketed_wrapper(self, counter, generate, reference, warns: bool):
+        """Without buckets, the wrapper's `generate` runs eagerly (upstream behaviour): 0 compiled calls, no graph."""
+        graphs = counter.graphs
+        with CaptureLogger(logger) as captured:
+            self.check_call(counter, generate, make_prompt(9), reference, make_config(), expected_calls=0)
+        self.assertEqual(counter.graphs, graphs)
+        if warns:
+            self.assertIn("OptimizedModule", captured.out)
+            self.assertIn("prefill_buckets", captured.out)
+        else:
+            self.assertEqual(captured.out, "")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 2. precompile
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+class PrecompileTest(CompilationTestCase):
+    def test_pow2_then_random_traffic_compiles_nothing(self):
+        self.enable()
+        model = make_model()
+        reference = make_reference(model)
+        counter = GraphCounter()
+        model.compile(backend=counter, dynamic=False, fullgraph=True)
+        config = make_config(prefill_buckets="pow2")
+        max_prompt_length = 200
+        buckets = bucket_lengths(BucketPolicy(buckets="pow2"), max_prompt_length)
+        self.assertEqual(buckets, [1, 2, 4, 8, 16, 32, 64, 128, 256])
+        batch_sizes = (1, 2)
+
+        compiled = prefill_buckets.precompile(
+            model, config, batch_sizes=batch_sizes, max_prompt_length=max_prompt_length, progress=False
+        )
+
+        # Per batch size, one prefill graph per bucket and one decode graph.
+        self.assertEqual(counter.graphs, len(batch_sizes) * (len(buckets) + 1), f"graphs: {counter.shapes}")
+        self.assertEqual(sorted(prefill_lengths(counter)), sorted(buckets[1:] * 2), f"graphs: {counter.shapes}")
+        # The returned shapes: per batch size (largest first), the longest bucket first, all at one cache length.
+        expected_jobs = [(batch_size, length) for batch_size in (2, 1) for length in reversed(buckets)]
+        self.assertEqual([(shape.batch_size, shape.prompt_length) for shape in compiled], expected_jobs)
+        self.assertEqual(compiled[0].prompt_length, max(buckets))
+        cache_lengths = {shape.cache_length for shape in compiled}
+        self.assertEqual(len(cache_lengths), 1, f"cache lengths {cache_lengths}")
+        (cache_length,) = cache_lengths
+        self.assertGreaterEqual(cache_length, max(buckets) + MAX_NEW_TOKENS - 1)
+        self.assertEqual(model._previous_max_cache_length, cache_length)
+        self.assertEqual(sum(shape.graphs for shape in compiled), counter.graphs)
+        # The user's config is not changed by the warm-up calls.
+        self.assertEqual((config.max_new_tokens, config.max_cache_len), (MAX_NEW_TOKENS, None))
+
+        # Traffic: random lengths and batch sizes compile nothing more, and every forward runs compiled.
+        graphs = counter.graphs
+        rng = random.Random(0)
+        plain_config = make_config()
+        for call in range(30):
+            length = rng.randint(1, max_prompt_length)
+            batch_size = rng.choice(batch_sizes)
+            input_ids = make_prompt(length, batch_size, seed=call)
+            kwargs = {}
+            if batch_size == 2:
+                # The second row shorter, left-padded by hand with its mask, as a tokenizer would.
+                short = rng.randint(1, length)
+                attention_mask = torch.ones_like(input_ids)
+                attention_mask[1, : length - short] = 0
+                input_ids[1, : length - short] = PAD
+                kwargs["attention_mask"] = attention_mask
+            self.check_call(
+                counter,
+                lambda ids, **kw: model.generate(ids, generation_config=config, **kw),
+                input_ids,
+                reference,
+                plain_config,
+                **kwargs,
+            )
+            self.assertEqual(
+                counter.graphs, graphs, f"call {call} (batch {batch_size}, length {length}) compiled a graph"
+            )
+        self.assertEqual(model._previous_max_cache_length, cache_length)
+
+    def test_list_policy_defaults_to_largest_bucket(self):
+        # An uncompiled model: `precompile` only runs the warm-up calls, and which calls it runs is what is tested.
+        model = make_model()
+        config = make_config(prefill_buckets=[8, 16])
+        compiled = prefill_buckets.precompile(model, config, progress=False)
+        self.assertEqual([(shape.batch_size, shape.prompt_length) for shape in compiled], [(1, 16), (1, 8)])
+        self.assertEqual({shape.cache_length for shape in compiled}, {32})  # 16 + 4 - 1 -> 32
+
+    def test_without_buckets_raises(self):
+        model = make_model()
+        with self.assertRaisesRegex(ValueError, "prefill_buckets"):
+            prefill_buckets.precompile(model, make_config(), max_prompt_length=32, progress=False)
+
+    def test_pow2_without_max_prompt_length_raises(self):
+        model = make_model()
+        with self.assertRaisesRegex(ValueError, "max_prompt_length"):
+            prefill_buckets.precompile(model, make_config(prefill_buckets="pow2"), progress=False)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 3. and 4. How many graphs, and torch's recompile limit
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+class GraphCountTest(CompilationTestCase):
+    def test_pinned_cache_length_formula(self):
+        # With `max_cache_len` pinned, every call of a batch size uses one cache shape: graphs = per batch size, the
+        # buckets its prompts touched + 1 decode graph. Ascending lengths, so an unpinned cache would have grown.
+        buckets = [8, 16, 32]
+        policy = BucketPolicy(buckets=tuple(buckets))
+        calls = [(1, 3), (1, 5), (1, 20), (1, 30), (2, 10), (2, 15)]
+        model = make_model()
+        reference = make_reference(model)
+        counter = GraphCounter()
+        model.compile(backend=counter, dynamic=False, fullgraph=True)
+        config = make_config(max_cache_len=64)
+        plain_config = make_config(max_cache_len=64)
+
+        touched: dict[int, set[int]] = {}
+        for batch_size, length in calls:
+            self.check_call(
+                counter,
+                lambda ids: prefill_buckets.generate(model, ids, generation_config=config, prefill_buckets=buckets),
+                make_prompt(length, batch_size),
+                reference,
+                plain_config,
+            )
+            touched.setdefault(batch_size, set()).add(policy.bucket(length))
+            expected = sum(len(lengths) + 1 for lengths in touched.values())
+            self.assertEqual(counter.graphs, expected, f"after {(batch_size, length)}: graphs {counter.shapes}")
+            self.assertEqual(model._previous_max_cache_length, 64)
+        self.assertEqual(counter.graphs, (2 + 1) + (1 + 1))
+
+    def test_more_graphs_than_recompile_limit(self):
+        # 6 buckets + 1 decode graph = 7 graphs through one compiled forward, with the limit at 4: torch would run
+        # forwards past the 4th graph eagerly (with `fullgraph=True` it raises instead). The limit is raised as the
+        # graphs are needed, with one warning.
+        torch._dynamo.config.recompile_limit = 4
+        buckets = [2, 4, 8, 16, 32, 64]
+        lengths = [60, 30, 13, 6, 3, 1]  # one per bucket, longest first
+        self.assertEqual([BucketPolicy(buckets=tuple(buckets)).bucket(length) for length in lengths], buckets[::-1])
+        model = make_model()
+        reference = make_reference(model)
+        counter = GraphCounter()
+        model.compile(backend=counter, dynamic=False, fullgraph=True)
+        config = make_config(max_cache_len=128)
+
+        with CaptureLogger(logger) as captured:
+            for length in lengths:
+                self.check_call(
+                    counter,
+                    lambda ids: prefill_buckets.generate(
+                        model, ids, generation_config=config, prefill_buckets=buckets
+                    ),
+                    make_prompt(length),
+                    reference,
+                    make_config(max_cache_len=128),
+                )
+        self.assertEqual(counter.graphs, len(buckets) + 1, f"graphs: {counter.shapes}")
+        self.assertGreaterEqual(torch._dynamo.config.recompile_limit, counter.graphs)
+        self.assertEqual(captured.out.count("recompile_limit"), 1, captured.out)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 5. Warnings
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+class CompileWarningTest(CompilationTestCase):
+    """One new token per call (prefill only): the warnings are about prefill graphs, and each graph costs time."""
+
+    def compiled_model(self):
+        model = make_model()
+        counter = GraphCounter()
+        model.compile(backend=counter, dynamic=False, fullgraph=True)
+        return model, counter
+
+    def generate_captured(self, model, length: int, **kwargs) -> str:
+        with CaptureLogger(logger) as captured:
+            prefill_buckets.generate(model, make_prompt(length), generation_config=make_config(1), **kwargs)
+        return captured.out
+
+    def test_second_prompt_length_warns_once(self):
+        model, _ = self.compiled_model()
+        self.assertEqual(self.generate_captured(model, 5), "")
+        out = self.generate_captured(model, 9)
+        lines = out.splitlines()
+        self.assertEqual(len(lines), 1, out)
+        self.assertIn("prefill_buckets", lines[0])
+        self.assertIn("pad_to_multiple_of", lines[0])
+        self.assertEqual(self.generate_captured(model, 12), "")
+
+    @parameterized.expand(
+        [
+            # The setup of the test above, with buckets: several lengths, one graph, nothing to warn about.
+            ("with_buckets", (5, 9, 12), {"prefill_buckets": BUCKETS}),
+            # Without buckets, but one prompt length: one graph, nothing to warn about.
+            ("one_prompt_length", (7, 7, 7), {}),
+        ]
+    )
+    def test_no_warning(self, _, lengths, fields):
+        model, counter = self.compiled_model()
+        for length in lengths:
+            self.assertEqual(self.generate_captured(model, length, **fields), "")
+        self.assertEqual(counter.graphs, 1)
+
+    # The `OptimizedModule` warning (fires without buckets, not with them) is checked in
+    # `CompileEntryPointTest.test_compiled_wrapper`, on the same calls that count its compiled forwards.
+
+    def test_prompt_longer_than_largest_bucket_warns(self):
+        # A warning about the padded length, compiled or not: an uncompiled model is enough.
+        model = make_model()
+        reference = make_reference(model)
+        input_ids = make_prompt(10)
+        with CaptureLogger(logger) as captured:
+            output = prefill_buckets.generate(
+                model, input_ids, generation_config=make_config(), prefill_buckets=[4, 8]
+            )
+        self.assertIn("prefill_buckets", captured.out)
+        self.assertIn("16", captured.out)  # past the largest bucket: the next multiple of it
+        expected = reference.generate(input_ids, generation_config=make_config())
+        self.assertEqual(output.tolist(), expected.tolist())
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 6. Real inductor
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+class InductorTest(CompilationTestCase):
+    @slow
+    def test_inductor_tokens_match_eager(self):
+        # Real kernels (default inductor backend): one bucket, three lengths, the exact fit included.
+        model = make_model()
+        reference = make_reference(model)
+        model.compile(dynamic=False)
+        config = make_config()
+        for length in (16, 7, 1):
+            input_ids = make_prompt(length)
+            output = prefill_buckets.generate(model, input_ids, generation_config=config, prefill_buckets=[16])
+            expected = reference.generate(input_ids, generation_config=config)
+            self.assertEqual(output.tolist(), expected.tolist(), f"prompt length {length}")
+
+
+if __name__ == "__main__":
+    unittest.main()
