@@ -1,0 +1,369 @@
+# The documentation runs: every ```python block of docs/source/en/**/*.md is executed, and its cross-references
+# resolve (utils/check_doc_links.py).
+#
+# The blocks of one page run in order, in one namespace, so a page reads like a session: a later block uses what an
+# earlier one defined. Each page starts with the names the docs say they assume: `model` (a tiny random
+# LlamaForCausalLM), `tokenizer` (a character-level tokenizer with a pad token and `padding_side="left"`), `prompt` (a
+# string) and `inputs` (`tokenizer(prompt, return_tensors="pt")`). Nothing is downloaded.
+#
+# The docs compile with the default backend (inductor), which takes seconds per graph. Here `torch.compile` is patched
+# so that the default backend is "eager": dynamo still traces, counts and guards every graph, so a block that compiles
+# more than the docs say still shows up, but no code is generated. Other backends (a `GraphCounter`) are kept.
+#
+# What a block prints is checked where the docs show it: comment lines right after a `print(...)` line are the
+# expected output, and must appear, in order, as whole lines of what the block printed (consecutive comment lines are
+# one output line, wrapped). Outputs that depend on the model (generated text) are simply not shown.
+#
+# A block opts out with `<!-- skip-test -->` on the line before it; only a block that loads a real checkpoint
+# (`from_pretrained`) may do that. Shell snippets are ```bash blocks, and outputs ```text blocks: neither runs.
+
+import contextlib
+import importlib.util
+import io
+import os
+import re
+import tempfile
+import unittest
+from dataclasses import dataclass
+from pathlib import Path
+from unittest import mock
+
+import torch
+from parameterized import parameterized
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+import prefill_buckets
+
+
+REPO = Path(__file__).resolve().parents[2]
+DOCS = REPO / "docs" / "source" / "en"
+CHECK_DOC_LINKS = REPO / "utils" / "check_doc_links.py"
+
+SKIP_MARKER = "<!-- skip-test -->"
+PYTHON_LANGUAGES = ("python", "py")
+PROMPT = "The theory of special relativity states"  # the quick start's prompt: 39 tokens with this tokenizer
+
+_FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})(?P<info>.*)$")
+
+
+@dataclass(frozen=True)
+class CodeBlock:
+    page: Path
+    line: int  # line of the first line of code in the page (1-based)
+    language: str
+    code: str
+    skip: bool
+
+    def __str__(self) -> str:
+        page = self.page.relative_to(REPO) if self.page.is_relative_to(REPO) else self.page
+        return f"{page}:{self.line}"
+
+
+def code_blocks(page: Path) -> list[CodeBlock]:
+    """The fenced code blocks of a markdown page, in order, dedented to their fence."""
+    lines = page.read_text(encoding="utf-8").splitlines()
+    blocks = []
+    index = 0
+    while index < len(lines):
+        opening = _FENCE.match(lines[index])
+        if opening is None:
+            index += 1
+            continue
+        fence, indent = opening["fence"], opening["indent"]
+        closing = re.compile(rf"^[ \t]*{re.escape(fence[0])}{{{len(fence)},}}[ \t]*$")
+        end = index + 1
+        while end < len(lines) and not closing.match(lines[end]):
+            end += 1
+        body = [line[len(indent) :] if line.startswith(indent) else line.lstrip() for line in lines[index + 1 : end]]
+        before = next((line.strip() for line in reversed(lines[:index]) if line.strip()), "")
+        info = opening["info"].strip()
+        blocks.append(
+            CodeBlock(
+                page=page,
+                line=index + 2,
+                language=info.split()[0].lower() if info else "",
+                code="\n".join(body),
+                skip=before == SKIP_MARKER,
+            )
+        )
+        index = end + 1
+    return blocks
+
+
+def expected_outputs(code: str) -> list[str]:
+    """The outputs a block shows: the comment lines right after a `print(...)` line, wrapped lines joined."""
+    expected, current, after_print = [], [], False
+    for line in code.splitlines() + [""]:
+        stripped = line.strip()
+        if after_print and stripped.startswith("# "):
+            current.append(stripped[2:])
+            continue
+        if current:
+            expected.append(" ".join(current))
+            current = []
+        after_print = stripped.startswith("print(")
+    return expected
+
+
+def _normalized(text: str) -> str:
+    return " ".join(text.split())
+
+
+def check_outputs(block: CodeBlock, printed: str) -> None:
+    """Raises `AssertionError` unless every expected output is a line of `printed`, in order."""
+    lines = [_normalized(line) for line in printed.splitlines()]
+    position = 0
+    for expected in expected_outputs(block.code):
+        try:
+            position = lines.index(_normalized(expected), position) + 1
+        except ValueError:
+            raise AssertionError(
+                f"{block}: the docs show the output {expected!r}, but the block printed:\n{printed}"
+            ) from None
+
+
+def doc_pages() -> list[Path]:
+    return sorted(DOCS.rglob("*.md"))
+
+
+def python_blocks(page: Path) -> list[CodeBlock]:
+    return [block for block in code_blocks(page) if block.language in PYTHON_LANGUAGES]
+
+
+def pages_with_python() -> list[str]:
+    return [page.relative_to(DOCS).as_posix() for page in doc_pages() if python_blocks(page)]
+
+
+# ---- what a page starts with ------------------------------------------------------------------------------------
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """One token per character (printable ASCII), with `<pad>`, `</s>`, `<s>` and `<unk>`: no download."""
+    specials = ["<pad>", "</s>", "<s>", "<unk>"]
+    vocab = {token: index for index, token in enumerate(specials + [chr(c) for c in range(32, 127)] + ["\n"])}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="<pad>",
+        eos_token="</s>",
+        bos_token="<s>",
+        unk_token="<unk>",
+        padding_side="left",
+    )
+
+
+def tiny_model(tokenizer: PreTrainedTokenizerFast) -> LlamaForCausalLM:
+    """A randomly initialised one-layer Llama over the tokenizer's vocabulary: traced by dynamo in about a second."""
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).eval()
+
+
+def page_namespace() -> dict:
+    tokenizer = tiny_tokenizer()
+    return {
+        "__name__": "__docs__",
+        "model": tiny_model(tokenizer),
+        "tokenizer": tokenizer,
+        "prompt": PROMPT,
+        "inputs": tokenizer(PROMPT, return_tensors="pt"),
+    }
+
+
+_torch_compile = torch.compile
+
+
+def eager_by_default_compile(*args, backend=None, **kwargs):
+    """`torch.compile` with "eager" in place of the default inductor backend (`CompileConfig` passes "inductor")."""
+    if backend is None or backend == "inductor":
+        backend = "eager"
+        kwargs.pop("options", None)  # inductor's options
+    return _torch_compile(*args, backend=backend, **kwargs)
+
+
+@contextlib.contextmanager
+def isolated_page():
+    """Runs a page in a temporary working directory, and undoes what it changes in transformers and torch."""
+    recompile_limit = torch._dynamo.config.recompile_limit
+    cwd = os.getcwd()
+    torch._dynamo.reset()
+    with tempfile.TemporaryDirectory() as tmp, mock.patch("torch.compile", eager_by_default_compile):
+        os.chdir(tmp)
+        try:
+            yield
+        finally:
+            os.chdir(cwd)
+            prefill_buckets.disable()
+            torch._dynamo.config.recompile_limit = recompile_limit
+            torch._dynamo.reset()
+
+
+def run_blocks(blocks: list[CodeBlock], namespace: dict) -> None:
+    """Runs the blocks in order in `namespace`, and checks what each prints against the output the docs show."""
+    for block in blocks:
+        # Leading newlines make a traceback point at the line in the page.
+        code = compile("\n" * (block.line - 1) + block.code, str(block.page), "exec")
+        printed = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(printed):
+                exec(code, namespace)
+        finally:
+            print(printed.getvalue(), end="")  # shown by pytest when the test fails
+        check_outputs(block, printed.getvalue())
+
+
+def load_check_doc_links():
+    spec = importlib.util.spec_from_file_location("check_doc_links", CHECK_DOC_LINKS)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# ---- tests -------------------------------------------------------------------------------------------------------
+
+
+class DocCodeBlocksTest(unittest.TestCase):
+    @parameterized.expand([(name,) for name in pages_with_python()])
+    def test_python_blocks_run(self, name):
+        blocks = [block for block in python_blocks(DOCS / name) if not block.skip]
+        with isolated_page():
+            run_blocks(blocks, page_namespace())
+
+    def test_there_are_python_blocks(self):
+        self.assertIn("llm_optims.md", pages_with_python())
+        self.assertIn("index.md", pages_with_python())
+
+    def test_skip_marker_only_for_real_checkpoints(self):
+        for page in doc_pages():
+            for block in code_blocks(page):
+                if block.skip:
+                    self.assertIn("from_pretrained", block.code, f"{block}: only blocks loading a checkpoint skip")
+
+    def test_skip_marker_is_followed_by_a_block(self):
+        for page in doc_pages():
+            lines = page.read_text(encoding="utf-8").splitlines()
+            for number, line in enumerate(lines):
+                if line.strip() == SKIP_MARKER:
+                    following = next((later for later in lines[number + 1 :] if later.strip()), "")
+                    self.assertTrue(following.lstrip().startswith("```"), f"{page}:{number + 1}: dangling marker")
+
+    def test_python_blocks_are_scripts_not_doctests(self):
+        for page in doc_pages():
+            for block in python_blocks(page):
+                self.assertNotRegex(block.code, r"(?m)^>>> ", f"{block}: write a script, not a doctest")
+
+    def test_code_block_parser(self):
+        tmp = tempfile.TemporaryDirectory()
+        self.addCleanup(tmp.cleanup)
+        page = Path(tmp.name) / "page.md"
+        page.write_text(
+            "Text\n\n```python\nx = 1\n```\n\n<!-- skip-test -->\n```py\nmodel = load()\n```\n\n"
+            "<Tip>\n\n  ```python\n  y = x + 1\n  ```\n\n</Tip>\n\n```bash\npip install .\n```\n",
+            encoding="utf-8",
+        )
+        blocks = code_blocks(page)
+        self.assertEqual([b.language for b in blocks], ["python", "py", "python", "bash"])
+        self.assertEqual([b.skip for b in blocks], [False, True, False, False])
+        self.assertEqual([b.line for b in blocks], [4, 9, 15, 21])
+        self.assertEqual(blocks[2].code, "y = x + 1")
+
+    def test_expected_outputs(self):
+        code = "x = 1\nprint(x)\n# 1\n# (wrapped)\ny = 2  # not an output\nprint(y)\n\n# a comment, not an output\n"
+        self.assertEqual(expected_outputs(code), ["1 (wrapped)"])
+        block = CodeBlock(page=DOCS / "page.md", line=1, language="python", code="print(6)\n# 6\n", skip=False)
+        check_outputs(block, "6\n")
+        with self.assertRaisesRegex(AssertionError, "the docs show the output '6'"):
+            check_outputs(block, "4\n")
+
+    def test_tokenizer_pads_on_the_left_to_a_multiple(self):
+        tokenizer = tiny_tokenizer()
+        inputs = tokenizer(["Hello world", "Hi"], padding=True, pad_to_multiple_of=16, return_tensors="pt")
+        self.assertEqual(tuple(inputs["input_ids"].shape), (2, 16))
+        self.assertEqual(inputs["attention_mask"][1].tolist(), [0] * 14 + [1, 1])
+        self.assertEqual(inputs["input_ids"][1, 0].item(), tokenizer.pad_token_id)
+        self.assertEqual(tokenizer.batch_decode(inputs["input_ids"], skip_special_tokens=True), ["Hello world", "Hi"])
+
+    def test_compile_defaults_to_eager_in_pages(self):
+        with isolated_page():
+            self.assertIs(torch.compile, eager_by_default_compile)
+            compiled = torch.compile(lambda x: x + 1)
+            self.assertTrue(torch.equal(compiled(torch.ones(2)), torch.full((2,), 2.0)))
+        self.assertIs(torch.compile, _torch_compile)
+
+
+class CheckDocLinksTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.check = load_check_doc_links()
+
+    def run_check(self, docs: Path) -> tuple[int, str]:
+        output = []
+        with mock.patch("builtins.print", lambda *args, **kwargs: output.append(" ".join(map(str, args)))):
+            status = self.check.main([str(docs)])
+        return status, "\n".join(output)
+
+    def make_docs(self, pages: dict[str, str]) -> Path:
+        tmp = tempfile.TemporaryDirectory()
+        self.addCleanup(tmp.cleanup)
+        docs = Path(tmp.name)
+        toctree = "- sections:\n" + "".join(f"  - local: {name}\n    title: {name}\n" for name in pages)
+        (docs / "_toctree.yml").write_text(toctree + "  title: Docs\n", encoding="utf-8")
+        for name, text in pages.items():
+            (docs / f"{name}.md").parent.mkdir(parents=True, exist_ok=True)
+            (docs / f"{name}.md").write_text(text, encoding="utf-8")
+        return docs
+
+    def test_real_docs_pass(self):
+        status, output = self.run_check(DOCS)
+        self.assertEqual(status, 0, output)
+
+    def test_good_links_pass(self):
+        docs = self.make_docs(
+            {
+                "index": "# Home\n\nSee [the guide](./guide), [again](guide.md#usage) and [api](api/ref).\n",
+                "guide": "# Guide\n\n## Usage\n\n[`precompile`], [`~prefill_buckets.BucketPolicy`], "
+                "[`compilation.GraphCounter`], [`~transformers.GenerationConfig`], [home](./index#home).\n",
+                "api/ref": "# Ref\n\n[[autodoc]] precompile\n\n[[autodoc]] compilation.GraphCounter\n\n"
+                "Back to [the guide](../guide#usage) or [`precompile`](../api/ref#prefill_buckets.precompile).\n",
+            }
+        )
+        status, output = self.run_check(docs)
+        self.assertEqual(status, 0, output)
+
+    def test_broken_link_fails(self):
+        docs = self.make_docs({"index": "# Home\n\nSee [the guide](./guide).\n"})
+        status, output = self.run_check(docs)
+        self.assertEqual(status, 1)
+        self.assertIn("index.md:3: link to `./guide`", output)
+
+    def test_each_kind_of_problem_is_listed(self):
+        docs = self.make_docs(
+            {
+                "index": "# Home\n\n[a](./missing) [b](./guide#nowhere) [`nothing_here`] [`generation._pad_inputs`]\n\n"
+                "[[autodoc]] NotAnObject\n\n```python\n[skipped](./in_a_code_block) [`in_code`]\n```\n\n"
+                "A [link text wrapped\nover two lines](./wrapped_missing).\n",
+                "guide": "# Guide\n",
+            }
+        )
+        status, output = self.run_check(docs)
+        self.assertEqual(status, 1)
+        problems = [line for line in output.splitlines() if ".md:" in line]
+        self.assertEqual(len(problems), 6, output)
+        for expected in ("`./missing`", "#nowhere", "[`nothing_here`]", "_pad_inputs", "NotAnObject", "index.md:12:"):
+            self.assertIn(expected, output)
+        self.assertNotIn("in_a_code_block", output)
+        self.assertNotIn("in_code", output)
