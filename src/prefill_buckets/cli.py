@@ -2,6 +2,9 @@
 
 `demo`: a tiny randomly initialised Llama, a dozen prompt lengths, compiled three ways; prints graphs compiled,
 compiled calls, eager fallbacks and whether the tokens equal an eager run. Runs in seconds, no download.
+
+`bench`: compile strategies side by side on a real model (SmolLM2-135M-Instruct by default), each in a fresh process;
+prints a table and writes a JSON file and a plot. See `prefill-buckets bench --help` and `bench.py`.
 """
 
 import argparse
@@ -10,6 +13,7 @@ import sys
 
 import torch
 
+from . import bench
 from .buckets import next_power_of_two
 from .compilation import GraphCounter
 from .generation import generate
@@ -19,22 +23,7 @@ DEMO_LENGTHS = (5, 11, 23, 40, 57, 64, 90, 130, 200, 250, 17, 33)
 
 
 def _tiny_model():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    return LlamaForCausalLM(config).eval()
+    return bench.tiny_llama()
 
 
 def demo(args) -> int:
@@ -86,13 +75,20 @@ def demo(args) -> int:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="prefill-buckets", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    for name in ("demo", "bench"):
-        p = sub.add_parser(name, help="graph counts on a tiny model" if name == "demo" else "the benchmark")
-        p.add_argument("--lengths", type=int, nargs="+", default=DEMO_LENGTHS)
-        p.add_argument("--max-new-tokens", type=int, default=4)
-        p.add_argument("--backend", default="eager", help="torch.compile backend to count (eager, inductor)")
+    p = sub.add_parser("demo", help="graph counts on a tiny model, in seconds")
+    p.add_argument("--lengths", type=int, nargs="+", default=DEMO_LENGTHS)
+    p.add_argument("--max-new-tokens", type=int, default=4)
+    p.add_argument("--backend", default="eager", help="torch.compile backend to count (eager, inductor)")
+    p = sub.add_parser(
+        "bench",
+        help="compile strategies side by side on a real model: table, JSON and plot (about 10 minutes on CPU)",
+        description=bench.BENCH_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    bench.add_arguments(p)
     args = parser.parse_args(argv)
-    # Until the real-model benchmark lands, `bench` runs the demo.
+    if args.command == "bench":
+        return bench.bench(args)
     return demo(args)
 
 

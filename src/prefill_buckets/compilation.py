@@ -29,19 +29,24 @@ class GraphCounter:
         self.calls = 0
         self.shapes: list[tuple] = []  # input shapes of each graph, in compile order
 
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs, **kwargs):
         self.graphs += 1
         self.shapes.append(tuple(tuple(t.shape) for t in example_inputs if isinstance(t, torch.Tensor)))
         if self.backend == "eager":
             compiled = gm.forward
         else:
-            compiled = torch._dynamo.lookup_backend(self.backend)(gm, example_inputs)
+            compiled = torch._dynamo.lookup_backend(self.backend)(gm, example_inputs, **kwargs)
 
         def run(*args):
             self.calls += 1
             return compiled(*args)
 
         return run
+
+    def __deepcopy__(self, memo):
+        # `generate` deep-copies its `GenerationConfig`, `compile_config` and its backend included: a copy would
+        # count on its own, and would not compare equal to the config of the call before (so every call recompiles).
+        return self
 
     def reset(self) -> None:
         self.graphs = 0
@@ -51,8 +56,9 @@ class GraphCounter:
 
 def compiled_forward(model) -> str | None:
     """
-    How `model`'s forward is compiled, as the user wrote it: `"model.compile()"`, `"torch.compile(model.forward)"`,
-    or `None` when `generate` would run it eagerly (`generate` may still auto-compile decode with `compile_config`).
+    How `model`'s forward is compiled by the user: `"model.compile()"`, `"torch.compile(model.forward)"`, or `None`.
+    With `None`, `generate` may still compile on its own: upstream compiles decode with a static cache on CUDA/XPU or
+    with `compile_config`, and with bucket fields set prefill goes through that compiled call too.
     """
     if getattr(model, "_compiled_call_impl", None) is not None:
         return "model.compile()"
@@ -105,6 +111,7 @@ class GraphBudget:
     def __init__(self):
         self.prefill: set[tuple[int, int, int]] = set()
         self.decode: set[tuple[int, int]] = set()
+        self.warned_near_limit = False
 
     @property
     def graphs(self) -> int:

@@ -65,6 +65,8 @@ class _Plan:
     prompt_length: int  # tokens in the prompt as the user passed it (their own padding included)
     padded_length: int  # the bucket
     ids_pad: int  # columns added to `input_ids` (0 when the prompt is only `inputs_embeds`)
+    batch_size: int = 1  # prompts the user passed
+    padded_batch: int = 1  # prompts generated from, dummy rows of `prefill_batch_buckets` included
     rows: int = 1  # output rows the user gets: batch * max(num_beams, num_return_sequences)
     padded_rows: int = 1  # output rows generated, dummy rows of `prefill_batch_buckets` included
 
@@ -149,8 +151,11 @@ def generate(model, *args, **kwargs):
     fields = resolve_fields(model, generation_config, field_kwargs)
     policy = policy_from_fields(**fields)
     if policy is None:
-        _warn_unbucketed(model, wrapper, generation_config, arguments, model_kwargs)
-        return UPSTREAM_GENERATE(model, **arguments, **model_kwargs)
+        record = _warn_unbucketed(model, wrapper, generation_config, arguments, model_kwargs)
+        output = UPSTREAM_GENERATE(model, **arguments, **model_kwargs)
+        if record is not None:
+            record()
+        return output
 
     skip_reason = _unsupported_reason(model, arguments, model_kwargs)
     if skip_reason is not None:
@@ -165,6 +170,10 @@ def generate(model, *args, **kwargs):
         plan, arguments, model_kwargs = _pad_rows(plan, batch_policy, generation_config, arguments, model_kwargs)
     with _bucketed_call(plan), compiled_wrapper_forward(wrapper) if wrapper is not None else contextlib.nullcontext():
         output = UPSTREAM_GENERATE(model, **arguments, **model_kwargs)
+    padding = (plan.pad, plan.padded_batch)
+    for cache in (_passed_cache(model_kwargs), _passed_cache(output) if isinstance(output, ModelOutput) else None):
+        if cache is not None:
+            cache.__dict__[_CACHE_PADDING] = padding
     return _strip_output(output, plan)
 
 
@@ -180,20 +189,32 @@ def _unsupported_reason(model, arguments: dict, model_kwargs: dict) -> str | Non
         return "`custom_generate` replaces the generation loop."
     if model_kwargs.get("cache_implementation") == "paged":
         return "`cache_implementation='paged'` switches to continuous batching, which schedules its own shapes."
-    for key in _CACHE_KWARGS:
-        cache = model_kwargs.get(key)
-        if cache is not None and hasattr(cache, "get_seq_length") and cache.get_seq_length() > 0:
-            return (
-                "the cache passed in already holds tokens, and padding can only go in front of the whole sequence. "
-                "The output is exact, but this prompt length may compile a new graph."
-            )
+    cache = _passed_cache(model_kwargs)
+    if cache is not None and cache.get_seq_length() > 0 and _CACHE_PADDING not in cache.__dict__:
+        return (
+            "the cache passed in already holds tokens from an unpadded call, so the prompt can't be padded in front "
+            "of them. The call runs unpadded (exact output), and this prompt length may compile a new graph."
+        )
     if "attention_mask" not in inspect.signature(model.forward).parameters:
         return f"{type(model).__name__}.forward takes no `attention_mask`, so padding could not be masked."
     return None
 
 
-def _warn_unbucketed(model, wrapper, generation_config, arguments: dict, model_kwargs: dict) -> None:
-    """The advice for a call without buckets: upstream runs unchanged, these only say what it will cost."""
+# Set on a cache filled by a bucketed call: `(columns added in front, batch size with dummy rows)`. A later call that
+# continues from the cache (multi-turn chat) pads its prompt by the same columns, so cache and prompt line up.
+_CACHE_PADDING = "_prefill_buckets_padding"
+
+
+def _passed_cache(model_kwargs: dict):
+    cache = next((model_kwargs[key] for key in _CACHE_KWARGS if model_kwargs.get(key) is not None), None)
+    return cache if hasattr(cache, "get_seq_length") else None
+
+
+def _warn_unbucketed(model, wrapper, generation_config, arguments: dict, model_kwargs: dict):
+    """
+    The advice for a call without buckets: upstream runs unchanged, this only says what it will cost. Returns a
+    function to call after the call (it records the shapes the call compiled for), or `None`.
+    """
     if wrapper is not None and compiled_forward(model) is None:
         logger.warning_once(
             "`generate` was called on the `torch.compile(model)` wrapper (an `OptimizedModule`), which hands "
@@ -203,7 +224,7 @@ def _warn_unbucketed(model, wrapper, generation_config, arguments: dict, model_k
         )
     compiled = compiled_forward(model)
     if compiled is None:
-        return
+        return None
     cache = next((model_kwargs[key] for key in _CACHE_KWARGS if model_kwargs.get(key) is not None), None)
     static = type(cache).__name__ == "StaticCache" or (
         cache is None
@@ -213,23 +234,34 @@ def _warn_unbucketed(model, wrapper, generation_config, arguments: dict, model_k
     prompt = arguments.get("inputs")
     prompt = prompt if prompt is not None else model_kwargs.get("input_ids", model_kwargs.get("inputs_embeds"))
     if not static or not isinstance(prompt, torch.Tensor) or prompt.ndim < 2:
-        return
+        return None
     lengths = model.__dict__.setdefault("_prefill_buckets_prompt_lengths", set())
     lengths.add(prompt.shape[1])
     if len(lengths) == 2:
         logger.warning_once(
             f"The model's forward is compiled ({compiled}) and generates with a static cache, so each new prompt "
-            f"length recompiles it (seen so far: {sorted(lengths)}). Set `{PREFILL_BUCKETS}` (for example 'pow2') or "
-            f"`{PREFILL_PAD_TO_MULTIPLE_OF}`, or pad with the tokenizer's `pad_to_multiple_of` and "
-            "`padding_side='left'`."
+            f"length recompiles it. Set `{PREFILL_BUCKETS}` (for example 'pow2') or `{PREFILL_PAD_TO_MULTIPLE_OF}`, "
+            "or pad with the tokenizer's `pad_to_multiple_of` and `padding_side='left'`."
         )
-    limit = torch._dynamo.config.recompile_limit
-    if len(lengths) + 1 >= limit:  # one prefill graph per length, plus at least one decode graph
-        logger.warning_once(
-            f"{len(lengths)} prompt lengths have each compiled a prefill graph, and torch's "
-            f"`torch._dynamo.config.recompile_limit` is {limit}: past it, torch silently runs the forward eagerly. "
-            f"Set `{PREFILL_BUCKETS}` to bound the number of graphs."
-        )
+    rows = prompt.shape[0] * max(
+        _resolved(model, generation_config, model_kwargs, "num_beams") or 1,
+        _resolved(model, generation_config, model_kwargs, "num_return_sequences") or 1,
+    )
+
+    def record():
+        # Unbucketed graphs share the compiled function's recompile limit with bucketed ones: count them too.
+        budget = graph_budget(model)
+        budget.add(rows, prompt.shape[1], getattr(model, "_previous_max_cache_length", -1))
+        limit = torch._dynamo.config.recompile_limit
+        if budget.graphs + 1 >= limit and not budget.warned_near_limit:
+            budget.warned_near_limit = True
+            logger.warning(
+                f"The compiled forward has needed {budget.graphs} graphs (one prefill graph per prompt length, and "
+                f"decode graphs per cache length), and torch's `torch._dynamo.config.recompile_limit` is {limit}: "
+                f"past it, torch silently runs the forward eagerly. Set `{PREFILL_BUCKETS}` to bound the graphs."
+            )
+
+    return record
 
 
 def _resolved(model, generation_config, model_kwargs, name):
@@ -305,8 +337,23 @@ def _pad_inputs(model, policy: BucketPolicy, generation_config, arguments: dict,
             "one token: start the prompt with the BOS token."
         )
 
-    padded_length = policy.bucket(prompt_length)
-    if policy.exceeds_buckets(prompt_length):
+    cache = _passed_cache(model_kwargs)
+    continued = cache.__dict__.get(_CACHE_PADDING) if cache is not None and cache.get_seq_length() > 0 else None
+    if continued is not None:
+        # Continuing from a cache a bucketed call filled: its first `pad` slots are padding, so the prompt (the
+        # whole conversation so far) gets the same padding in front.
+        pad, padded_batch = continued
+        batch_size = (inputs_embeds if inputs_embeds is not None else input_ids).shape[0]
+        if padded_batch != batch_size:
+            raise ValueError(
+                f"The cache passed in was filled by a call padded to {padded_batch} rows with `{PREFILL_BATCH_BUCKETS}`"
+                f", but this call has {batch_size}. Continue from a cache with the batch it was filled with: pass "
+                f"`{PREFILL_BATCH_BUCKETS}=None` to the call that fills it."
+            )
+        padded_length = prompt_length + pad
+    else:
+        padded_length = policy.bucket(prompt_length)
+    if continued is None and policy.exceeds_buckets(prompt_length):
         logger.warning_once(
             f"A prompt of {prompt_length} tokens is longer than the largest of `{PREFILL_BUCKETS}` "
             f"({policy.largest_bucket}), so it is padded to {padded_length}. Each such length compiles a new graph: "
@@ -351,7 +398,16 @@ def _pad_inputs(model, policy: BucketPolicy, generation_config, arguments: dict,
     if streamer is not None and ids_pad > 0:
         arguments["streamer"] = _PromptStrippingStreamer(streamer, ids_pad)
 
-    plan = _Plan(model, policy, prompt_length=prompt_length, padded_length=padded_length, ids_pad=ids_pad)
+    batch_size = (model_kwargs["inputs_embeds"] if inputs_embeds is not None else input_ids).shape[0]
+    plan = _Plan(
+        model,
+        policy,
+        prompt_length=prompt_length,
+        padded_length=padded_length,
+        ids_pad=ids_pad,
+        batch_size=batch_size,
+        padded_batch=batch_size,
+    )
     return plan, arguments, model_kwargs
 
 
@@ -420,6 +476,7 @@ def _pad_rows(plan: _Plan, batch_policy: BucketPolicy, generation_config, argume
     criteria.append(_DummyRowsFinished(first_dummy_row=batch_size * expand))
     arguments = dict(arguments, stopping_criteria=criteria)
     plan.padded_rows = padded_batch * expand
+    plan.padded_batch = padded_batch
     if isinstance(arguments.get("streamer"), _PromptStrippingStreamer):
         arguments["streamer"].rows = batch_size * expand
     elif arguments.get("streamer") is not None:

@@ -11,6 +11,7 @@ from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEME
 from transformers.utils import logging
 
 from .buckets import BucketPolicy
+from .compilation import graph_budget
 from .generation import generate, resolve_policy
 
 
@@ -118,6 +119,7 @@ def precompile(
     generation_config.max_new_tokens = 2
     generation_config.min_new_tokens = 2
     generation_config.max_length = None
+    _make_room(module, len(set(batch_sizes)) * (len(lengths) + 1))
     token_id = 0
     device = module.device
     jobs = [(batch_size, length) for batch_size in sorted(set(batch_sizes), reverse=True) for length in lengths]
@@ -143,6 +145,19 @@ def precompile(
         )
     logger.info(f"precompile: {sum(c.graphs for c in compiled)} graphs in {sum(c.seconds for c in compiled):.1f} s")
     return compiled
+
+
+def _make_room(module, graphs: int) -> None:
+    """Raises torch's recompile limit, if needed, to hold the graphs compiled so far plus `graphs` more."""
+    needed = graph_budget(module).graphs + graphs
+    limit = torch._dynamo.config.recompile_limit
+    if needed > limit:
+        torch._dynamo.config.recompile_limit = needed
+        logger.warning(
+            f"precompile raised torch's `torch._dynamo.config.recompile_limit` from {limit} to {needed}: the graphs "
+            f"this config needs, plus those the model has compiled before. Past the limit, torch silently runs the "
+            "forward eagerly."
+        )
 
 
 def _graphs_compiled() -> int:
