@@ -25,8 +25,10 @@ from typing import Any
 
 import torch
 from transformers import GenerationConfig, masking_utils
+from transformers.generation import logits_process
 from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS
-from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
+from transformers.generation.logits_process import LogitsProcessor, LogitsProcessorList
+from transformers.generation.stopping_criteria import MaxLengthCriteria, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerationMixin
 from transformers.utils import ModelOutput, logging
@@ -524,7 +526,6 @@ class _PromptStrippingStreamer(BaseStreamer):
 # Hooks on the model instance, live while a bucketed call runs
 # ---------------------------------------------------------------------------------------------------------------
 
-_HOOKED_METHODS = ("_prepare_generated_length", "_prepare_cache_for_generation", "prepare_inputs_for_generation")
 _hook_lock = threading.Lock()
 _hook_users: dict[int, int] = {}  # id(model) -> calls in flight that rely on its hooks
 _sdpa_skip: dict[str, Any] = {}  # "original": upstream's `_ignore_causal_mask_sdpa` while any bucketed call runs
@@ -692,10 +693,88 @@ def _hook_ignore_causal_mask_sdpa(original):
     return hooked
 
 
+# Processors that count the sequence length against values `_prepare_generated_length` moved by the padding (or that
+# upstream set up with the padded prompt length): they must see the padded ids. Every other processor and stopping
+# criterion reads token content (n-grams, prefixes, bad words, the user's own), and sees the ids without padding.
+_PADDED_VIEW = tuple(
+    getattr(logits_process, name)
+    for name in (
+        "MinLengthLogitsProcessor",
+        "MinNewTokensLengthLogitsProcessor",
+        "ExponentialDecayLengthPenalty",
+        "ForcedEOSTokenLogitsProcessor",
+        "SuppressTokensAtBeginLogitsProcessor",
+    )
+    if hasattr(logits_process, name)
+) + (MaxLengthCriteria,)
+
+
+class _UnpaddedProcessor(LogitsProcessor):
+    """Runs a logits processor on the ids without the added columns."""
+
+    def __init__(self, processor, pad: int):
+        self.processor = processor
+        self.pad = pad
+
+    def __call__(self, input_ids, scores):
+        return self.processor(input_ids[:, self.pad :], scores)
+
+    def __getattr__(self, name):
+        return getattr(self.processor, name)
+
+
+class _UnpaddedCriterion(StoppingCriteria):
+    """Runs a stopping criterion on the ids without the added columns."""
+
+    def __init__(self, criterion, pad: int):
+        self.criterion = criterion
+        self.pad = pad
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return self.criterion(input_ids[:, self.pad :], scores, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.criterion, name)
+
+
+def _hook_get_logits_processor(original, model):
+    @functools.wraps(original)
+    def hooked(*args, **kwargs):
+        processors = original(*args, **kwargs)
+        plan = _ACTIVE_PLAN.get()
+        if plan is None or plan.model is not model or plan.ids_pad == 0:
+            return processors
+        wrapped = LogitsProcessorList()
+        for processor in processors:
+            plain = len(inspect.signature(processor.__call__).parameters) == 2  # extra arguments: leave it be
+            if plain and not isinstance(processor, _PADDED_VIEW):
+                processor = _UnpaddedProcessor(processor, plan.ids_pad)
+            wrapped.append(processor)
+        return wrapped
+
+    return hooked
+
+
+def _hook_get_stopping_criteria(original, model):
+    @functools.wraps(original)
+    def hooked(*args, **kwargs):
+        criteria = original(*args, **kwargs)
+        plan = _ACTIVE_PLAN.get()
+        if plan is None or plan.model is not model or plan.ids_pad == 0:
+            return criteria
+        return StoppingCriteriaList(
+            c if isinstance(c, _PADDED_VIEW) else _UnpaddedCriterion(c, plan.ids_pad) for c in criteria
+        )
+
+    return hooked
+
+
 _HOOKS = {
     "_prepare_generated_length": _hook_prepare_generated_length,
     "_prepare_cache_for_generation": _hook_prepare_cache_for_generation,
     "prepare_inputs_for_generation": _hook_prepare_inputs_for_generation,
+    "_get_logits_processor": _hook_get_logits_processor,
+    "_get_stopping_criteria": _hook_get_stopping_criteria,
 }
 
 

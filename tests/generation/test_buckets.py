@@ -1,0 +1,378 @@
+# Unit tests of the pure parts: `BucketPolicy` (which length a prompt is padded to) and `left_pad` / `strip_left`.
+
+import dataclasses
+import unittest
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from parameterized import parameterized
+
+from prefill_buckets import BucketPolicy
+from prefill_buckets.buckets import next_power_of_two, round_up
+from prefill_buckets.padding import left_pad, strip_left
+
+
+def is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+class HelpersTest(unittest.TestCase):
+    @parameterized.expand([(0, 8, 0), (1, 8, 8), (7, 8, 8), (8, 8, 8), (9, 8, 16), (5, 1, 5), (100, 64, 128)])
+    def test_round_up(self, length, multiple, expected):
+        self.assertEqual(round_up(length, multiple), expected)
+
+    @parameterized.expand(
+        [(0, 1), (1, 1), (2, 2), (3, 4), (4, 4), (5, 8), (8, 8), (9, 16), (63, 64), (64, 64), (65, 128), (1000, 1024)]
+    )
+    def test_next_power_of_two(self, length, expected):
+        self.assertEqual(next_power_of_two(length), expected)
+
+
+class BucketPolicyTest(unittest.TestCase):
+    # ---- construction ----------------------------------------------------------------------------------------
+
+    def test_needs_a_field(self):
+        with self.assertRaisesRegex(ValueError, "buckets.*pad_to_multiple_of"):
+            BucketPolicy()
+
+    def test_list_is_stored_as_tuple(self):
+        policy = BucketPolicy(buckets=[8, 16, 32])
+        self.assertEqual(policy.buckets, (8, 16, 32))
+        self.assertEqual(policy, BucketPolicy(buckets=(8, 16, 32)))
+        self.assertEqual(hash(policy), hash(BucketPolicy(buckets=(8, 16, 32))))
+
+    def test_pow2_is_kept_as_string(self):
+        self.assertEqual(BucketPolicy(buckets="pow2").buckets, "pow2")
+
+    def test_frozen(self):
+        policy = BucketPolicy(buckets=[8])
+        with self.assertRaises(dataclasses.FrozenInstanceError):
+            policy.buckets = (16,)
+
+    def test_largest_bucket(self):
+        self.assertEqual(BucketPolicy(buckets=[8, 16, 1024]).largest_bucket, 1024)
+        self.assertEqual(BucketPolicy(buckets=[8, 16], pad_to_multiple_of=64).largest_bucket, 16)
+        self.assertIsNone(BucketPolicy(buckets="pow2").largest_bucket)
+        self.assertIsNone(BucketPolicy(pad_to_multiple_of=8).largest_bucket)
+
+    def test_negative_length_raises(self):
+        for policy in (BucketPolicy(buckets=[8]), BucketPolicy(buckets="pow2"), BucketPolicy(pad_to_multiple_of=8)):
+            with self.assertRaisesRegex(ValueError, "-1"):
+                policy.bucket(-1)
+
+    def test_str(self):
+        self.assertEqual(str(BucketPolicy(buckets=[8, 16])), "prefill_buckets=(8, 16)")
+        self.assertEqual(str(BucketPolicy(buckets="pow2")), "prefill_buckets='pow2'")
+        self.assertEqual(str(BucketPolicy(pad_to_multiple_of=64)), "prefill_pad_to_multiple_of=64")
+        self.assertEqual(
+            str(BucketPolicy(buckets=[8], pad_to_multiple_of=4)), "prefill_buckets=(8,), prefill_pad_to_multiple_of=4"
+        )
+
+    # ---- each rule alone -------------------------------------------------------------------------------------
+
+    @parameterized.expand(
+        [(1, 1), (2, 2), (3, 4), (5, 8), (8, 8), (9, 16), (17, 32), (33, 64), (64, 64), (65, 128), (1025, 2048)]
+    )
+    def test_pow2(self, length, expected):
+        self.assertEqual(BucketPolicy(buckets="pow2").bucket(length), expected)
+
+    @parameterized.expand(
+        [
+            # (length, expected) for buckets [8, 16, 32, 64]
+            (1, 8),
+            (7, 8),
+            (8, 8),  # exact fit
+            (9, 16),
+            (16, 16),
+            (17, 32),
+            (32, 32),
+            (33, 64),
+            (63, 64),
+            (64, 64),
+            # beyond the largest bucket: a multiple of the largest bucket
+            (65, 128),
+            (70, 128),
+            (128, 128),
+            (129, 192),
+            (1000, 1024),
+        ]
+    )
+    def test_list(self, length, expected):
+        self.assertEqual(BucketPolicy(buckets=[8, 16, 32, 64]).bucket(length), expected)
+
+    def test_list_not_powers_of_two(self):
+        policy = BucketPolicy(buckets=[3, 10, 100])
+        self.assertEqual(
+            [policy.bucket(n) for n in (1, 3, 4, 10, 11, 100, 101, 250)], [3, 3, 10, 10, 100, 100, 200, 300]
+        )
+
+    def test_single_bucket(self):
+        policy = BucketPolicy(buckets=[1])
+        self.assertEqual([policy.bucket(n) for n in (1, 2, 7)], [1, 2, 7])
+
+    @parameterized.expand([(1, 8), (7, 8), (8, 8), (9, 16), (16, 16), (17, 24), (63, 64), (65, 72)])
+    def test_multiple(self, length, expected):
+        self.assertEqual(BucketPolicy(pad_to_multiple_of=8).bucket(length), expected)
+
+    def test_multiple_of_one_is_identity(self):
+        policy = BucketPolicy(pad_to_multiple_of=1)
+        self.assertEqual([policy.bucket(n) for n in range(1, 40)], list(range(1, 40)))
+
+    # ---- the combination rule: bucket first, then alignment --------------------------------------------------
+
+    def test_pow2_with_multiple_is_pow2_with_a_floor(self):
+        # The example of the module docstring: 64, 64, ..., 64, 128, 256, ...
+        policy = BucketPolicy(buckets="pow2", pad_to_multiple_of=64)
+        self.assertEqual([policy.bucket(n) for n in (1, 2, 33, 63, 64)], [64] * 5)
+        self.assertEqual([policy.bucket(n) for n in (65, 128, 129, 256, 257)], [128, 128, 256, 256, 512])
+
+    def test_pow2_with_multiple_not_power_of_two(self):
+        # The bucket is picked first (pow2), then rounded up to the alignment.
+        policy = BucketPolicy(buckets="pow2", pad_to_multiple_of=24)
+        self.assertEqual([policy.bucket(n) for n in (1, 16, 17, 32, 33, 64, 65)], [24, 24, 48, 48, 72, 72, 144])
+
+    @parameterized.expand(
+        [
+            # buckets [10, 20, 50], alignment 8: the bucket is rounded up to a multiple of 8
+            (1, 16),
+            (10, 16),
+            (11, 24),
+            (20, 24),
+            (21, 56),
+            (50, 56),
+            # beyond the list, with the alignment set: the alignment alone decides
+            (51, 56),
+            (57, 64),
+            (100, 104),
+        ]
+    )
+    def test_list_then_alignment(self, length, expected):
+        self.assertEqual(BucketPolicy(buckets=[10, 20, 50], pad_to_multiple_of=8).bucket(length), expected)
+
+    def test_overflow_uses_alignment_not_largest_bucket(self):
+        # Without the alignment: a multiple of the largest bucket (64). With it: a multiple of 16 only.
+        self.assertEqual(BucketPolicy(buckets=[8, 16, 32, 64]).bucket(70), 128)
+        self.assertEqual(BucketPolicy(buckets=[8, 16, 32, 64], pad_to_multiple_of=16).bucket(70), 80)
+        self.assertEqual(BucketPolicy(buckets=[8, 16, 32, 64], pad_to_multiple_of=1).bucket(70), 70)
+
+    def test_alignment_that_divides_buckets_changes_nothing_inside_the_list(self):
+        plain = BucketPolicy(buckets=[8, 16, 32, 64])
+        aligned = BucketPolicy(buckets=[8, 16, 32, 64], pad_to_multiple_of=8)
+        for n in range(1, 65):
+            self.assertEqual(plain.bucket(n), aligned.bucket(n), n)
+
+    # ---- the static cache length -----------------------------------------------------------------------------
+
+    @parameterized.expand([(1, 1), (11, 16), (16, 16), (17, 32), (100, 128), (1025, 2048)])
+    def test_cache_length_is_a_power_of_two(self, length, expected):
+        # Whatever the prompt policy: prompt-sized steps would compile one decode graph per step.
+        for policy in (BucketPolicy(buckets=[8, 16, 1000]), BucketPolicy(buckets="pow2")):
+            self.assertEqual(policy.cache_length(length), expected)
+
+    def test_cache_length_is_aligned(self):
+        policy = BucketPolicy(buckets=[8, 16], pad_to_multiple_of=24)
+        self.assertEqual([policy.cache_length(n) for n in (1, 11, 24, 27, 33)], [24, 24, 48, 48, 72])
+        self.assertEqual(BucketPolicy(pad_to_multiple_of=64).cache_length(11), 64)
+
+    # ---- exceeds_buckets ---------------------------------------------------------------------------------------
+
+    def test_exceeds_buckets(self):
+        policy = BucketPolicy(buckets=[8, 16, 32, 64])
+        self.assertFalse(policy.exceeds_buckets(1))
+        self.assertFalse(policy.exceeds_buckets(64))
+        self.assertTrue(policy.exceeds_buckets(65))
+        self.assertTrue(policy.exceeds_buckets(10_000))
+        self.assertTrue(BucketPolicy(buckets=[8, 16], pad_to_multiple_of=8).exceeds_buckets(17))
+        self.assertFalse(BucketPolicy(buckets=[8, 16], pad_to_multiple_of=8).exceeds_buckets(16))
+
+    def test_never_exceeds_without_a_list(self):
+        for policy in (BucketPolicy(buckets="pow2"), BucketPolicy(pad_to_multiple_of=8)):
+            for n in (1, 64, 10**6):
+                self.assertFalse(policy.exceeds_buckets(n))
+
+
+# ---- properties over random policies and lengths --------------------------------------------------------------
+
+bucket_lists = st.lists(st.integers(1, 4096), min_size=1, max_size=8, unique=True).map(sorted)
+
+
+@st.composite
+def policy_strategy(draw):
+    buckets = draw(st.one_of(st.none(), st.just("pow2"), bucket_lists))
+    if buckets is None:
+        multiple = draw(st.integers(1, 512))
+    else:
+        multiple = draw(st.one_of(st.none(), st.integers(1, 512)))
+    return BucketPolicy(buckets=buckets, pad_to_multiple_of=multiple)
+
+
+lengths = st.integers(1, 20_000)
+
+
+class BucketPolicyPropertyTest(unittest.TestCase):
+    @settings(max_examples=500, deadline=None)
+    @given(policy_strategy(), lengths)
+    def test_bucket_holds_the_length(self, policy, length):
+        self.assertGreaterEqual(policy.bucket(length), length)
+
+    @settings(max_examples=500, deadline=None)
+    @given(policy_strategy(), lengths)
+    def test_bucket_is_a_bucket_or_a_multiple(self, policy, length):
+        padded = policy.bucket(length)
+        if policy.pad_to_multiple_of is not None:
+            # The alignment applies last, always.
+            self.assertEqual(padded % policy.pad_to_multiple_of, 0)
+            # ... and adds less than one alignment step to what the buckets alone give.
+            if policy.buckets is None or policy.exceeds_buckets(length):
+                self.assertLess(padded - length, policy.pad_to_multiple_of)
+            else:
+                alone = BucketPolicy(buckets=policy.buckets).bucket(length)
+                self.assertEqual(padded, round_up(alone, policy.pad_to_multiple_of))
+        elif policy.buckets == "pow2":
+            self.assertTrue(is_power_of_two(padded))
+            self.assertLess(padded, 2 * length)
+        elif policy.exceeds_buckets(length):
+            self.assertEqual(padded % policy.largest_bucket, 0)
+            self.assertLess(padded - length, policy.largest_bucket)
+        else:
+            self.assertIn(padded, policy.buckets)
+            # The smallest bucket that holds it.
+            self.assertEqual(padded, min(b for b in policy.buckets if b >= length))
+
+    @settings(max_examples=300, deadline=None)
+    @given(policy_strategy(), lengths)
+    def test_cache_length_holds_the_length(self, policy, length):
+        cache_length = policy.cache_length(length)
+        self.assertGreaterEqual(cache_length, length)
+        if policy.pad_to_multiple_of is None:
+            self.assertTrue(is_power_of_two(cache_length))
+            self.assertLess(cache_length, 2 * length)
+        else:
+            self.assertEqual(cache_length % policy.pad_to_multiple_of, 0)
+
+    @settings(max_examples=300, deadline=None)
+    @given(policy_strategy(), lengths, lengths)
+    def test_monotonic(self, policy, a, b):
+        low, high = sorted((a, b))
+        self.assertLessEqual(policy.bucket(low), policy.bucket(high))
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.one_of(st.just("pow2"), bucket_lists), lengths)
+    def test_one_rule_is_idempotent(self, buckets, length):
+        # A padded length is its own bucket (with a single rule; an alignment on top can move it to the next bucket).
+        policy = BucketPolicy(buckets=buckets)
+        padded = policy.bucket(length)
+        self.assertEqual(policy.bucket(padded), padded)
+
+    @settings(max_examples=200, deadline=None)
+    @given(st.integers(1, 512), lengths)
+    def test_multiple_is_idempotent(self, multiple, length):
+        policy = BucketPolicy(pad_to_multiple_of=multiple)
+        padded = policy.bucket(length)
+        self.assertEqual(policy.bucket(padded), padded)
+
+    @settings(max_examples=200, deadline=None)
+    @given(bucket_lists, lengths)
+    def test_exceeds_buckets_matches_the_list(self, buckets, length):
+        policy = BucketPolicy(buckets=buckets)
+        self.assertEqual(policy.exceeds_buckets(length), length > max(buckets))
+
+
+# ---- left_pad / strip_left ---------------------------------------------------------------------------------------
+
+
+class PaddingTest(unittest.TestCase):
+    def test_left_pad_ids(self):
+        ids = torch.tensor([[5, 6, 7], [8, 9, 10]])
+        padded = left_pad(ids, 2, 0)
+        self.assertTrue(torch.equal(padded, torch.tensor([[0, 0, 5, 6, 7], [0, 0, 8, 9, 10]])))
+        self.assertEqual(padded.dtype, ids.dtype)
+
+    def test_left_pad_zero_returns_input(self):
+        ids = torch.tensor([[5, 6, 7]])
+        self.assertIs(left_pad(ids, 0, 0), ids)
+        self.assertIs(strip_left(ids, 0), ids)
+
+    def test_left_pad_keeps_dtype_and_device(self):
+        for dtype in (torch.long, torch.int32, torch.bool, torch.float16, torch.float32):
+            tensor = torch.ones(2, 3, dtype=dtype)
+            padded = left_pad(tensor, 4, 0)
+            self.assertEqual(padded.dtype, dtype)
+            self.assertEqual(padded.device, tensor.device)
+            self.assertEqual(tuple(padded.shape), (2, 7))
+            self.assertFalse(padded[:, :4].any())
+
+    def test_left_pad_embeddings_with_a_vector(self):
+        embeds = torch.randn(2, 3, 4)
+        pad_vector = torch.arange(4, dtype=torch.float64)  # cast to the tensor's dtype
+        padded = left_pad(embeds, 2, pad_vector, dim=1)
+        self.assertEqual(tuple(padded.shape), (2, 5, 4))
+        self.assertEqual(padded.dtype, torch.float32)
+        for b in range(2):
+            for s in range(2):
+                self.assertTrue(torch.equal(padded[b, s], pad_vector.float()))
+        self.assertTrue(torch.equal(padded[:, 2:], embeds))
+
+    def test_left_pad_middle_dim_with_scalar(self):
+        tensor = torch.ones(2, 3, 4)
+        padded = left_pad(tensor, 1, 7.0, dim=1)
+        self.assertEqual(tuple(padded.shape), (2, 4, 4))
+        self.assertTrue((padded[:, 0] == 7.0).all())
+
+    def test_negative_dim(self):
+        tensor = torch.ones(2, 3, 4)
+        self.assertEqual(tuple(left_pad(tensor, 2, 0, dim=-2).shape), (2, 5, 4))
+        self.assertEqual(tuple(left_pad(tensor, 2, 0, dim=-1).shape), (2, 3, 6))
+        self.assertEqual(tuple(strip_left(left_pad(tensor, 2, 0, dim=-2), 2, dim=-2).shape), (2, 3, 4))
+
+    def test_does_not_modify_input(self):
+        ids = torch.tensor([[5, 6, 7]])
+        before = ids.clone()
+        left_pad(ids, 3, 0)
+        strip_left(ids, 1)
+        self.assertTrue(torch.equal(ids, before))
+
+    def test_strip_left(self):
+        ids = torch.tensor([[0, 0, 5, 6, 7]])
+        self.assertTrue(torch.equal(strip_left(ids, 2), torch.tensor([[5, 6, 7]])))
+        self.assertEqual(tuple(strip_left(ids, 5).shape), (1, 0))
+
+    @settings(max_examples=200, deadline=None)
+    @given(
+        st.integers(1, 3),  # batch
+        st.integers(0, 12),  # length
+        st.integers(0, 12),  # pad
+        st.integers(-1000, 1000),  # fill
+        st.sampled_from([torch.long, torch.int32, torch.float32]),
+    )
+    def test_round_trip_ids(self, batch, length, pad, fill, dtype):
+        tensor = torch.randint(-50, 50, (batch, length)).to(dtype)
+        padded = left_pad(tensor, pad, fill)
+        self.assertEqual(tuple(padded.shape), (batch, length + pad))
+        self.assertTrue((padded[:, :pad] == fill).all())
+        self.assertTrue(torch.equal(strip_left(padded, pad), tensor))
+
+    @settings(max_examples=100, deadline=None)
+    @given(st.integers(1, 3), st.integers(1, 12), st.integers(0, 12), st.integers(1, 8))
+    def test_round_trip_embeddings(self, batch, length, pad, hidden):
+        embeds = torch.randn(batch, length, hidden)
+        pad_vector = torch.randn(hidden)
+        padded = left_pad(embeds, pad, pad_vector, dim=1)
+        self.assertEqual(tuple(padded.shape), (batch, length + pad, hidden))
+        if pad:
+            self.assertTrue(torch.equal(padded[:, :pad], pad_vector.expand(batch, pad, hidden)))
+        self.assertTrue(torch.equal(strip_left(padded, pad, dim=1), embeds))
+
+    def test_round_trip_with_policy(self):
+        policy = BucketPolicy(buckets=[8, 16, 32])
+        for length in range(1, 40):
+            ids = torch.arange(1, length + 1).unsqueeze(0)
+            pad = policy.bucket(length) - length
+            padded = left_pad(ids, pad, 0)
+            self.assertEqual(padded.shape[1], policy.bucket(length))
+            self.assertTrue(torch.equal(strip_left(padded, pad), ids))
+
+
+if __name__ == "__main__":
+    unittest.main()

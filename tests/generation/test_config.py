@@ -1,0 +1,398 @@
+# The two `GenerationConfig` fields: validation (in every place a value can come in), enable()/disable(), and
+# persistence through generation_config.json.
+
+import copy
+import json
+import os
+import tempfile
+import unittest
+
+import torch
+from parameterized import parameterized
+from torch._dynamo.eval_frame import OptimizedModule
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+from transformers.generation.utils import GenerationMixin
+
+import prefill_buckets
+from prefill_buckets import PREFILL_BUCKETS, PREFILL_PAD_TO_MULTIPLE_OF
+
+
+PAD, EOS, BOS = 0, 1, 2
+VOCAB = 128
+
+
+def tiny_llama() -> LlamaForCausalLM:
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        pad_token_id=PAD,
+        eos_token_id=EOS,
+        bos_token_id=BOS,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).eval()
+
+
+def prompt(length: int, batch_size: int = 1, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (batch_size, length), generator=generator)
+
+
+class FirstForwardLength:
+    """A forward pre-hook that records the sequence length of every forward the model runs."""
+
+    def __init__(self, model):
+        self.lengths = []
+        self.handle = model.register_forward_pre_hook(self, with_kwargs=True)
+
+    def __call__(self, module, args, kwargs):
+        tensor = kwargs.get("input_ids")
+        if tensor is None:
+            tensor = kwargs.get("inputs_embeds")
+        self.lengths.append(tensor.shape[1])
+
+    @property
+    def first(self) -> int:
+        return self.lengths[0]
+
+    def remove(self):
+        self.handle.remove()
+
+
+# (value, how the message shows it). The message must name the field, show the value and say what is valid.
+BAD_PAD_TO_MULTIPLE_OF = [
+    (0, "0"),
+    (-1, "-1"),
+    (True, "True"),
+    (False, "False"),
+    (2.0, "2.0"),
+    ("64", "'64'"),
+    ("abc", "'abc'"),
+    ([64], "[64]"),
+]
+BAD_BUCKETS = [
+    (0, "0"),
+    ([0, 8], "[0, 8]"),
+    ([-4, 8], "[-4, 8]"),
+    ([True, 8], "[True, 8]"),
+    ([4.0, 8], "[4.0, 8]"),
+    (["4", 8], "['4', 8]"),
+    ([8, 4], "[8, 4]"),
+    ([4, 4], "[4, 4]"),
+    ([], "empty list"),  # said in words
+    ("pow3", "'pow3'"),
+    ("", "''"),
+    ({"a": 1}, "{'a': 1}"),
+]
+BAD_VALUES = [
+    (f"{PREFILL_PAD_TO_MULTIPLE_OF}_{i}", PREFILL_PAD_TO_MULTIPLE_OF, value, shown)
+    for i, (value, shown) in enumerate(BAD_PAD_TO_MULTIPLE_OF)
+] + [(f"{PREFILL_BUCKETS}_{i}", PREFILL_BUCKETS, value, shown) for i, (value, shown) in enumerate(BAD_BUCKETS)]
+
+GOOD_VALUES = [
+    ("multiple_1", PREFILL_PAD_TO_MULTIPLE_OF, 1),
+    ("multiple_64", PREFILL_PAD_TO_MULTIPLE_OF, 64),
+    ("multiple_none", PREFILL_PAD_TO_MULTIPLE_OF, None),
+    ("buckets_single", PREFILL_BUCKETS, [1]),
+    ("buckets_list", PREFILL_BUCKETS, [8, 16, 1024]),
+    ("buckets_tuple", PREFILL_BUCKETS, (8, 16)),
+    ("buckets_pow2", PREFILL_BUCKETS, "pow2"),
+    ("buckets_none", PREFILL_BUCKETS, None),
+]
+
+
+class ConfigValidationTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        prefill_buckets.disable()
+        cls.model = tiny_llama()
+        cls.input_ids = prompt(5)
+
+    def setUp(self):
+        prefill_buckets.disable()
+        self.addCleanup(prefill_buckets.disable)
+
+    def assertGoodMessage(self, error: ValueError, field: str, shown: str):
+        message = str(error)
+        self.assertIn(f"`{field}`", message)
+        self.assertIn(shown, message)
+        if field == PREFILL_PAD_TO_MULTIPLE_OF:
+            self.assertIn("positive integer", message)
+        else:
+            self.assertIn("strictly increasing positive integers", message)
+            self.assertIn("'pow2'", message)
+
+    @parameterized.expand(BAD_VALUES)
+    def test_bad_value_in_generation_config(self, _, field, value, shown):
+        prefill_buckets.enable()
+        with self.assertRaises(ValueError) as context:
+            GenerationConfig(**{field: value})
+        self.assertGoodMessage(context.exception, field, shown)
+
+    @parameterized.expand(BAD_VALUES)
+    def test_bad_value_in_functional_generate(self, _, field, value, shown):
+        self.assertFalse(prefill_buckets.is_enabled())
+        with self.assertRaises(ValueError) as context:
+            prefill_buckets.generate(self.model, self.input_ids, **{field: value}, max_new_tokens=2)
+        self.assertGoodMessage(context.exception, field, shown)
+
+    @parameterized.expand(BAD_VALUES)
+    def test_bad_value_in_patched_generate(self, _, field, value, shown):
+        prefill_buckets.enable()
+        with self.assertRaises(ValueError) as context:
+            self.model.generate(self.input_ids, **{field: value}, max_new_tokens=2)
+        self.assertGoodMessage(context.exception, field, shown)
+
+    @parameterized.expand(BAD_VALUES)
+    def test_bad_value_set_on_a_config_then_passed(self, _, field, value, shown):
+        # Set after construction (not enabled: stored silently), then passed as `generation_config`.
+        config = GenerationConfig(max_new_tokens=2)
+        setattr(config, field, value)
+        with self.assertRaises(ValueError) as context:
+            prefill_buckets.generate(self.model, self.input_ids, generation_config=config)
+        self.assertGoodMessage(context.exception, field, shown)
+
+    @parameterized.expand(BAD_VALUES)
+    def test_bad_value_in_update(self, _, field, value, shown):
+        prefill_buckets.enable()
+        config = GenerationConfig()
+        with self.assertRaises(ValueError) as context:
+            config.update(**{field: value})
+        self.assertGoodMessage(context.exception, field, shown)
+
+    @parameterized.expand(GOOD_VALUES)
+    def test_good_value_in_generation_config(self, _, field, value):
+        prefill_buckets.enable()
+        config = GenerationConfig(**{field: value})
+        self.assertEqual(getattr(config, field), value)
+        config.validate()
+
+    @parameterized.expand(GOOD_VALUES)
+    def test_good_value_in_functional_generate(self, _, field, value):
+        out = prefill_buckets.generate(self.model, self.input_ids, **{field: value}, max_new_tokens=2)
+        self.assertEqual(tuple(out.shape), (1, self.input_ids.shape[1] + 2))
+
+    @parameterized.expand(GOOD_VALUES)
+    def test_good_value_in_patched_generate(self, _, field, value):
+        prefill_buckets.enable()
+        out = self.model.generate(self.input_ids, **{field: value}, max_new_tokens=2)
+        self.assertEqual(tuple(out.shape), (1, self.input_ids.shape[1] + 2))
+
+
+class EnableDisableTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.model = tiny_llama()
+        cls.input_ids = prompt(5)
+
+    def setUp(self):
+        prefill_buckets.disable()
+        self.addCleanup(prefill_buckets.disable)
+        self.originals = {
+            "init": GenerationConfig.__init__,
+            "validate": GenerationConfig.validate,
+            "doc": GenerationConfig.__doc__,
+            "generate": GenerationMixin.__dict__["generate"],
+            "compiled_generate": OptimizedModule.__dict__.get("generate"),
+        }
+
+    def assertRestored(self):
+        self.assertIs(GenerationConfig.__init__, self.originals["init"])
+        self.assertIs(GenerationConfig.validate, self.originals["validate"])
+        self.assertIs(GenerationConfig.__doc__, self.originals["doc"])
+        self.assertIs(GenerationMixin.__dict__["generate"], self.originals["generate"])
+        self.assertIs(GenerationMixin.generate, self.originals["generate"])
+        self.assertIs(type(self.model).generate, self.originals["generate"])
+        # `torch.compile(model).generate` is the wrapped module's again (enable() routes it through ours).
+        self.assertIs(OptimizedModule.__dict__.get("generate"), self.originals["compiled_generate"])
+
+    def assertPatched(self):
+        self.assertIsNot(GenerationConfig.__init__, self.originals["init"])
+        self.assertIsNot(GenerationConfig.validate, self.originals["validate"])
+        self.assertIsNot(GenerationConfig.__doc__, self.originals["doc"])
+        self.assertIsNot(GenerationMixin.__dict__["generate"], self.originals["generate"])
+
+    def test_enable_then_disable_restores_the_same_objects(self):
+        self.assertFalse(prefill_buckets.is_enabled())
+        prefill_buckets.enable()
+        self.assertTrue(prefill_buckets.is_enabled())
+        self.assertPatched()
+        prefill_buckets.disable()
+        self.assertFalse(prefill_buckets.is_enabled())
+        self.assertRestored()
+
+    def test_enable_is_idempotent(self):
+        prefill_buckets.enable()
+        patched = (GenerationConfig.__init__, GenerationConfig.validate, GenerationConfig.__doc__)
+        patched_generate = GenerationMixin.__dict__["generate"]
+        prefill_buckets.enable()
+        self.assertTrue(prefill_buckets.is_enabled())
+        self.assertEqual(patched, (GenerationConfig.__init__, GenerationConfig.validate, GenerationConfig.__doc__))
+        self.assertIs(GenerationMixin.__dict__["generate"], patched_generate)
+        self.assertEqual(GenerationConfig.__doc__.count(f"{PREFILL_BUCKETS} ("), 1)
+        prefill_buckets.disable()
+        self.assertRestored()
+
+    def test_disable_is_idempotent(self):
+        prefill_buckets.disable()
+        prefill_buckets.disable()
+        self.assertFalse(prefill_buckets.is_enabled())
+        self.assertRestored()
+        prefill_buckets.enable()
+        prefill_buckets.disable()
+        prefill_buckets.disable()
+        self.assertFalse(prefill_buckets.is_enabled())
+        self.assertRestored()
+
+    def test_enable_disable_twice(self):
+        for _ in range(2):
+            prefill_buckets.enable()
+            self.assertEqual(GenerationConfig(prefill_buckets="pow2").prefill_buckets, "pow2")
+            prefill_buckets.disable()
+            self.assertRestored()
+
+    def test_enabled_defaults_and_docstring(self):
+        self.assertFalse(hasattr(GenerationConfig(), PREFILL_BUCKETS))
+        prefill_buckets.enable()
+        config = GenerationConfig()
+        self.assertIsNone(config.prefill_buckets)
+        self.assertIsNone(config.prefill_pad_to_multiple_of)
+        self.assertIn(f"{PREFILL_BUCKETS} (", GenerationConfig.__doc__)
+        self.assertIn(f"{PREFILL_PAD_TO_MULTIPLE_OF} (", GenerationConfig.__doc__)
+        # Upstream's docstring is kept, the fields are added to it.
+        self.assertTrue(GenerationConfig.__doc__.startswith(self.originals["doc"]))
+
+    def test_enabled_generate_pads(self):
+        prefill_buckets.enable()
+        recorder = FirstForwardLength(self.model)
+        self.addCleanup(recorder.remove)
+        padded = self.model.generate(self.input_ids, prefill_buckets=[16], max_new_tokens=3, do_sample=False)
+        self.assertEqual(recorder.first, 16)
+        prefill_buckets.disable()
+        recorder.lengths.clear()
+        plain = self.model.generate(self.input_ids, max_new_tokens=3, do_sample=False)
+        self.assertEqual(recorder.first, self.input_ids.shape[1])
+        self.assertTrue(torch.equal(padded, plain))
+
+    def test_after_disable_the_field_is_unknown_again(self):
+        prefill_buckets.enable()
+        with self.assertRaises(ValueError):
+            GenerationConfig(prefill_buckets=[0])
+        prefill_buckets.disable()
+        # Upstream stores an unknown field silently.
+        config = GenerationConfig(prefill_buckets=[0])
+        self.assertEqual(config.prefill_buckets, [0])
+        with self.assertRaisesRegex(ValueError, "model_kwargs` are not used by the model") as context:
+            self.model.generate(self.input_ids, prefill_buckets=[8], max_new_tokens=2)
+        self.assertIn(PREFILL_BUCKETS, str(context.exception))
+
+
+class ConfigPersistenceTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.model = tiny_llama()
+
+    def setUp(self):
+        prefill_buckets.disable()
+        self.addCleanup(prefill_buckets.disable)
+        original = copy.deepcopy(self.model.generation_config)
+
+        def restore():
+            self.model.generation_config = original
+
+        self.addCleanup(restore)
+
+    @parameterized.expand(
+        [
+            ("list_and_multiple", [8, 32], 8),
+            ("pow2", "pow2", None),
+            ("multiple_only", None, 64),
+            ("tuple", (8, 16), None),
+        ]
+    )
+    def test_round_trip(self, _, buckets, multiple):
+        prefill_buckets.enable()
+        config = GenerationConfig(prefill_buckets=buckets, prefill_pad_to_multiple_of=multiple, max_new_tokens=4)
+        with tempfile.TemporaryDirectory() as tmpdir:
+            config.save_pretrained(tmpdir)
+            with open(os.path.join(tmpdir, "generation_config.json")) as f:
+                saved = json.load(f)
+            loaded = GenerationConfig.from_pretrained(tmpdir)
+        expected_buckets = list(buckets) if isinstance(buckets, tuple) else buckets
+        self.assertEqual(loaded.prefill_buckets, expected_buckets)
+        self.assertEqual(type(loaded.prefill_buckets), type(expected_buckets))
+        self.assertEqual(loaded.prefill_pad_to_multiple_of, multiple)
+        self.assertEqual(loaded.max_new_tokens, 4)
+        # Only the fields that are set are written.
+        self.assertEqual(PREFILL_BUCKETS in saved, buckets is not None)
+        self.assertEqual(PREFILL_PAD_TO_MULTIPLE_OF in saved, multiple is not None)
+        if buckets is not None:
+            self.assertEqual(saved[PREFILL_BUCKETS], expected_buckets)
+        if multiple is not None:
+            self.assertEqual(saved[PREFILL_PAD_TO_MULTIPLE_OF], multiple)
+
+    def test_unset_fields_are_not_written(self):
+        prefill_buckets.enable()
+        config = GenerationConfig(max_new_tokens=4)
+        diff = config.to_diff_dict()
+        self.assertNotIn(PREFILL_BUCKETS, diff)
+        self.assertNotIn(PREFILL_PAD_TO_MULTIPLE_OF, diff)
+        self.assertIn("max_new_tokens", diff)
+        with tempfile.TemporaryDirectory() as tmpdir:
+            config.save_pretrained(tmpdir)
+            with open(os.path.join(tmpdir, "generation_config.json")) as f:
+                saved = json.load(f)
+            self.assertNotIn(PREFILL_BUCKETS, saved)
+            self.assertNotIn(PREFILL_PAD_TO_MULTIPLE_OF, saved)
+            loaded = GenerationConfig.from_pretrained(tmpdir)
+        self.assertIsNone(loaded.prefill_buckets)
+        self.assertIsNone(loaded.prefill_pad_to_multiple_of)
+
+    def test_bad_value_in_json_raises_on_load(self):
+        prefill_buckets.enable()
+        with tempfile.TemporaryDirectory() as tmpdir:
+            with open(os.path.join(tmpdir, "generation_config.json"), "w") as f:
+                json.dump({PREFILL_BUCKETS: [16, 8]}, f)
+            with self.assertRaisesRegex(ValueError, PREFILL_BUCKETS):
+                GenerationConfig.from_pretrained(tmpdir)
+
+    @parameterized.expand(
+        [("buckets", {PREFILL_BUCKETS: [16, 64]}, 16), ("multiple", {PREFILL_PAD_TO_MULTIPLE_OF: 8}, 8)]
+    )
+    def test_saved_config_is_honored_without_enable(self, _, fields, bucket):
+        prefill_buckets.enable()
+        config = GenerationConfig(pad_token_id=PAD, eos_token_id=EOS, bos_token_id=BOS, **fields)
+        with tempfile.TemporaryDirectory() as tmpdir:
+            config.save_pretrained(tmpdir)
+            prefill_buckets.disable()
+            self.model.generation_config = GenerationConfig.from_pretrained(tmpdir)
+        for field, value in fields.items():
+            self.assertEqual(getattr(self.model.generation_config, field), value)
+
+        input_ids = prompt(5, seed=3)
+        recorder = FirstForwardLength(self.model)
+        self.addCleanup(recorder.remove)
+        padded = prefill_buckets.generate(self.model, input_ids, max_new_tokens=4, do_sample=False)
+        self.assertEqual(recorder.first, bucket)
+        recorder.lengths.clear()
+        plain = self.model.generate(input_ids, max_new_tokens=4, do_sample=False)  # upstream: not enabled
+        self.assertEqual(recorder.first, 5)
+        self.assertEqual(tuple(padded.shape), (1, 9))
+        self.assertTrue(torch.equal(padded, plain))
+
+        # A kwarg set to None turns the saved field off for one call.
+        recorder.lengths.clear()
+        off = prefill_buckets.generate(
+            self.model, input_ids, max_new_tokens=4, do_sample=False, **dict.fromkeys(fields)
+        )
+        self.assertEqual(recorder.first, 5)
+        self.assertTrue(torch.equal(off, plain))
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,113 @@
+"""Logits processors and stopping criteria that read token content see the user's ids, never the added padding."""
+
+import unittest
+
+import torch
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, LogitsProcessor, StoppingCriteria
+
+import prefill_buckets
+
+
+def tiny_llama():
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+class RecordingProcessor(LogitsProcessor):
+    def __init__(self):
+        self.seen = []
+
+    def __call__(self, input_ids, scores):
+        self.seen.append(input_ids.clone())
+        return scores
+
+
+class RecordingCriterion(StoppingCriteria):
+    def __init__(self):
+        self.seen = []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.seen.append(input_ids.clone())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+
+class ProcessorViewTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.model = tiny_llama()
+        cls.prompt = torch.randint(3, 128, (2, 5), generator=torch.Generator().manual_seed(0))
+
+    def test_custom_processor_and_criterion_see_unpadded_ids(self):
+        processor, criterion = RecordingProcessor(), RecordingCriterion()
+        reference_processor, reference_criterion = RecordingProcessor(), RecordingCriterion()
+        config = GenerationConfig(max_new_tokens=4, do_sample=False)
+        ours = prefill_buckets.generate(
+            self.model,
+            self.prompt,
+            generation_config=config,
+            logits_processor=[processor],
+            stopping_criteria=[criterion],
+            prefill_buckets=[16],
+        )
+        theirs = self.model.generate(
+            self.prompt,
+            generation_config=config,
+            logits_processor=[reference_processor],
+            stopping_criteria=[reference_criterion],
+        )
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+        for got, want in [(processor.seen, reference_processor.seen), (criterion.seen, reference_criterion.seen)]:
+            self.assertEqual(len(got), len(want))
+            for a, b in zip(got, want):
+                torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+    def test_prefix_allowed_tokens_fn_sees_unpadded_ids(self):
+        seen = {}
+
+        def allow(batch_id, sent):
+            seen.setdefault("ours" if recording["ours"] else "theirs", []).append(sent.clone())
+            return list(range(3, 64))
+
+        config = GenerationConfig(max_new_tokens=3, do_sample=False)
+        recording = {"ours": True}
+        ours = prefill_buckets.generate(
+            self.model, self.prompt, generation_config=config, prefix_allowed_tokens_fn=allow, prefill_buckets=[16]
+        )
+        recording["ours"] = False
+        theirs = self.model.generate(self.prompt, generation_config=config, prefix_allowed_tokens_fn=allow)
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+        self.assertEqual([s.shape[-1] for s in seen["ours"]], [s.shape[-1] for s in seen["theirs"]])
+
+    def test_no_repeat_ngram_with_pad_as_eos(self):
+        # The pad id fills the added columns; a 1-gram ban over the padded ids would ban it, here eos.
+        config = GenerationConfig(max_new_tokens=6, do_sample=False)
+        first = int(self.model.generate(self.prompt[:1], generation_config=config)[0, 5])
+        config = GenerationConfig(
+            max_new_tokens=6, do_sample=False, no_repeat_ngram_size=1, pad_token_id=first, eos_token_id=first
+        )
+        ours = prefill_buckets.generate(self.model, self.prompt[:1], generation_config=config, prefill_buckets=[8])
+        theirs = self.model.generate(self.prompt[:1], generation_config=config)
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+    def test_min_length_and_forced_eos_keep_counting_the_unpadded_prompt(self):
+        config = GenerationConfig(max_length=12, min_length=11, forced_eos_token_id=1, do_sample=False)
+        ours = prefill_buckets.generate(self.model, self.prompt, generation_config=config, prefill_buckets=[16])
+        theirs = self.model.generate(self.prompt, generation_config=config)
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+        self.assertEqual(int(ours[0, -1]), 1)
+
+
+if __name__ == "__main__":
+    unittest.main()
