@@ -106,23 +106,26 @@ def generate(model, *args, **kwargs):
     r"""
     [`~generation.GenerationMixin.generate`] with bucketed prefill, without patching transformers.
 
-    Takes exactly the arguments of `model.generate`, plus the fields `prefill_pad_to_multiple_of` and
-    `prefill_buckets` (as keyword arguments or on `generation_config`). When neither is set, this is upstream
-    `generate`, unchanged. When one is set, the prompt is left-padded to its bucket with masked pad tokens, upstream
-    `generate` runs on the padded prompt, and the padding is stripped again: the returned sequences have the shape
-    and ids of an unpadded run, and `max_new_tokens`, `max_length` and `min_length` mean what they mean without
-    padding.
+    Takes exactly the arguments of `model.generate`, plus the fields `prefill_pad_to_multiple_of`,
+    `prefill_buckets` and `prefill_batch_buckets` (as keyword arguments or on `generation_config`). When none is set,
+    this is upstream `generate`, unchanged. When one is set, the prompt is left-padded to its bucket with masked pad
+    tokens (and the batch, with `prefill_batch_buckets`, to its bucket with dummy rows), upstream `generate` runs on
+    the padded inputs, and the padding is stripped again: the returned sequences have the shape and ids of an
+    unpadded run, and `max_new_tokens`, `max_length` and `min_length` mean what they mean without padding.
 
     Args:
         model ([`PreTrainedModel`]):
-            A decoder-only model with a language modeling head, or a `torch.compile`d one.
-        args, kwargs:
-            Everything `model.generate` accepts.
+            A decoder-only model with a language modeling head, or the `torch.compile(model)` wrapper of one.
+        args (*optional*):
+            The positional arguments of `model.generate`.
+        kwargs (*optional*):
+            The keyword arguments of `model.generate`, and the bucket fields.
 
     Returns:
         What `model.generate` returns, with the padding removed from `sequences` and from the per-position outputs
         (prefill `hidden_states`, the query axis of prefill `attentions`, and any key axis that spans the padded
-        sequence). A returned cache holds the padded prompt.
+        sequence), and the dummy rows removed from every output. A returned cache holds the padded prompt: a later
+        bucketed call that continues from it (multi-turn chat) pads the conversation the same way.
 
     Example:
 
