@@ -3,13 +3,14 @@
 __version__ = "0.1.0"
 
 from .buckets import BucketPolicy, WasteReport, padding_waste, suggest_buckets
-from .config import PREFILL_BUCKETS, PREFILL_PAD_TO_MULTIPLE_OF
+from .config import PREFILL_BATCH_BUCKETS, PREFILL_BUCKETS, PREFILL_PAD_TO_MULTIPLE_OF
 from .generation import generate
 from .patch import disable, enable, is_enabled
 from .warmup import CompiledShape, load_compile_cache, precompile, save_compile_cache
 
 
 __all__ = [
+    "PREFILL_BATCH_BUCKETS",
     "PREFILL_BUCKETS",
     "PREFILL_PAD_TO_MULTIPLE_OF",
     "BucketPolicy",

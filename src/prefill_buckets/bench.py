@@ -508,36 +508,31 @@ tokens equal the eager run's."""
 
 
 def plot(results: list[dict], path: Path, title: str) -> None:
+    """Four panels: graphs compiled per call and over the workload, call latency, and warm time to first token."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator, NullLocator, ScalarFormatter
 
     fig, axes = plt.subplots(2, 2, figsize=(14, 9))
     (ax_graphs, ax_cumulative), (ax_wall, ax_ttft) = axes
     markers = "os^vDP*Xph"
+    compiled_results = [r for r in results if r["record"].get("calls") and STRATEGIES[r["strategy"]].compiled]
     for i, result in enumerate(results):
         calls = result["record"].get("calls")
         if not calls:
             continue
-        name, marker = result["strategy"], markers[i % len(markers)]
+        name, marker, color = result["strategy"], markers[i % len(markers)], f"C{i}"
         lengths = [c["length"] for c in calls]
         graphs = [c["graphs"] for c in calls]
-        (line,) = ax_cumulative.step(
-            range(1, len(calls) + 1),
-            [sum(graphs[: k + 1]) for k in range(len(graphs))],
-            where="post",
-            label=name,
-        )
-        color = line.get_color()
-        compiled = [c for c in calls if c["graphs"]]
-        ax_graphs.scatter(
-            [c["length"] for c in compiled],
-            [c["graphs"] + 0.08 * (i - len(results) / 2) for c in compiled],
-            marker=marker,
-            color=color,
-            label=name,
-        )
+        if STRATEGIES[name].compiled:
+            # Graphs compiled before the first prompt (`precompile`) are drawn at x = 0.
+            before = result["record"]["graphs"] - sum(graphs)
+            totals = [before + sum(graphs[: k + 1]) for k in range(len(graphs))]
+            ax_cumulative.step(range(len(calls) + 1), [before, *totals], where="post", color=color, label=name)
+            offset = 0.06 * (compiled_results.index(result) - (len(compiled_results) - 1) / 2)
+            ax_graphs.scatter(lengths, [g + offset for g in graphs], marker=marker, color=color, label=name)
         ax_wall.scatter(
             lengths,
             [c["seconds"] for c in calls],
@@ -549,15 +544,29 @@ def plot(results: list[dict], path: Path, title: str) -> None:
         warm = sorted((c["length"], c["ttft_seconds"] * 1000) for c in calls if not c["graphs"] and c["ttft_seconds"])
         if warm:
             ax_ttft.plot(*zip(*warm), marker=marker, color=color, label=name, markersize=4)
-    ax_graphs.set(xscale="log", xlabel="prompt length (tokens)", ylabel="graphs compiled by the call")
-    ax_graphs.set_title("Compiles, by prompt length (calls that compiled)")
-    ax_cumulative.set(xlabel="prompts served (arrival order)", ylabel="graphs compiled so far")
+    ax_graphs.set(xlabel="prompt length (tokens)", ylabel="graphs compiled by the call")
+    ax_graphs.set_title("Graphs each call compiled, by prompt length")
+    ax_graphs.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax_cumulative.set(xlabel="prompts served, in arrival order (0: before the first)", ylabel="graphs compiled so far")
     ax_cumulative.set_title("Graphs compiled over the workload")
-    ax_wall.set(xscale="log", yscale="log", xlabel="prompt length (tokens)", ylabel="generate() wall time (s)")
+    for ax in (ax_cumulative,):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax_wall.set(yscale="log", xlabel="prompt length (tokens)", ylabel="generate() wall time (s)")
     ax_wall.set_title("Call latency (hollow: the call compiled)")
-    ax_ttft.set(xscale="log", xlabel="prompt length (tokens)", ylabel="time to first token (ms)")
+    ax_ttft.set(xlabel="prompt length (tokens)", ylabel="time to first token (ms)")
     ax_ttft.set_title("Time to first token, calls that compiled nothing")
+    all_lengths = sorted({c["length"] for r in results for c in r["record"].get("calls") or ()})
+    if len(all_lengths) > 8 and all_lengths:
+        ticks = [1 << k for k in range(all_lengths[-1].bit_length() + 1) if all_lengths[0] <= 2 * (1 << k)]
+    else:
+        ticks = all_lengths  # a few lengths: label each
     for ax in axes.flat:
+        if ax is not ax_cumulative:
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(ticks)
+            ax.xaxis.set_major_formatter(ScalarFormatter())
+            ax.xaxis.set_minor_locator(NullLocator())
         ax.grid(True, alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)

@@ -155,6 +155,10 @@ def generate(model, *args, **kwargs):
 
     fields = resolve_fields(model, generation_config, field_kwargs)
     policy = policy_from_fields(**fields)
+    continues = _continued_padding(model_kwargs)
+    if policy is None and continues is not None:
+        # The cache holds a bucketed call's padding: the prompt must get it too, bucket fields or not.
+        policy = BucketPolicy(pad_to_multiple_of=1)
     if policy is None:
         record = _warn_unbucketed(model, wrapper, generation_config, arguments, model_kwargs)
         output = UPSTREAM_GENERATE(model, **arguments, **model_kwargs)
@@ -165,13 +169,13 @@ def generate(model, *args, **kwargs):
     skip_reason = _unsupported_reason(model, arguments, model_kwargs)
     if skip_reason is not None:
         logger.warning_once(
-            f"`{PREFILL_BUCKETS}`/`{PREFILL_PAD_TO_MULTIPLE_OF}` are ignored for this call: {skip_reason}"
+            f"The prefill bucket fields ({', '.join(f'`{f}`' for f in FIELDS)}) are ignored for this call: {skip_reason}"
         )
         return UPSTREAM_GENERATE(model, **arguments, **model_kwargs)
 
     plan, arguments, model_kwargs = _pad_inputs(model, policy, generation_config, arguments, model_kwargs)
     batch_policy = batch_policy_from_fields(**fields)
-    if batch_policy is not None:
+    if batch_policy is not None and continues is None:  # a cache's rows are fixed when it is filled
         plan, arguments, model_kwargs = _pad_rows(plan, batch_policy, generation_config, arguments, model_kwargs)
     with _bucketed_call(plan), compiled_wrapper_forward(wrapper) if wrapper is not None else contextlib.nullcontext():
         output = UPSTREAM_GENERATE(model, **arguments, **model_kwargs)
@@ -186,9 +190,9 @@ def _unsupported_reason(model, arguments: dict, model_kwargs: dict) -> str | Non
     """Why this call runs unpadded, or raises for the cases padding can't serve; `None` when it can be bucketed."""
     if model.config.is_encoder_decoder:
         raise ValueError(
-            f"`{PREFILL_BUCKETS}` and `{PREFILL_PAD_TO_MULTIPLE_OF}` support decoder-only models, but "
+            f"The prefill bucket fields ({', '.join(f'`{f}`' for f in FIELDS)}) support decoder-only models, but "
             f"{type(model).__name__} is an encoder-decoder model. Its prompt goes to the encoder: pad it there with "
-            "the tokenizer's `pad_to_multiple_of` (any side, with the attention mask), and unset both fields."
+            "the tokenizer's `pad_to_multiple_of` (any side, with the attention mask), and unset the fields."
         )
     if arguments.get("custom_generate") is not None:
         return "`custom_generate` replaces the generation loop."
@@ -213,6 +217,14 @@ _CACHE_PADDING = "_prefill_buckets_padding"
 def _passed_cache(model_kwargs: dict):
     cache = next((model_kwargs[key] for key in _CACHE_KWARGS if model_kwargs.get(key) is not None), None)
     return cache if hasattr(cache, "get_seq_length") else None
+
+
+def _continued_padding(model_kwargs: dict) -> tuple[int, int] | None:
+    """`(pad, padded batch)` when the call continues from a cache that a bucketed call filled, else `None`."""
+    cache = _passed_cache(model_kwargs)
+    if cache is None or cache.get_seq_length() == 0:
+        return None
+    return cache.__dict__.get(_CACHE_PADDING)
 
 
 def _warn_unbucketed(model, wrapper, generation_config, arguments: dict, model_kwargs: dict):
@@ -342,8 +354,7 @@ def _pad_inputs(model, policy: BucketPolicy, generation_config, arguments: dict,
             "one token: start the prompt with the BOS token."
         )
 
-    cache = _passed_cache(model_kwargs)
-    continued = cache.__dict__.get(_CACHE_PADDING) if cache is not None and cache.get_seq_length() > 0 else None
+    continued = _continued_padding(model_kwargs)
     if continued is not None:
         # Continuing from a cache a bucketed call filled: its first `pad` slots are padding, so the prompt (the
         # whole conversation so far) gets the same padding in front.
@@ -583,41 +594,43 @@ def _hook_prepare_cache_for_generation(original, model):
     @functools.wraps(original)
     def hooked(generation_config, model_kwargs, generation_mode, batch_size, max_cache_length):
         plan = _ACTIVE_PLAN.get()
-        static = (
-            plan is not None
-            and plan.model is model
-            and generation_config.cache_implementation in ALL_STATIC_CACHE_IMPLEMENTATIONS
-            and model_kwargs.get("cache") is None
+        if plan is None or plan.model is not model:
+            return original(generation_config, model_kwargs, generation_mode, batch_size, max_cache_length)
+        passed_cache = model_kwargs.get("cache")
+        creates_static = (
+            passed_cache is None and generation_config.cache_implementation in ALL_STATIC_CACHE_IMPLEMENTATIONS
         )
-        if not static:
+        if not (creates_static or getattr(passed_cache, "is_compileable", False)):
             return original(generation_config, model_kwargs, generation_mode, batch_size, max_cache_length)
         # `generation_config` is upstream's private copy: what the user passed is untouched.
-        if generation_config.max_cache_len is None:
+        if creates_static and generation_config.max_cache_len is None:
             generation_config.max_cache_len = plan.policy.cache_length(max_cache_length)
         if generation_config.compile_config is not None:
             # An explicit `compile_config` compiles on every device, CPU included (upstream: CUDA/XPU only).
             generation_config.compile_config._compile_all_devices = True
         result = original(generation_config, model_kwargs, generation_mode, batch_size, max_cache_length)
+        cache = model_kwargs["cache"]
+        # What prefill runs on: the padded prompt, or, continuing from a cache, the tokens the cache lacks.
+        prefill = plan.padded_length - cache.get_seq_length()
         auto_compile = model._valid_auto_compile_criteria(model_kwargs, generation_config)
         if auto_compile and generation_config.prefill_chunk_size is None:
             # Upstream compiles decode only and runs prefill eagerly, since prefill shapes are unbounded. Here they
             # are the buckets: one chunk of the whole padded prompt sends prefill through the same compiled call.
-            generation_config.prefill_chunk_size = plan.padded_length
+            generation_config.prefill_chunk_size = prefill
         chunk = generation_config.prefill_chunk_size
-        if chunk is not None and plan.padded_length % chunk:
+        if chunk is not None and prefill % chunk:
             logger.warning_once(
-                f"`prefill_chunk_size={chunk}` does not divide the padded prompt length {plan.padded_length}, so the "
-                f"last chunk has its own shape, and its own compiled graph. Set `{PREFILL_PAD_TO_MULTIPLE_OF}` to a "
-                f"multiple of {chunk}: then every chunk of every prompt shares one prefill graph."
+                f"`prefill_chunk_size={chunk}` does not divide the padded prompt length {prefill}, so the last chunk "
+                f"has its own shape, and its own compiled graph. Set `{PREFILL_PAD_TO_MULTIPLE_OF}` to a multiple of "
+                f"{chunk}: then every chunk of every prompt shares one prefill graph."
             )
         if auto_compile or compiled_forward(model) is not None:
             rows = batch_size * max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
+            cache_length = cache.get_max_length() if hasattr(cache, "get_max_length") else -1
             # Chunked prefill runs a graph per chunk shape: the chunk, and a shorter last chunk if any.
-            shapes = (
-                {plan.padded_length} if chunk is None else {min(chunk, plan.padded_length), plan.padded_length % chunk}
-            )
+            shapes = {prefill} if chunk is None else {min(chunk, prefill), prefill % chunk}
             for prefill_length in shapes - {0}:
-                _account_graphs(model, rows, prefill_length, model._previous_max_cache_length)
+                _account_graphs(model, rows, prefill_length, cache_length)
         return result
 
     return hooked

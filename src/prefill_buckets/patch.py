@@ -2,11 +2,12 @@
 
 What `enable()` changes, and `disable()` puts back exactly:
 
-- `GenerationConfig.__init__` also takes `prefill_pad_to_multiple_of` and `prefill_buckets` (default `None`);
+- `GenerationConfig.__init__` also takes `prefill_pad_to_multiple_of`, `prefill_buckets` and
+  `prefill_batch_buckets` (default `None`);
 - `GenerationConfig.validate` also checks them, so a bad value raises at construction, in `update()`, and when it is
   passed as a `generate` kwarg;
 - `GenerationConfig.__doc__` documents them;
-- `GenerationMixin.generate` is `prefill_buckets.generate`, which is upstream `generate` when neither field is set;
+- `GenerationMixin.generate` is `prefill_buckets.generate`, which is upstream `generate` when no field is set;
 - `OptimizedModule.generate` (the wrapper `torch.compile(model)` returns) is `prefill_buckets.generate` on the
   wrapper, so that a bucketed call runs the wrapper's compiled forward. Without it the wrapper forwards `generate` to
   the module it wraps, which runs eagerly; only modules that have a `generate` get one.
@@ -34,8 +35,8 @@ def is_enabled() -> bool:
 
 def enable() -> None:
     """
-    Teaches transformers' own `GenerationConfig` and `model.generate` the fields `prefill_pad_to_multiple_of` and
-    `prefill_buckets`. Idempotent and thread-safe; undone by [`disable`].
+    Teaches transformers' own `GenerationConfig` and `model.generate` the fields `prefill_pad_to_multiple_of`,
+    `prefill_buckets` and `prefill_batch_buckets`. Idempotent and thread-safe; undone by [`disable`].
 
     Example:
 

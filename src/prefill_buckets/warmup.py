@@ -12,7 +12,8 @@ from transformers.utils import logging
 
 from .buckets import BucketPolicy
 from .compilation import graph_budget
-from .generation import generate, resolve_policy
+from .config import PREFILL_BUCKETS, PREFILL_PAD_TO_MULTIPLE_OF, batch_policy_from_fields, policy_from_fields
+from .generation import generate, resolve_fields
 
 
 logger = logging.get_logger(__name__)
@@ -66,7 +67,8 @@ def precompile(
             The config later calls will use; `prefill_buckets` and/or `prefill_pad_to_multiple_of` must be set on it
             or on `model.generation_config`. Defaults to `model.generation_config`.
         batch_sizes (`tuple[int]`, *optional*, defaults to `(1,)`):
-            The batch sizes later calls will use. Each is its own set of graphs.
+            The batch sizes later calls will use. Each is its own set of graphs; with `prefill_batch_buckets`, each
+            is warmed up at its batch bucket.
         max_prompt_length (`int`, *optional*):
             The longest prompt later calls will send. Required unless `prefill_buckets` is a list, in which case it
             defaults to the largest bucket.
@@ -89,8 +91,9 @@ def precompile(
     wrapper = model
     module = getattr(model, "_orig_mod", model)
     generation_config = copy.deepcopy(generation_config if generation_config is not None else module.generation_config)
-    policy = resolve_policy(module, generation_config, {})
-    if policy is None:
+    fields = resolve_fields(module, generation_config, {})
+    policy = policy_from_fields(**fields)
+    if fields[PREFILL_BUCKETS] is None and fields[PREFILL_PAD_TO_MULTIPLE_OF] is None:
         raise ValueError(
             "`precompile` needs `prefill_buckets` or `prefill_pad_to_multiple_of` on `generation_config` (or on "
             "`model.generation_config`): without buckets every prompt length is its own graph."
@@ -107,6 +110,9 @@ def precompile(
     if not batch_sizes or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in batch_sizes):
         raise ValueError(f"`batch_sizes` must be a non-empty list of positive integers, but is {batch_sizes!r}.")
 
+    batch_policy = batch_policy_from_fields(**fields)
+    if batch_policy is not None:  # calls run at the batch buckets, not at the sizes they were given
+        batch_sizes = sorted({batch_policy.bucket(batch_size) for batch_size in batch_sizes})
     lengths = sorted(bucket_lengths(policy, max_prompt_length), reverse=True)
     max_new_tokens = generation_config.max_new_tokens
     if max_new_tokens is None:

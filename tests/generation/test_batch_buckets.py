@@ -116,6 +116,26 @@ class BatchBucketsTest(unittest.TestCase):
         out = prefill_buckets.generate(self.reference, input_ids, generation_config=config, prefill_batch_buckets=[4])
         torch.testing.assert_close(out, self.reference.generate(input_ids, generation_config=config), rtol=0, atol=0)
 
+    def test_precompile_warms_up_the_batch_buckets(self):
+        model = tiny_llama()
+        counter = GraphCounter()
+        model.compile(backend=counter, dynamic=False, fullgraph=True)
+        config = GenerationConfig(
+            max_new_tokens=4, cache_implementation="static", prefill_buckets=[8, 16], prefill_batch_buckets=[2, 4]
+        )
+        shapes = prefill_buckets.precompile(model, config, batch_sizes=(1, 3), progress=False)
+        self.assertEqual(sorted({shape.batch_size for shape in shapes}), [2, 4])
+        graphs = counter.graphs
+        self.assertEqual(graphs, 2 * (2 + 1))
+        for batch_size in (1, 2, 3, 4):
+            prefill_buckets.generate(model, self.prompts(batch_size, length=5 + batch_size), generation_config=config)
+        self.assertEqual(counter.graphs, graphs)
+
+    def test_precompile_needs_a_prompt_field(self):
+        config = GenerationConfig(max_new_tokens=4, cache_implementation="static", prefill_batch_buckets=[2])
+        with self.assertRaisesRegex(ValueError, "prefill_buckets"):
+            prefill_buckets.precompile(self.reference, config, max_prompt_length=8, progress=False)
+
     def test_invalid_values(self):
         for value in [0, [0, 2], [4, 2], [], "pow3", [True, 2]]:
             with self.subTest(value=value), self.assertRaisesRegex(ValueError, "prefill_batch_buckets"):

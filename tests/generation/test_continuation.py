@@ -84,6 +84,27 @@ class ContinuationTest(unittest.TestCase):
             ours.sequences, self.model.generate(follow_up, generation_config=config).sequences, rtol=0, atol=0
         )
 
+    def test_continuing_without_fields_still_pads(self):
+        # The cache holds the first call's padding: the follow-up must be padded the same way, fields or not.
+        config = GenerationConfig(max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
+        first = prefill_buckets.generate(self.model, self.ids(1, 6, 8), generation_config=config, prefill_buckets=[8])
+        follow_up = torch.cat([first.sequences, self.ids(1, 3, 9)], dim=1)
+        ours = prefill_buckets.generate(self.model, follow_up, cache=first.cache, generation_config=config)
+        torch.testing.assert_close(
+            ours.sequences, self.model.generate(follow_up, generation_config=config).sequences, rtol=0, atol=0
+        )
+
+    def test_batch_buckets_on_a_cache_filled_without_them(self):
+        config = GenerationConfig(max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
+        first = prefill_buckets.generate(self.model, self.ids(1, 6, 10), generation_config=config, prefill_buckets=[8])
+        follow_up = torch.cat([first.sequences, self.ids(1, 2, 11)], dim=1)
+        ours = prefill_buckets.generate(
+            self.model, follow_up, cache=first.cache, generation_config=config, prefill_batch_buckets=[4]
+        )
+        torch.testing.assert_close(
+            ours.sequences, self.model.generate(follow_up, generation_config=config).sequences, rtol=0, atol=0
+        )
+
     def test_batch_padded_cache_with_other_batch_raises(self):
         config = GenerationConfig(max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
         first = prefill_buckets.generate(
