@@ -69,7 +69,7 @@ demo: bench-venv
 # ---- docs ------------------------------------------------------------------------------------------------------
 
 # Renders docs/source/en to MDX under build/docs/prefill_buckets/main/en. Fails on a broken _toctree.yml or a bad
-# [[autodoc]] name (the package is imported to resolve them); it does not check cross-links.
+# [[autodoc]] name (the package is imported to resolve them). Cross-links: utils/check_doc_links.py.
 docs: $(VENV)/.docs-stamp
 	$(VENV)/bin/doc-builder build prefill_buckets docs/source/en --build_dir build/docs --version main --clean
 

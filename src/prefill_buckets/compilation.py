@@ -34,6 +34,10 @@ class GraphCounter:
         self.shapes.append(tuple(tuple(t.shape) for t in example_inputs if isinstance(t, torch.Tensor)))
         if self.backend == "eager":
             compiled = gm.forward
+        elif self.backend == "inductor" and kwargs:
+            # `torch.compile(mode=..., options=...)` hands these to a custom backend; inductor takes them this way.
+            inductor = torch._TorchCompileInductorWrapper(kwargs.get("mode"), kwargs.get("options"), False)
+            compiled = inductor(gm, example_inputs)
         else:
             compiled = torch._dynamo.lookup_backend(self.backend)(gm, example_inputs, **kwargs)
 

@@ -613,6 +613,11 @@ def _hook_prepare_cache_for_generation(original, model):
         # What prefill runs on: the padded prompt, or, continuing from a cache, the tokens the cache lacks.
         prefill = plan.padded_length - cache.get_seq_length()
         auto_compile = model._valid_auto_compile_criteria(model_kwargs, generation_config)
+        if creates_static and (auto_compile or compiled_forward(model) is not None):
+            # Allocate the cache now, outside the compiled forward, as upstream does for chunked prefill: tensors
+            # allocated inside the first compiled prefill are not static addresses, which CUDA graphs need.
+            rows = batch_size * max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
+            _early_initialize(model, cache, rows)
         if auto_compile and generation_config.prefill_chunk_size is None:
             # Upstream compiles decode only and runs prefill eagerly, since prefill shapes are unbounded. Here they
             # are the buckets: one chunk of the whole padded prompt sends prefill through the same compiled call.
@@ -634,6 +639,17 @@ def _hook_prepare_cache_for_generation(original, model):
         return result
 
     return hooked
+
+
+def _early_initialize(model, cache, rows: int) -> None:
+    """Allocates a lazily initialized static cache for `rows` rows, when the model's layout allows it."""
+    shape = model._get_static_cache_init_shape() if hasattr(model, "_get_static_cache_init_shape") else None
+    if shape is None or not hasattr(cache, "early_initialization"):
+        return
+    num_heads, head_dim = shape
+    cache.early_initialization(
+        batch_size=rows, num_heads=num_heads, head_dim=head_dim, dtype=model.dtype, device=model.device
+    )
 
 
 def _account_graphs(model, rows: int, prefill_length: int, cache_length: int) -> None:

@@ -59,6 +59,8 @@ def precompile(
 
         graphs = len(batch_sizes) * (prefill buckets up to max_prompt_length + 1)
 
+    (one fewer per batch size when 1 is a bucket: a 1-token prefill into the allocated cache is the decode graph).
+
     Args:
         model ([`PreTrainedModel`]):
             The model, compiled the way it will serve (`model.compile()`, a compiled `forward`, `compile_config`, or

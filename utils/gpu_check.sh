@@ -1,0 +1,224 @@
+#!/usr/bin/env bash
+# The GPU check, in one command: the GPU tests (tests/generation/test_gpu.py) and the GPU benchmark
+# (utils/gpu_bench.py, when it exists), on one CUDA GPU, in under 8 minutes on an H200.
+#
+#   bash utils/gpu_check.sh             # on the GPU machine
+#   bash utils/gpu_check.sh --dry-run   # anywhere (CI): the same phases on CPU, in about a minute
+#
+# Phases, each under its own `timeout`, all inside one time budget:
+#   1. env      versions of python, torch, triton, transformers and the GPU name          -> $OUT/env.txt
+#   2. install  `pip install --no-deps -e .`, offline (no index, no build isolation)      -> $OUT/install.log
+#   3. tests    RUN_SLOW=1 python -m pytest tests/generation/test_gpu.py                 -> $OUT/pytest_gpu.{log,xml}
+#   4. bench    python utils/gpu_bench.py (skipped, with a message, if the file is absent) -> $OUT/gpu_bench.log
+#   5. summary  a table of the phases, tests and measured numbers                         -> $OUT/summary.md
+# It exits non-zero when a test fails, errors or times out, or the benchmark fails. An install that fails is
+# reported, and the tests then import the package from src/ (PYTHONPATH) so that they still run.
+#
+# Dry run (`--dry-run`, or GPU_CHECK_DRY=1): the same phases, with the GPU hidden (CUDA_VISIBLE_DEVICES=""):
+# pip only resolves the install (`pip install --dry-run`), the GPU tests must all skip with a reason (checked from
+# the JUnit XML, and pytest must exit 0), and the benchmark runs in its `--quick` mode if it has one.
+#
+# Environment:
+#   OUT               where results go (the device tool sets it); default ./gpu_results
+#   PYTHON            the interpreter; default `python` on PATH, else `python3`
+#   GPU_CHECK_DRY     1 for a dry run
+#   GPU_CHECK_BUDGET  seconds for the whole check; default 470 (GPU) or 170 (dry run)
+#   GPU_BENCH_ARGS    extra arguments for utils/gpu_bench.py (split on spaces)
+set -euo pipefail
+
+usage() {
+    sed -n '2,/^set -euo pipefail$/p' "${BASH_SOURCE[0]}" | sed -e '$d' -e 's/^# \{0,1\}//'
+}
+
+is_true() {
+    case "${1,,}" in
+        1 | true | yes | on) return 0 ;;
+        *) return 1 ;;
+    esac
+}
+
+DRY_RUN=0
+if is_true "${GPU_CHECK_DRY:-0}"; then
+    DRY_RUN=1
+fi
+for arg in "$@"; do
+    case "$arg" in
+        --dry-run) DRY_RUN=1 ;;
+        -h | --help)
+            usage
+            exit 0
+            ;;
+        *)
+            echo "gpu_check.sh: unknown argument '$arg'" >&2
+            usage >&2
+            exit 2
+            ;;
+    esac
+done
+
+# $OUT is resolved from where the script is called, then everything runs from the repository root.
+OUT="${OUT:-./gpu_results}"
+mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"
+export OUT
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+export PYTHONUNBUFFERED=1
+
+if [[ -z "${PYTHON:-}" ]]; then
+    PYTHON="$(command -v python || command -v python3 || true)"
+fi
+if [[ -z "$PYTHON" ]]; then
+    echo "gpu_check.sh: no python on PATH; set PYTHON" >&2
+    exit 2
+fi
+
+if ((DRY_RUN)); then
+    BUDGET="${GPU_CHECK_BUDGET:-170}"
+    # Hide any GPU: a dry run checks the script's logic and the CPU behaviour of the GPU tests (they skip).
+    export CUDA_VISIBLE_DEVICES=""
+    MODE="dry run (CPU, GPU hidden)"
+else
+    BUDGET="${GPU_CHECK_BUDGET:-470}"
+    MODE="GPU run"
+fi
+# Caps per phase (seconds); every phase also stops at the overall budget, keeping RESERVE for the summary.
+RESERVE=15
+CAP_ENV=60
+CAP_INSTALL=90
+CAP_TESTS=300
+CAP_BENCH=240
+
+START=$SECONDS
+FAILED=0
+PHASES="$OUT/phases.tsv"
+: >"$PHASES"
+
+record() { # phase status seconds log
+    printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "${4#"$OUT"/}" >>"$PHASES"
+}
+
+# run_phase NAME CAP LOG COMMAND...: runs COMMAND under `timeout`, output to the terminal and LOG; sets PHASE_RC.
+# FAIL_NOTE, when set, is added to the phase's status if it fails.
+PHASE_RC=0
+FAIL_NOTE=""
+run_phase() {
+    local name=$1 cap=$2 log=$3
+    shift 3
+    local left=$((BUDGET - (SECONDS - START) - RESERVE))
+    local limit=$((cap < left ? cap : left))
+    if ((limit < 5)); then
+        echo "==> $name: no time left in the ${BUDGET}s budget" | tee "$log"
+        record "$name" "not run (budget)" 0 "$log"
+        PHASE_RC=124
+        return 0
+    fi
+    echo "==> $name (timeout ${limit}s): $*"
+    local began=$SECONDS
+    PHASE_RC=0
+    timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$log" || PHASE_RC=${PIPESTATUS[0]}
+    local took=$((SECONDS - began))
+    local status
+    case "$PHASE_RC" in
+        0) status="ok" ;;
+        124 | 137) status="timed out after ${limit}s" ;;
+        *) status="failed (exit $PHASE_RC)" ;;
+    esac
+    if ((PHASE_RC != 0)) && [[ -n "$FAIL_NOTE" ]]; then
+        status="$status, $FAIL_NOTE"
+    fi
+    record "$name" "$status" "$took" "$log"
+    echo "==> $name: $status in ${took}s"
+}
+
+echo "gpu_check.sh: $MODE, results in $OUT, budget ${BUDGET}s, python $PYTHON"
+
+# ---- 1. env ------------------------------------------------------------------------------------------------------
+run_phase env "$CAP_ENV" "$OUT/env.txt" "$PYTHON" utils/gpu_check.py env
+if ((PHASE_RC != 0)); then
+    FAILED=1
+fi
+
+# ---- 2. install --------------------------------------------------------------------------------------------------
+# Offline: --no-index (nothing is downloaded), --no-build-isolation (the installed setuptools builds it), --no-deps
+# (torch and transformers are the machine's own). A dry run only resolves it.
+pip_args=(install --no-deps --no-index --no-build-isolation --disable-pip-version-check)
+if ((DRY_RUN)); then
+    pip_args+=(--dry-run)
+fi
+FAIL_NOTE="tests import from src/ (PYTHONPATH)"
+run_phase install "$CAP_INSTALL" "$OUT/install.log" "$PYTHON" -m pip "${pip_args[@]}" -e .
+FAIL_NOTE=""
+if ((PHASE_RC != 0)); then
+    echo "==> install failed: the tests import prefill_buckets from src/ instead (PYTHONPATH)"
+    export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+fi
+
+# ---- 3. tests ----------------------------------------------------------------------------------------------------
+junit="$OUT/pytest_gpu.xml"
+rm -f "$junit" "$OUT/gpu_test_metrics.json"
+run_phase tests "$CAP_TESTS" "$OUT/pytest_gpu.log" \
+    env RUN_SLOW=1 PREFILL_BUCKETS_GPU_RESULTS="$OUT" \
+    "$PYTHON" -m pytest tests/generation/test_gpu.py -v -rs -p no:cacheprovider --junitxml="$junit"
+tests_rc=$PHASE_RC
+expect=pass
+if ((DRY_RUN)); then
+    expect=skip
+fi
+echo "==> tests: checking $junit (expect: $expect)"
+if ! verdict="$("$PYTHON" utils/gpu_check.py junit --expect "$expect" "$junit")"; then
+    FAILED=1
+    echo "$verdict"
+    echo "==> tests: FAILED"
+    record "tests verdict" "FAILED: $(tail -n 1 <<<"$verdict")" 0 "$junit"
+elif ((tests_rc != 0)); then
+    FAILED=1
+    echo "$verdict"
+    echo "==> tests: pytest exited $tests_rc"
+    record "tests verdict" "FAILED: pytest exited $tests_rc" 0 "$junit"
+else
+    echo "$verdict"
+    record "tests verdict" "as expected ($expect): $(head -n 1 <<<"$verdict")" 0 "$junit"
+fi
+
+# ---- 4. bench ----------------------------------------------------------------------------------------------------
+BENCH=utils/gpu_bench.py
+if ! test -f "$BENCH"; then
+    echo "==> bench: $BENCH not found: skipping the benchmark"
+    record bench "skipped ($BENCH not found)" 0 ""
+else
+    bench_args=()
+    if [[ -n "${GPU_BENCH_ARGS:-}" ]]; then
+        read -r -a bench_args <<<"$GPU_BENCH_ARGS"
+    fi
+    # Pass the output folder if the script takes one; it can also read $OUT itself.
+    out_flag="$(grep -oE -- '"--(out|output|out-dir|output-dir|results-dir)"' "$BENCH" | head -n 1 | tr -d '"' || true)"
+    if [[ -n "$out_flag" ]]; then
+        bench_args+=("$out_flag" "$OUT/bench")
+    fi
+    if ((DRY_RUN)); then
+        if grep -q -- '"--quick"' "$BENCH"; then
+            run_phase bench "$CAP_BENCH" "$OUT/gpu_bench.log" "$PYTHON" "$BENCH" --quick "${bench_args[@]}"
+            if ((PHASE_RC != 0)); then
+                FAILED=1
+            fi
+        else
+            echo "==> bench: $BENCH has no --quick mode: not run in a dry run"
+            record bench "skipped (no --quick mode)" 0 ""
+        fi
+    else
+        run_phase bench "$CAP_BENCH" "$OUT/gpu_bench.log" "$PYTHON" "$BENCH" "${bench_args[@]}"
+        if ((PHASE_RC != 0)); then
+            FAILED=1
+        fi
+    fi
+fi
+
+# ---- 5. summary --------------------------------------------------------------------------------------------------
+echo
+"$PYTHON" utils/gpu_check.py summary --out "$OUT" || FAILED=1
+echo
+if ((FAILED)); then
+    echo "gpu_check.sh: FAILED ($MODE, $((SECONDS - START))s); see $OUT"
+    exit 1
+fi
+echo "gpu_check.sh: passed ($MODE, $((SECONDS - START))s); results in $OUT"
