@@ -4,28 +4,13 @@ import unittest
 
 import torch
 from parameterized import parameterized
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+from transformers import GenerationConfig
 from transformers.generation.streamers import BaseStreamer
 
 import prefill_buckets
 from prefill_buckets.compilation import GraphCounter
 
-
-def tiny_llama():
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        pad_token_id=0,
-        eos_token_id=1,
-        bos_token_id=2,
-    )
-    return LlamaForCausalLM(config).eval()
+from .tiny_models import tiny_llama
 
 
 class RecordingStreamer(BaseStreamer):
