@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import transformers
+from packaging import version
 from transformers import GenerationConfig, masking_utils
 from transformers.generation import logits_process
 from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS
@@ -71,6 +73,7 @@ class _Plan:
     padded_batch: int = 1  # prompts generated from, dummy rows of `prefill_batch_buckets` included
     rows: int = 1  # output rows the user gets: batch * max(num_beams, num_return_sequences)
     padded_rows: int = 1  # output rows generated, dummy rows of `prefill_batch_buckets` included
+    recompile_limit: int | None = None  # torch's limit once the call's graphs are accounted for
 
     @property
     def pad(self) -> int:
@@ -596,7 +599,7 @@ def _hook_prepare_cache_for_generation(original, model):
         plan = _ACTIVE_PLAN.get()
         if plan is None or plan.model is not model:
             return original(generation_config, model_kwargs, generation_mode, batch_size, max_cache_length)
-        passed_cache = model_kwargs.get("cache")
+        passed_cache = _passed_cache(model_kwargs)  # `cache` from transformers 5.24 on, `past_key_values` before
         creates_static = (
             passed_cache is None and generation_config.cache_implementation in ALL_STATIC_CACHE_IMPLEMENTATIONS
         )
@@ -609,16 +612,20 @@ def _hook_prepare_cache_for_generation(original, model):
             # An explicit `compile_config` compiles on every device, CPU included (upstream: CUDA/XPU only).
             generation_config.compile_config._compile_all_devices = True
         result = original(generation_config, model_kwargs, generation_mode, batch_size, max_cache_length)
-        cache = model_kwargs["cache"]
+        cache = _passed_cache(model_kwargs)
         # What prefill runs on: the padded prompt, or, continuing from a cache, the tokens the cache lacks.
-        prefill = plan.padded_length - cache.get_seq_length()
+        prefill = plan.padded_length - int(cache.get_seq_length())  # a 0-d tensor for a static cache
         auto_compile = model._valid_auto_compile_criteria(model_kwargs, generation_config)
         if creates_static and (auto_compile or compiled_forward(model) is not None):
             # Allocate the cache now, outside the compiled forward, as upstream does for chunked prefill: tensors
             # allocated inside the first compiled prefill are not static addresses, which CUDA graphs need.
             rows = batch_size * max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
             _early_initialize(model, cache, rows)
-        if auto_compile and generation_config.prefill_chunk_size is None:
+        if (
+            auto_compile
+            and generation_config.prefill_chunk_size is None
+            and (_CHUNKED_PREFILL_RESUMES or prefill == plan.padded_length)
+        ):
             # Upstream compiles decode only and runs prefill eagerly, since prefill shapes are unbounded. Here they
             # are the buckets: one chunk of the whole padded prompt sends prefill through the same compiled call.
             generation_config.prefill_chunk_size = prefill
@@ -636,9 +643,15 @@ def _hook_prepare_cache_for_generation(original, model):
             shapes = {prefill} if chunk is None else {min(chunk, prefill), prefill % chunk}
             for prefill_length in shapes - {0}:
                 _account_graphs(model, rows, prefill_length, cache_length)
+        plan.recompile_limit = torch._dynamo.config.recompile_limit
         return result
 
     return hooked
+
+
+# Before transformers 5.21, chunked prefill feeds the whole `input_ids` from position 0, even when the cache already
+# holds their start: a call continuing from a cache must then prefill in one (eager) forward.
+_CHUNKED_PREFILL_RESUMES = version.parse(transformers.__version__).release >= (5, 21)
 
 
 def _early_initialize(model, cache, rows: int) -> None:
@@ -694,6 +707,10 @@ def _hook_prepare_inputs_for_generation(original, model):
             )
         if plan is None or plan.model is not model:
             return original(input_ids, *args, **kwargs)
+        if plan.recompile_limit is not None and torch._dynamo.config.recompile_limit < plan.recompile_limit:
+            # transformers < 5.23 sets the limit to 64 before every chunked prefill, which a bucketed call with
+            # `compile_config` runs: never below what this workload needs (or what the user set).
+            torch._dynamo.config.recompile_limit = plan.recompile_limit
         token = _MATERIALIZE_SDPA_MASK.set(True)
         try:
             model_inputs = original(input_ids, *args, **kwargs)
@@ -769,6 +786,15 @@ class _UnpaddedCriterion(StoppingCriteria):
         return getattr(self.criterion, name)
 
 
+def _skips_left_padding(processor, user_processors) -> bool:
+    """
+    Whether upstream built `processor` to skip the left padding itself: from transformers 5.23 on, its repetition
+    penalty gets `prompt_ignore_length` from the (padded) attention mask, so it must see the ids that mask spans.
+    """
+    ignore_length = getattr(processor, "prompt_ignore_length", None)
+    return isinstance(ignore_length, torch.Tensor) and id(processor) not in user_processors
+
+
 def _hook_get_logits_processor(original, model):
     @functools.wraps(original)
     def hooked(*args, **kwargs):
@@ -776,10 +802,12 @@ def _hook_get_logits_processor(original, model):
         plan = _ACTIVE_PLAN.get()
         if plan is None or plan.model is not model or plan.ids_pad == 0:
             return processors
+        user_processors = {id(p) for p in kwargs.get("logits_processor") or ()}
         wrapped = LogitsProcessorList()
         for processor in processors:
             plain = len(inspect.signature(processor.__call__).parameters) == 2  # extra arguments: leave it be
-            if plain and not isinstance(processor, _PADDED_VIEW):
+            padded_view = isinstance(processor, _PADDED_VIEW) or _skips_left_padding(processor, user_processors)
+            if plain and not padded_view:
                 processor = _UnpaddedProcessor(processor, plan.ids_pad)
             wrapped.append(processor)
         return wrapped

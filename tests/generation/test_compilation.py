@@ -228,6 +228,17 @@ class CompileEntryPointTest(CompilationTestCase):
         self.assertIsNone(compile_config._compile_all_devices)
         self.assertIsNone(config.prefill_chunk_size)
 
+    def test_compile_config_keeps_recompile_limit(self):
+        # A bucketed call with `compile_config` prefills in one chunk; transformers < 5.23 sets the recompile limit
+        # to 64 before every chunked prefill, which must not lower a limit the user (or this package) set.
+        torch._dynamo.config.recompile_limit = 100
+        model = make_model()
+        self.registered_counter()
+        compile_config = CompileConfig(backend=COUNTER_BACKEND, fullgraph=True, dynamic=False, mode=None)
+        config = make_config(prefill_buckets=BUCKETS, compile_config=compile_config)
+        prefill_buckets.generate(model, make_prompt(5), generation_config=config)
+        self.assertEqual(torch._dynamo.config.recompile_limit, 100)
+
     def test_compile_config_without_buckets(self):
         # The contrast, upstream unchanged. On CPU upstream honours `compile_config` only with the private
         # `_compile_all_devices=True` (else only on CUDA/XPU/...): without it, nothing runs compiled at all; with it,

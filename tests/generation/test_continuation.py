@@ -4,11 +4,12 @@ import unittest
 
 import torch
 from parameterized import parameterized
-from transformers import DynamicCache, GenerationConfig
+from transformers import CompileConfig, DynamicCache, GenerationConfig, StaticCache
 
 import prefill_buckets
+from prefill_buckets.compilation import graph_budget
 
-from .tiny_models import tiny_llama
+from .tiny_models import CACHE, tiny_llama
 
 
 class ContinuationTest(unittest.TestCase):
@@ -38,23 +39,52 @@ class ContinuationTest(unittest.TestCase):
             ours = prefill_buckets.generate(
                 self.model,
                 torch.cat([ours.sequences, user], dim=1),
-                cache=ours.cache,
+                **{CACHE: ours[CACHE]},
                 generation_config=later,
                 prefill_buckets=[16],
             )
             theirs = self.model.generate(
-                torch.cat([theirs.sequences, user], dim=1), cache=theirs.cache, generation_config=later
+                torch.cat([theirs.sequences, user], dim=1), **{CACHE: theirs[CACHE]}, generation_config=later
             )
             torch.testing.assert_close(ours.sequences, theirs.sequences, rtol=0, atol=0)
+
+    def test_three_turns_static_cache_compile_config(self):
+        # A passed static cache with `compile_config`: the first turn prefills the padded prompt in one compiled chunk,
+        # later turns prefill the tokens the cache lacks (eagerly before transformers 5.21, whose chunked prefill
+        # always starts at position 0).
+        torch._dynamo.reset()
+        self.addCleanup(torch._dynamo.reset)
+        model = tiny_llama()  # same weights as `self.model`, its own compiled state
+        compile_config = CompileConfig(backend="eager", fullgraph=False, dynamic=False, mode=None)
+        ours_config = GenerationConfig(
+            max_new_tokens=4, do_sample=False, return_dict_in_generate=True, compile_config=compile_config
+        )
+        theirs_config = GenerationConfig(max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+        ours_cache = StaticCache(config=model.config, max_cache_len=128)
+        theirs_cache = StaticCache(config=self.model.config, max_cache_len=128)
+        ours_ids = theirs_ids = self.ids(1, 9, 0)
+        for turn in range(3):
+            ours = prefill_buckets.generate(
+                model, ours_ids, generation_config=ours_config, prefill_buckets=[16], **{CACHE: ours_cache}
+            )
+            theirs = self.model.generate(theirs_ids, generation_config=theirs_config, **{CACHE: theirs_cache})
+            torch.testing.assert_close(ours.sequences, theirs.sequences, rtol=0, atol=0)
+            user = self.ids(1, 5 + turn, turn + 1)
+            ours_ids = torch.cat([ours.sequences, user], dim=1)
+            theirs_ids = torch.cat([theirs.sequences, user], dim=1)
+        # Prefill lengths are plain ints (a static cache's `get_seq_length()` is a tensor): each is one graph shape.
+        self.assertTrue(all(type(length) is int for _, length, _ in graph_budget(model).prefill))
 
     def test_user_cache_object_is_marked(self):
         cache = DynamicCache(config=self.model.config)
         config = GenerationConfig(max_new_tokens=3, do_sample=False)
         prompt = self.ids(1, 6, 3)
-        out = prefill_buckets.generate(self.model, prompt, cache=cache, generation_config=config, prefill_buckets=[8])
+        out = prefill_buckets.generate(
+            self.model, prompt, **{CACHE: cache}, generation_config=config, prefill_buckets=[8]
+        )
         follow_up = torch.cat([out, self.ids(1, 2, 4)], dim=1)
         ours = prefill_buckets.generate(
-            self.model, follow_up, cache=cache, generation_config=config, prefill_buckets=[8]
+            self.model, follow_up, **{CACHE: cache}, generation_config=config, prefill_buckets=[8]
         )
         torch.testing.assert_close(ours, self.model.generate(follow_up, generation_config=config), rtol=0, atol=0)
 
@@ -63,7 +93,7 @@ class ContinuationTest(unittest.TestCase):
         first = self.model.generate(self.ids(1, 6, 5), generation_config=config)
         follow_up = torch.cat([first.sequences, self.ids(1, 2, 6)], dim=1)
         ours = prefill_buckets.generate(
-            self.model, follow_up, cache=first.cache, generation_config=config, prefill_buckets=[8]
+            self.model, follow_up, **{CACHE: first[CACHE]}, generation_config=config, prefill_buckets=[8]
         )
         torch.testing.assert_close(
             ours.sequences, self.model.generate(follow_up, generation_config=config).sequences, rtol=0, atol=0
@@ -74,7 +104,7 @@ class ContinuationTest(unittest.TestCase):
         config = GenerationConfig(max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
         first = prefill_buckets.generate(self.model, self.ids(1, 6, 8), generation_config=config, prefill_buckets=[8])
         follow_up = torch.cat([first.sequences, self.ids(1, 3, 9)], dim=1)
-        ours = prefill_buckets.generate(self.model, follow_up, cache=first.cache, generation_config=config)
+        ours = prefill_buckets.generate(self.model, follow_up, **{CACHE: first[CACHE]}, generation_config=config)
         torch.testing.assert_close(
             ours.sequences, self.model.generate(follow_up, generation_config=config).sequences, rtol=0, atol=0
         )
@@ -84,7 +114,7 @@ class ContinuationTest(unittest.TestCase):
         first = prefill_buckets.generate(self.model, self.ids(1, 6, 10), generation_config=config, prefill_buckets=[8])
         follow_up = torch.cat([first.sequences, self.ids(1, 2, 11)], dim=1)
         ours = prefill_buckets.generate(
-            self.model, follow_up, cache=first.cache, generation_config=config, prefill_batch_buckets=[4]
+            self.model, follow_up, **{CACHE: first[CACHE]}, generation_config=config, prefill_batch_buckets=[4]
         )
         torch.testing.assert_close(
             ours.sequences, self.model.generate(follow_up, generation_config=config).sequences, rtol=0, atol=0
@@ -97,7 +127,7 @@ class ContinuationTest(unittest.TestCase):
         )
         with self.assertRaisesRegex(ValueError, "prefill_batch_buckets"):
             prefill_buckets.generate(
-                self.model, first.sequences, cache=first.cache, generation_config=config, prefill_buckets=[8]
+                self.model, first.sequences, **{CACHE: first[CACHE]}, generation_config=config, prefill_buckets=[8]
             )
 
 

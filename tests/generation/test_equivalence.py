@@ -33,6 +33,8 @@ import prefill_buckets
 from prefill_buckets.generation import _HOOKS
 from prefill_buckets.generation import logger as generation_logger
 
+from .tiny_models import CACHE
+
 
 # Upstream's SDPA mask-skip rule, which a bucketed call replaces while it runs and must put back.
 UPSTREAM_IGNORE_CAUSAL_MASK_SDPA = masking_utils._ignore_causal_mask_sdpa
@@ -845,7 +847,7 @@ class StaticCacheLengthTest(unittest.TestCase):
             return_dict_in_generate=True,
             **kwargs,
         )
-        return out.cache.layers[0].max_cache_len
+        return out[CACHE].layers[0].max_cache_len
 
     def test_one_cache_length_per_bucket(self):
         lengths = {self.cache_length(n, prefill_buckets=[8, 16, 32, 64]) for n in (3, 5, 8)}
@@ -894,6 +896,21 @@ class PromptReadingProcessorsTest(unittest.TestCase):
             )
         self.assertEqual(recorder.first_length, 8)
         self.assertEqual(plain[0, 5:].tolist(), [eos])
+        self.assertEqual(bucketed.tolist(), plain.tolist())
+
+    def test_repetition_penalty_with_left_padding(self):
+        # From transformers 5.23 on, upstream's repetition penalty skips the left padding it reads off the mask.
+        input_ids = random_ids(2, 7, seed=4)
+        attention_mask = torch.ones_like(input_ids)
+        attention_mask[0, :3] = 0
+        kwargs = {
+            "max_new_tokens": 10,
+            "do_sample": False,
+            "repetition_penalty": 5.0,
+            "attention_mask": attention_mask,
+        }
+        plain = self.model.generate(input_ids, **kwargs)
+        bucketed = prefill_buckets.generate(self.model, input_ids, prefill_buckets=[16], **kwargs)
         self.assertEqual(bucketed.tolist(), plain.tolist())
 
 

@@ -2,6 +2,11 @@
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+
+# `generate` takes and returns the cache as `cache` from transformers 5.24 on, as `past_key_values` before.
+CACHE = "cache" if "cache" in GenerateDecoderOnlyOutput.__dataclass_fields__ else "past_key_values"
 
 
 def tiny_llama_config(**overrides) -> LlamaConfig:
