@@ -28,35 +28,29 @@ from torch._dynamo.backends.registry import register_backend
 from transformers import CompileConfig, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 import prefill_buckets
+from prefill_buckets.bench import tiny_llama
 from prefill_buckets.compilation import GraphCounter
 
 
 def build_model(quick: bool, device: str) -> LlamaForCausalLM:
-    torch.manual_seed(0)
     if quick:
-        config = LlamaConfig(
-            vocab_size=256,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-        )
-    else:  # Llama-3.2-1B's shapes
-        config = LlamaConfig(
-            vocab_size=128256,
-            hidden_size=2048,
-            intermediate_size=8192,
-            num_hidden_layers=16,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            max_position_embeddings=4096,
-            rope_theta=500000.0,
-            tie_word_embeddings=True,
-        )
-    config.pad_token_id, config.bos_token_id, config.eos_token_id = 0, 1, 2
-    dtype = torch.float32 if quick else torch.bfloat16
-    return LlamaForCausalLM(config).to(device=device, dtype=dtype).eval()
+        return tiny_llama().to(device)
+    torch.manual_seed(0)
+    config = LlamaConfig(  # Llama-3.2-1B's shapes
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=4096,
+        rope_theta=500000.0,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    return LlamaForCausalLM(config).to(device=device, dtype=torch.bfloat16).eval()
 
 
 def timed(fn):

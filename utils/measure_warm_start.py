@@ -19,27 +19,14 @@ import time
 
 def child(mode: str, artifacts: str, max_prompt_length: int) -> None:
     start = time.perf_counter()
-    import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import GenerationConfig
 
     import prefill_buckets
+    from prefill_buckets.bench import tiny_llama
 
     if mode == "warm":
         prefill_buckets.load_compile_cache(artifacts)
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    model = LlamaForCausalLM(config).eval()
+    model = tiny_llama()
     model.compile(dynamic=False)
     gc = GenerationConfig(cache_implementation="static", max_new_tokens=8, prefill_buckets="pow2")
     setup = time.perf_counter() - start

@@ -14,6 +14,7 @@ import sys
 import torch
 
 from . import bench
+from .bench import tiny_llama
 from .buckets import next_power_of_two
 from .compilation import GraphCounter
 from .generation import generate
@@ -22,14 +23,10 @@ from .generation import generate
 DEMO_LENGTHS = (5, 11, 23, 40, 57, 64, 90, 130, 200, 250, 17, 33)
 
 
-def _tiny_model():
-    return bench.tiny_llama()
-
-
 def demo(args) -> int:
     from transformers import GenerationConfig
 
-    reference = _tiny_model()
+    reference = tiny_llama()
     new_tokens = args.max_new_tokens
     config = GenerationConfig(
         cache_implementation="static", max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False
@@ -56,7 +53,7 @@ def demo(args) -> int:
     for name, fields in strategies.items():
         torch._dynamo.reset()
         torch._dynamo.config.recompile_limit = limit  # a bucketed strategy may raise it; each starts from torch's
-        model = _tiny_model()
+        model = tiny_llama()
         counter = GraphCounter(args.backend)
         model.compile(backend=counter, dynamic=False)
         equal = True
