@@ -1,9 +1,14 @@
 """Compiled-forward bookkeeping: counting graphs and the compiled calls that run them."""
 
 import contextlib
+import weakref
 from collections.abc import Callable
 
 import torch
+from transformers.utils import logging
+
+
+logger = logging.get_logger(__name__)
 
 
 class GraphCounter:
@@ -136,3 +141,112 @@ def graph_budget(model) -> GraphBudget:
         budget = GraphBudget()
         object.__setattr__(model, "_prefill_buckets_graph_budget", budget)
     return budget
+
+
+class EagerFallback:
+    """
+    A compiled callable that runs eagerly for the input shapes its backend fails to compile.
+
+    A shape is compiled on its first call; if the backend raises there (`BackendCompilerFailed`: a C++ or Triton
+    build error, an unsupported op), the call runs `eager` on the same inputs instead, and so does every later call
+    with that shape. The other shapes stay compiled. The first failure on a model logs one warning.
+
+    Re-running is only exact if the failed attempt changed nothing. It compiles before it runs, unless the forward
+    has graph breaks: then the part before the failing graph has already run, and may have written into the cache.
+    On a shape's first call the cache's counters are recorded, and if the failed attempt moved them the error is
+    raised (with a note) instead of running the forward twice.
+    """
+
+    def __init__(self, model, compiled: Callable, eager: Callable):
+        self.model = model
+        self.compiled = compiled
+        self.eager = eager
+        self.__wrapped__ = compiled
+        orig = getattr(compiled, "_torchdynamo_orig_callable", None)
+        if orig is not None:  # still reads as a compiled forward (`compiled_forward`)
+            self._torchdynamo_orig_callable = orig
+        self.state = _fallback_state(model, compiled)
+
+    def __call__(self, *args, **kwargs):
+        signature = _signature(args, kwargs)
+        state = self.state
+        if signature in state["eager"]:
+            return self.eager(*args, **kwargs)
+        first_call = signature not in state["compiled"]
+        cache = next((kwargs[k] for k in ("past_key_values", "cache") if kwargs.get(k) is not None), None)
+        before = _cache_counters(cache) if first_call else None
+        try:
+            output = self.compiled(*args, **kwargs)
+        except torch._dynamo.exc.BackendCompilerFailed as error:
+            if before is None or not _same_counters(before, _cache_counters(cache)):
+                error.add_note(
+                    "prefill_buckets could not fall back to eager for this forward: part of it had already run "
+                    "before the graph that failed to compile (a graph break), and had updated the cache. Compile "
+                    "with `fullgraph=True` to fall back safely, or fix the backend error."
+                )
+                raise
+            state["eager"].add(signature)
+            if not self.model.__dict__.get(_FALLBACK_WARNED):
+                object.__setattr__(self.model, _FALLBACK_WARNED, True)
+                shapes = ", ".join(f"{k} {list(s)}" for k, s, *_ in signature if s is not None)
+                logger.warning(
+                    f"Compiling the forward failed in the backend ({error.backend_name!r} raised "
+                    f"{type(error.inner_exception).__name__}: {error.inner_exception}). The forward runs eagerly for "
+                    f"these input shapes ({shapes}), with the same outputs; the other shapes stay compiled. Fix the "
+                    "backend error to compile them (TORCHDYNAMO_VERBOSE=1 shows where it happens)."
+                )
+            return self.eager(*args, **kwargs)
+        state["compiled"].add(signature)
+        return output
+
+
+_FALLBACK_WARNED = "_prefill_buckets_fallback_warned"
+_fallback_states: "weakref.WeakKeyDictionary[Callable, dict]" = weakref.WeakKeyDictionary()
+
+
+def _fallback_state(model, compiled) -> dict:
+    """The shapes a compiled callable has run compiled, and those that run eagerly; kept across calls."""
+    try:
+        return _fallback_states.setdefault(compiled, {"compiled": set(), "eager": set()})
+    except TypeError:  # not weak-referenceable: per wrapper
+        return {"compiled": set(), "eager": set()}
+
+
+def _signature(args, kwargs) -> tuple:
+    items = [(str(i), value) for i, value in enumerate(args)] + sorted(kwargs.items(), key=lambda kv: kv[0])
+    return tuple(
+        (key, tuple(value.shape), value.dtype, value.device) if isinstance(value, torch.Tensor) else (key, None)
+        for key, value in items
+    )
+
+
+_COUNTERS = ("cumulative_length", "cumulative_length_int", "indexer_cumulative_length")
+
+
+def _cache_counters(cache) -> list | None:
+    """Everything a forward advances in the cache: per layer, its length counters and the length of its keys."""
+    if cache is None:
+        return []
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        return None  # unknown layout: a failed attempt can't be shown harmless
+    counters = []
+    for layer in layers:
+        for name in _COUNTERS:
+            value = getattr(layer, name, None)
+            counters.append(value.clone() if isinstance(value, torch.Tensor) else value)
+        keys = getattr(layer, "keys", None)
+        counters.append(tuple(keys.shape) if isinstance(keys, torch.Tensor) else None)
+    return counters
+
+
+def _same_counters(before: list | None, after: list | None) -> bool:
+    if before is None or after is None or len(before) != len(after):
+        return False
+    for a, b in zip(before, after):
+        if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+            if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)):
+                return False
+        elif a != b:
+            return False
+    return True

@@ -17,6 +17,7 @@ the model instance for the duration of one call (see `_bucketed_call`):
 
 import contextlib
 import contextvars
+import copy
 import functools
 import inspect
 import threading
@@ -36,7 +37,7 @@ from transformers.generation.utils import GenerationMixin
 from transformers.utils import ModelOutput, logging
 
 from .buckets import BucketPolicy
-from .compilation import compiled_forward, compiled_wrapper_forward, graph_budget, is_compiled_wrapper
+from .compilation import EagerFallback, compiled_forward, compiled_wrapper_forward, graph_budget, is_compiled_wrapper
 from .config import (
     FIELDS,
     PREFILL_BATCH_BUCKETS,
@@ -180,7 +181,10 @@ def generate(model, *args, **kwargs):
     batch_policy = batch_policy_from_fields(**fields)
     if batch_policy is not None and continues is None:  # a cache's rows are fixed when it is filled
         plan, arguments, model_kwargs = _pad_rows(plan, batch_policy, generation_config, arguments, model_kwargs)
-    with _bucketed_call(plan), compiled_wrapper_forward(wrapper) if wrapper is not None else contextlib.nullcontext():
+    else:
+        plan.rows = plan.padded_rows = plan.batch_size * _rows_per_prompt(model, generation_config, model_kwargs)
+    _check_pad_token_id(model, generation_config, model_kwargs, plan)
+    with compiled_wrapper_forward(wrapper) if wrapper is not None else contextlib.nullcontext(), _bucketed_call(plan):
         output = UPSTREAM_GENERATE(model, **arguments, **model_kwargs)
     padding = (plan.pad, plan.padded_batch)
     for cache in (_passed_cache(model_kwargs), _passed_cache(output) if isinstance(output, ModelOutput) else None):
@@ -293,6 +297,13 @@ def _resolved(model, generation_config, model_kwargs, name):
     return getattr(model.generation_config, name, None)
 
 
+def _rows_per_prompt(model, generation_config, model_kwargs) -> int:
+    return max(
+        _resolved(model, generation_config, model_kwargs, "num_beams") or 1,
+        _resolved(model, generation_config, model_kwargs, "num_return_sequences") or 1,
+    )
+
+
 def _resolved_token_id(model, generation_config, model_kwargs, name):
     """A special token id (or list of ids) as plain ints."""
     value = _resolved(model, generation_config, model_kwargs, name)
@@ -310,6 +321,73 @@ def _pad_token_id(model, generation_config, model_kwargs) -> int:
     eos_token_id = _resolved_token_id(model, generation_config, model_kwargs, "eos_token_id")
     candidates = [pad_token_id, *(eos_token_id if isinstance(eos_token_id, list) else [eos_token_id]), 0]
     return next(c for c in candidates if isinstance(c, int) and 0 <= c < vocab_size)
+
+
+def _vocabulary_size(model) -> int | None:
+    embeddings = model.get_input_embeddings()
+    size = getattr(embeddings, "num_embeddings", None)
+    return size if isinstance(size, int) else None
+
+
+def _check_ids_in_vocabulary(model, input_ids: torch.Tensor) -> None:
+    """Raises `ValueError` for an id the embedding can't look up (an index error on CPU, a device assert on CUDA)."""
+    vocab_size = _vocabulary_size(model)
+    if vocab_size is None:
+        return
+    low, high = (int(v) for v in torch.aminmax(input_ids))
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        raise ValueError(
+            f"`input_ids` holds the id {bad}, outside the model's vocabulary (valid ids: 0 to {vocab_size - 1}). If "
+            "those positions are padding, fill them with a `pad_token_id` in the vocabulary and mask them with "
+            "`attention_mask`."
+        )
+
+
+def _check_pad_token_id(model, generation_config, model_kwargs, plan: "_Plan") -> None:
+    """
+    Raises `ValueError` when finished rows would be fed a pad id the embedding can't look up. Upstream fills rows
+    that stop early with `pad_token_id` and feeds it back to the model; dummy rows of `prefill_batch_buckets` stop
+    at once. With one row (or beam search) nothing is fed, and the id is never used.
+    """
+    pad_token_id = _resolved_token_id(model, generation_config, model_kwargs, "pad_token_id")
+    vocab_size = _vocabulary_size(model)
+    if not isinstance(pad_token_id, int) or vocab_size is None or 0 <= pad_token_id < vocab_size:
+        return
+    if plan.padded_rows > 1 and (_resolved(model, generation_config, model_kwargs, "num_beams") or 1) == 1:
+        raise ValueError(
+            f"`pad_token_id` is {pad_token_id}, outside the model's vocabulary (valid ids: 0 to {vocab_size - 1}). "
+            f"This call generates {plan.padded_rows} rows: a row that finishes before the others is filled with "
+            "`pad_token_id` and fed back to the model, which can't look it up. Set `pad_token_id` to an id in the "
+            "vocabulary (the eos token id is the usual choice)."
+        )
+
+
+def _capped_bucket(model, policy: BucketPolicy, prompt_length: int) -> int:
+    """
+    The bucket of a prompt, but never more positions than the model has (`max_position_embeddings`), unless the
+    prompt itself is longer: then it is not padded at all.
+    """
+    padded_length = policy.bucket(prompt_length)
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    max_positions = getattr(config, "max_position_embeddings", None)
+    if isinstance(max_positions, int) and padded_length > max_positions:
+        capped = max(prompt_length, max_positions)
+        logger.warning_once(
+            f"The bucket of a {prompt_length}-token prompt is {padded_length}, more positions than the model has "
+            f"(`max_position_embeddings={max_positions}`), so it is padded to {capped} instead. Prompts this long "
+            f"share that length, and its compiled graph; make {max_positions} your largest bucket to say so."
+        )
+        padded_length = capped
+    return padded_length
+
+
+def _pad_token_is_inferable(model, generation_config, model_kwargs) -> bool:
+    """Whether pad tokens in `input_ids` tell the padding, as upstream infers it: a pad token that is not eos."""
+    pad_token_id = _resolved_token_id(model, generation_config, model_kwargs, "pad_token_id")
+    eos_token_id = _resolved_token_id(model, generation_config, model_kwargs, "eos_token_id")
+    eos_ids = eos_token_id if isinstance(eos_token_id, list) else [eos_token_id]
+    return pad_token_id is not None and pad_token_id not in eos_ids
 
 
 def _default_attention_mask(model, generation_config, model_kwargs, input_ids: torch.Tensor) -> torch.Tensor:
@@ -371,7 +449,7 @@ def _pad_inputs(model, policy: BucketPolicy, generation_config, arguments: dict,
             )
         padded_length = prompt_length + pad
     else:
-        padded_length = policy.bucket(prompt_length)
+        padded_length = _capped_bucket(model, policy, prompt_length)
     if continued is None and policy.exceeds_buckets(prompt_length):
         logger.warning_once(
             f"A prompt of {prompt_length} tokens is longer than the largest of `{PREFILL_BUCKETS}` "
@@ -380,6 +458,8 @@ def _pad_inputs(model, policy: BucketPolicy, generation_config, arguments: dict,
         )
     pad = padded_length - prompt_length
     pad_token_id = _pad_token_id(model, generation_config, model_kwargs)
+    if input_ids is not None and input_ids.numel() > 0:
+        _check_ids_in_vocabulary(model, input_ids)
 
     if model_kwargs.get("attention_mask") is None:
         mask_source = input_ids if input_ids is not None and input_ids.shape[1] == prompt_length else None
@@ -387,6 +467,13 @@ def _pad_inputs(model, policy: BucketPolicy, generation_config, arguments: dict,
             model_kwargs["attention_mask"] = _default_attention_mask(
                 model, generation_config, model_kwargs, mask_source
             )
+            if mask_source.shape[0] > 1 and not _pad_token_is_inferable(model, generation_config, model_kwargs):
+                # Upstream warns about this itself, but only when no mask is passed: this call passes one.
+                logger.warning_once(
+                    "The attention mask is not set with a batched input, and can't be inferred from `input_ids` "
+                    "because the pad token is not set or is the eos token, so every prompt token is attended (as "
+                    "upstream `generate` does). If the batch is padded, pass its `attention_mask`."
+                )
         else:
             batch_size = inputs_embeds.shape[0]
             model_kwargs["attention_mask"] = torch.ones(
@@ -441,10 +528,7 @@ def _pad_rows(plan: _Plan, batch_policy: BucketPolicy, generation_config, argume
     prompt = model_kwargs["inputs_embeds"] if model_kwargs.get("inputs_embeds") is not None else input_ids
     batch_size = prompt.shape[0]
     padded_batch = batch_policy.bucket(batch_size)
-    expand = max(
-        _resolved(model, generation_config, model_kwargs, "num_beams") or 1,
-        _resolved(model, generation_config, model_kwargs, "num_return_sequences") or 1,
-    )
+    expand = _rows_per_prompt(model, generation_config, model_kwargs)
     plan.rows = plan.padded_rows = batch_size * expand
     if padded_batch == batch_size:
         return plan, arguments, model_kwargs
@@ -545,6 +629,7 @@ class _PromptStrippingStreamer(BaseStreamer):
 
 _hook_lock = threading.Lock()
 _hook_users: dict[int, int] = {}  # id(model) -> calls in flight that rely on its hooks
+_fallbacks: dict[int, dict[str, Any]] = {}  # id(model) -> compiled callables wrapped in an `EagerFallback`
 _sdpa_skip: dict[str, Any] = {}  # "original": upstream's `_ignore_causal_mask_sdpa` while any bucketed call runs
 
 
@@ -606,12 +691,16 @@ def _hook_prepare_cache_for_generation(original, model):
         if not (creates_static or getattr(passed_cache, "is_compileable", False)):
             return original(generation_config, model_kwargs, generation_mode, batch_size, max_cache_length)
         # `generation_config` is upstream's private copy: what the user passed is untouched.
-        if creates_static and generation_config.max_cache_len is None:
+        sized_here = creates_static and generation_config.max_cache_len is None
+        if sized_here:
             generation_config.max_cache_len = plan.policy.cache_length(max_cache_length)
         if generation_config.compile_config is not None:
             # An explicit `compile_config` compiles on every device, CPU included (upstream: CUDA/XPU only).
             generation_config.compile_config._compile_all_devices = True
         result = original(generation_config, model_kwargs, generation_mode, batch_size, max_cache_length)
+        if sized_here:
+            # The cache is made. Unset again, so configs derived from this one (an assistant model's) don't inherit it.
+            generation_config.max_cache_len = None
         cache = _passed_cache(model_kwargs)
         # What prefill runs on: the padded prompt, or, continuing from a cache, the tokens the cache lacks.
         prefill = plan.padded_length - int(cache.get_seq_length())  # a 0-d tensor for a static cache
@@ -815,6 +904,16 @@ def _hook_get_logits_processor(original, model):
     return hooked
 
 
+def _padded_criterion(criterion, pad: int):
+    if not isinstance(criterion, _PADDED_VIEW):
+        return _UnpaddedCriterion(criterion, pad)
+    if isinstance(criterion, MaxLengthCriteria) and criterion.max_position_embeddings is not None:
+        # It warns once the sequence passes the model's positions; the added columns take none of them.
+        criterion = copy.copy(criterion)
+        criterion.max_position_embeddings += pad
+    return criterion
+
+
 def _hook_get_stopping_criteria(original, model):
     @functools.wraps(original)
     def hooked(*args, **kwargs):
@@ -822,9 +921,54 @@ def _hook_get_stopping_criteria(original, model):
         plan = _ACTIVE_PLAN.get()
         if plan is None or plan.model is not model or plan.ids_pad == 0:
             return criteria
-        return StoppingCriteriaList(
-            c if isinstance(c, _PADDED_VIEW) else _UnpaddedCriterion(c, plan.ids_pad) for c in criteria
-        )
+        return StoppingCriteriaList(_padded_criterion(c, plan.ids_pad) for c in criteria)
+
+    return hooked
+
+
+class _UnpaddedPromptLookup:
+    """Runs prompt-lookup decoding's n-gram search on the ids without the added columns, as an unpadded run does."""
+
+    def __init__(self, generator, pad: int):
+        self.generator = generator
+        self.pad = pad
+        generator.max_length -= pad  # compared with the length of the ids it sees
+
+    def get_candidates(self, input_ids, *args, **kwargs):
+        candidates, logits = self.generator.get_candidates(input_ids[:, self.pad :], *args, **kwargs)
+        return torch.cat([input_ids[:, : self.pad], candidates], dim=1), logits
+
+    def update_candidate_strategy(self, input_ids, *args, **kwargs):
+        return self.generator.update_candidate_strategy(input_ids[:, self.pad :], *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.generator, name)
+
+
+def _hook_get_candidate_generator(original, model):
+    @functools.wraps(original)
+    def hooked(*args, **kwargs):
+        generator = original(*args, **kwargs)
+        plan = _ACTIVE_PLAN.get()
+        if plan is None or plan.model is not model or plan.ids_pad == 0:
+            return generator
+        # Its candidates come from the ids' content: with the padding in front, a match could start in it. An
+        # assistant model's candidates come from a forward with the attention mask, which hides the padding.
+        if type(generator).__name__ == "PromptLookupCandidateGenerator":
+            return _UnpaddedPromptLookup(generator, plan.ids_pad)
+        return generator
+
+    return hooked
+
+
+def _hook_get_compiled_call(original, model):
+    @functools.wraps(original)
+    def hooked(*args, **kwargs):
+        compiled = original(*args, **kwargs)
+        plan = _ACTIVE_PLAN.get()
+        if plan is None or plan.model is not model or compiled == model.__call__:
+            return compiled
+        return EagerFallback(model, compiled, model.__call__)
 
     return hooked
 
@@ -835,7 +979,33 @@ _HOOKS = {
     "prepare_inputs_for_generation": _hook_prepare_inputs_for_generation,
     "_get_logits_processor": _hook_get_logits_processor,
     "_get_stopping_criteria": _hook_get_stopping_criteria,
+    "get_compiled_call": _hook_get_compiled_call,
+    "_get_candidate_generator": _hook_get_candidate_generator,
 }
+
+
+def _install_fallbacks(model) -> dict[str, Any]:
+    """
+    Wraps the user's compiled forward (`model.compile()`, or a compiled `forward`) in an `EagerFallback` for the
+    duration of bucketed calls. Returns what was replaced, for `_remove_fallbacks`.
+    """
+    replaced = {}
+    impl = model.__dict__.get("_compiled_call_impl")
+    if impl is not None and not isinstance(impl, EagerFallback):
+        replaced["_compiled_call_impl"] = impl
+        object.__setattr__(model, "_compiled_call_impl", EagerFallback(model, impl, model._call_impl))
+    forward = model.__dict__.get("forward")
+    if hasattr(forward, "_torchdynamo_orig_callable") and not isinstance(forward, EagerFallback):
+        replaced["forward"] = forward
+        object.__setattr__(model, "forward", EagerFallback(model, forward, forward._torchdynamo_orig_callable))
+    return replaced
+
+
+def _remove_fallbacks(model, replaced: dict[str, Any]) -> None:
+    for name, original in replaced.items():
+        current = model.__dict__.get(name)
+        if isinstance(current, EagerFallback) and current.compiled is original:  # else the user has set another
+            object.__setattr__(model, name, original)
 
 
 @contextlib.contextmanager
@@ -860,7 +1030,9 @@ def _bucketed_call(plan: _Plan):
             masking_utils._ignore_causal_mask_sdpa = _hook_ignore_causal_mask_sdpa(_sdpa_skip["original"])
         if first_for_model:
             for name, make_hook in _HOOKS.items():
-                object.__setattr__(model, name, make_hook(getattr(model, name), model))
+                if hasattr(model, name):
+                    object.__setattr__(model, name, make_hook(getattr(model, name), model))
+            _fallbacks[id(model)] = _install_fallbacks(model)
         _hook_users[id(model)] = _hook_users.get(id(model), 0) + 1
     token = _ACTIVE_PLAN.set(plan)
     try:
@@ -873,6 +1045,7 @@ def _bucketed_call(plan: _Plan):
                 del _hook_users[id(model)]
                 for name in _HOOKS:
                     model.__dict__.pop(name, None)
+                _remove_fallbacks(model, _fallbacks.pop(id(model)))
             if not _hook_users:
                 masking_utils._ignore_causal_mask_sdpa = _sdpa_skip.pop("original")
 

@@ -1,0 +1,437 @@
+# Every generation mode a user reaches for, bad input, and faults: with buckets, the output is exactly an unpadded
+# run's, or the call raises a clear error. Reference runs are upstream `generate` on the same inputs.
+
+import threading
+import unittest
+
+import torch
+from parameterized import parameterized
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import CompileConfig, GenerationConfig, PreTrainedTokenizerFast, masking_utils
+from transformers.generation.utils import GenerationMixin
+from transformers.testing_utils import CaptureLogger
+
+import prefill_buckets
+from prefill_buckets.compilation import EagerFallback
+from prefill_buckets.compilation import logger as compilation_logger
+from prefill_buckets.generation import _HOOKS, UPSTREAM_GENERATE
+from prefill_buckets.generation import logger as generation_logger
+
+from .tiny_models import tiny_llama
+
+
+UPSTREAM_IGNORE_CAUSAL_MASK_SDPA = masking_utils._ignore_causal_mask_sdpa
+VOCAB = 128
+
+
+def random_ids(batch_size: int, length: int, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (batch_size, length), generator=generator)
+
+
+def word_tokenizer() -> PreTrainedTokenizerFast:
+    """
+    A word-level tokenizer over the tiny models' 128 ids: `w<id>` is one token (pad w0, eos w1, bos w2), except id 3,
+    `abcdef`: stop strings find a token's text by tokenizing that word.
+    """
+    vocab = {f"w{i}": i for i in range(VOCAB) if i != 3}
+    vocab["abcdef"] = 3
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="abcdef"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, pad_token="w0", eos_token="w1", bos_token="w2", padding_side="left"
+    )
+
+
+class RobustnessTestBase(unittest.TestCase):
+    def setUp(self):
+        prefill_buckets.disable()
+        self.addCleanup(prefill_buckets.disable)
+        self.model = tiny_llama()
+        self.addCleanup(self.assertNoHooksLeft, self.model)
+
+    def assertNoHooksLeft(self, model):
+        for name in _HOOKS:
+            self.assertNotIn(name, model.__dict__)
+        self.assertNotIsInstance(model.__dict__.get("_compiled_call_impl"), EagerFallback)
+        self.assertNotIsInstance(model.__dict__.get("forward"), EagerFallback)
+        self.assertIs(masking_utils._ignore_causal_mask_sdpa, UPSTREAM_IGNORE_CAUSAL_MASK_SDPA)
+
+    def assertSameIds(self, actual, expected):
+        self.assertEqual(tuple(actual.shape), tuple(expected.shape))
+        self.assertTrue(torch.equal(actual, expected), f"\n{actual}\n!=\n{expected}")
+
+
+class GenerationModesTest(RobustnessTestBase):
+    @parameterized.expand(
+        [
+            (f"{mode}_{'sample' if sample else 'greedy'}_{length}", mode, sample, length)
+            for mode in ("assisted", "prompt_lookup")
+            for sample in (False, True)
+            for length in (5, 11, 16, 17)
+        ]
+    )
+    def test_assisted_and_prompt_lookup(self, _, mode, sample, length):
+        input_ids = random_ids(1, length, seed=length)
+        input_ids[0, -3:] = input_ids[0, :3].clone()  # an n-gram that prompt lookup finds
+        kwargs = {"assistant_model": tiny_llama(seed=1)} if mode == "assisted" else {"prompt_lookup_num_tokens": 2}
+        config = GenerationConfig(max_new_tokens=8, do_sample=sample, pad_token_id=0, eos_token_id=1)
+        torch.manual_seed(0)
+        expected = self.model.generate(input_ids, generation_config=config, **kwargs)
+        prefill_buckets.enable()  # the assistant's own `generate` is then bucketed too
+        torch.manual_seed(0)
+        actual = self.model.generate(input_ids, generation_config=config, prefill_buckets=[16, 32], **kwargs)
+        self.assertSameIds(actual, expected)
+
+    @parameterized.expand([("static", "static"), ("dynamic", None)])
+    def test_stop_strings(self, _, cache_implementation):
+        tokenizer = word_tokenizer()
+        input_ids = random_ids(2, 9, seed=3)
+        attention_mask = torch.ones_like(input_ids)
+        attention_mask[1, :4] = 0
+        input_ids[1, :4] = 0
+        free_run = self.model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=10, do_sample=False)
+        stop = tokenizer.convert_ids_to_tokens(int(free_run[0, 9 + 3]))  # the 4th new token of row 0
+        kwargs = {
+            "attention_mask": attention_mask,
+            "max_new_tokens": 10,
+            "do_sample": False,
+            "stop_strings": [stop],
+            "tokenizer": tokenizer,
+            "cache_implementation": cache_implementation,
+        }
+        expected = self.model.generate(input_ids, **kwargs)
+        actual = prefill_buckets.generate(self.model, input_ids, prefill_buckets=[16, 32], **kwargs)
+        self.assertSameIds(actual, expected)
+        # The stop string ended row 0 after its 4th new token: it is padded from there on, unlike the free run.
+        self.assertTrue(expected[0, 13:].eq(0).all())
+        self.assertFalse(torch.equal(expected, free_run[:, : expected.shape[1]]))
+
+    @parameterized.expand(
+        [("same_multiple", {"prefill_pad_to_multiple_of": 8}), ("buckets", {"prefill_buckets": [16]})]
+    )
+    def test_already_padded_by_the_tokenizer(self, _, fields):
+        tokenizer = word_tokenizer()
+        texts = [" ".join(f"w{i}" for i in random_ids(1, n, seed=n)[0].tolist()) for n in (3, 10, 6)]
+        inputs = tokenizer(texts, padding=True, pad_to_multiple_of=8, return_tensors="pt")
+        self.assertEqual(inputs["input_ids"].shape[1], 16)
+        expected = self.model.generate(**inputs, max_new_tokens=5, do_sample=False)
+        actual = prefill_buckets.generate(self.model, **inputs, max_new_tokens=5, do_sample=False, **fields)
+        self.assertSameIds(actual, expected)
+
+    def test_output_attentions_with_static_cache(self):
+        model = tiny_llama(attn_implementation="eager")
+        input_ids = random_ids(1, 6)
+        kwargs = {
+            "max_new_tokens": 3,
+            "do_sample": False,
+            "output_attentions": True,
+            "return_dict_in_generate": True,
+            "cache_implementation": "static",
+        }
+        expected = model.generate(input_ids, **kwargs)
+        actual = prefill_buckets.generate(model, input_ids, prefill_buckets=[8], **kwargs)
+        self.assertSameIds(actual.sequences, expected.sequences)
+        # Prefill: the query axis is the prompt's 6 tokens. The key axis spans each run's static cache: upstream's
+        # prompt is in slots 0-5, the bucketed one in slots 2-7 (after 2 pad slots), and every other slot gets 0.
+        for got, want in zip(actual.attentions[0], expected.attentions[0]):
+            self.assertEqual(got.shape[:-1], want.shape[:-1])
+            torch.testing.assert_close(got[..., 2:8], want[..., :6], atol=1e-5, rtol=1e-4)
+            self.assertEqual(got[..., :2].abs().sum().item(), 0.0)
+            self.assertEqual(got[..., 8:].abs().sum().item(), 0.0)
+
+
+class BadInputTest(RobustnessTestBase):
+    def test_empty_prompt(self):
+        with self.assertRaisesRegex(ValueError, "prompt is empty"):
+            prefill_buckets.generate(self.model, torch.empty(1, 0, dtype=torch.long), prefill_buckets=[8])
+
+    @parameterized.expand([("too_large", VOCAB), ("negative", -100)])
+    def test_id_outside_the_vocabulary(self, _, bad_id):
+        input_ids = random_ids(2, 5)
+        input_ids[1, 0] = bad_id
+        with self.assertRaisesRegex(ValueError, rf"`input_ids` holds the id {bad_id}.*valid ids: 0 to {VOCAB - 1}"):
+            prefill_buckets.generate(self.model, input_ids, max_new_tokens=2, prefill_buckets=[8])
+
+    @parameterized.expand([("too_large", 500), ("negative", -1)])
+    def test_pad_token_outside_the_vocabulary_in_a_batch(self, _, pad_token_id):
+        input_ids = random_ids(2, 5)
+        with self.assertRaisesRegex(ValueError, rf"`pad_token_id` is {pad_token_id}.*valid ids: 0 to {VOCAB - 1}"):
+            prefill_buckets.generate(
+                self.model, input_ids, max_new_tokens=2, pad_token_id=pad_token_id, prefill_buckets=[8]
+            )
+
+    def test_pad_token_outside_the_vocabulary_with_batch_buckets(self):
+        # One prompt, but a dummy row makes two: it finishes at once and would be fed the pad id.
+        with self.assertRaisesRegex(ValueError, "`pad_token_id` is 500.*generates 2 rows"):
+            prefill_buckets.generate(
+                self.model,
+                random_ids(1, 5),
+                max_new_tokens=2,
+                pad_token_id=500,
+                prefill_buckets=[8],
+                prefill_batch_buckets=[2],
+            )
+
+    def test_pad_token_outside_the_vocabulary_one_prompt(self):
+        # Never fed to the model: exact, as upstream.
+        input_ids = random_ids(1, 5)
+        expected = self.model.generate(input_ids, max_new_tokens=4, do_sample=False, pad_token_id=500)
+        actual = prefill_buckets.generate(
+            self.model, input_ids, max_new_tokens=4, do_sample=False, pad_token_id=500, prefill_buckets=[8]
+        )
+        self.assertSameIds(actual, expected)
+
+    @parameterized.expand([("fits", 40, 64), ("bucket_past_the_end", 50, 64), ("prompt_past_the_end", 70, 70)])
+    def test_bucket_capped_at_max_positions(self, _, length, padded):
+        model = tiny_llama(max_position_embeddings=64)
+        input_ids = random_ids(1, length)
+        seen = []
+        handle = model.register_forward_pre_hook(
+            lambda m, a, k: seen.append(k["input_ids"].shape[1]), with_kwargs=True
+        )
+        self.addCleanup(handle.remove)
+        with CaptureLogger(generation_logger) as logs:
+            actual = prefill_buckets.generate(
+                model, input_ids, max_new_tokens=3, do_sample=False, prefill_buckets=[32, 128]
+            )
+        self.assertEqual(seen[0], padded)
+        if length <= 64 < 128:
+            self.assertIn("more positions than the model has", logs.out)
+        seen.clear()
+        expected = model.generate(input_ids, max_new_tokens=3, do_sample=False)
+        self.assertEqual(seen[0], length)
+        self.assertSameIds(actual, expected)
+
+    def test_no_max_length_reminder_caused_by_padding(self):
+        # 60 tokens + 3 new fit in 64 positions; the padded sequence (128 + 3) does not, but takes no more positions.
+        model = tiny_llama(max_position_embeddings=64)
+        from transformers.generation.stopping_criteria import logger as criteria_logger
+
+        with CaptureLogger(criteria_logger) as logs:
+            prefill_buckets.generate(model, random_ids(1, 20), max_new_tokens=3, prefill_buckets=[64])
+        self.assertNotIn("exceeded the model's predefined maximum length", logs.out)
+
+    def test_padded_batch_without_mask_pad_is_eos(self):
+        # The padding can't be told from the ids: upstream attends it (and warns); so does the bucketed call.
+        model = tiny_llama(pad_token_id=1)
+        input_ids = random_ids(2, 6)
+        input_ids[1, :2] = 1
+        expected = model.generate(input_ids, max_new_tokens=3, do_sample=False)
+        with CaptureLogger(generation_logger) as logs:
+            actual = prefill_buckets.generate(model, input_ids, max_new_tokens=3, do_sample=False, prefill_buckets=[8])
+        self.assertSameIds(actual, expected)
+        self.assertIn("can't be inferred from `input_ids`", logs.out)
+
+    def test_padded_batch_without_mask_inferred(self):
+        input_ids = random_ids(2, 6)
+        input_ids[1, :2] = 0
+        expected = self.model.generate(input_ids, attention_mask=input_ids.ne(0).long(), max_new_tokens=3)
+        with CaptureLogger(generation_logger) as logs:
+            actual = prefill_buckets.generate(self.model, input_ids, max_new_tokens=3, prefill_buckets=[8])
+        self.assertSameIds(actual, expected)
+        self.assertNotIn("can't be inferred", logs.out)
+
+
+class FailingBackend:
+    """A backend that raises for graphs with a `[batch, fail_length]` integer input (a prefill), else runs eagerly."""
+
+    def __init__(self, fail_length: int):
+        self.fail_length = fail_length
+        self.failures = 0
+        self.graphs = 0
+        self.calls = 0
+
+    def __call__(self, gm, example_inputs, **kwargs):
+        for tensor in example_inputs:
+            if (
+                isinstance(tensor, torch.Tensor)
+                and tensor.dtype == torch.long
+                and tensor.ndim == 2
+                and tensor.shape[-1] == self.fail_length
+            ):
+                self.failures += 1
+                raise RuntimeError(f"cannot compile length {self.fail_length}")
+        self.graphs += 1
+
+        def run(*args):
+            self.calls += 1
+            return gm.forward(*args)
+
+        return run
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+class BackendFailureTest(RobustnessTestBase):
+    LENGTHS = (5, 20, 9, 25, 12)
+
+    def compile(self, entry_point: str, backend):
+        """(model or wrapper to generate with, extra generate kwargs)"""
+        options = {"backend": backend, "dynamic": False, "fullgraph": True}
+        if entry_point == "model.compile":
+            self.model.compile(**options)
+            return self.model, {}
+        if entry_point == "compiled_forward":
+            self.model.forward = torch.compile(self.model.forward, **options)
+            return self.model, {}
+        if entry_point == "wrapper":
+            return torch.compile(self.model, **options), {}
+        return self.model, {"compile_config": CompileConfig(**options)}
+
+    @parameterized.expand([(e,) for e in ("model.compile", "compiled_forward", "wrapper", "compile_config")])
+    def test_failing_bucket_runs_eagerly(self, entry_point):
+        torch._dynamo.reset()
+        self.addCleanup(torch._dynamo.reset)
+        reference = tiny_llama()
+        backend = FailingBackend(fail_length=32)
+        model, extra = self.compile(entry_point, backend)
+        config = GenerationConfig(cache_implementation="static", max_new_tokens=4, do_sample=False)
+        with CaptureLogger(compilation_logger) as logs:
+            for length in self.LENGTHS:
+                input_ids = random_ids(1, length, seed=length)
+                actual = prefill_buckets.generate(
+                    model, input_ids, generation_config=config, prefill_buckets=[16, 32], **extra
+                )
+                expected = reference.generate(input_ids, generation_config=config)
+                self.assertSameIds(actual, expected)
+        self.assertEqual(logs.out.count("Compiling the forward failed in the backend"), 1, logs.out)
+        self.assertIn("cannot compile length 32", logs.out)
+        self.assertEqual(backend.failures, 1)  # the failed shape is not tried again
+        self.assertGreater(backend.calls, 0)  # the other bucket, and decode, stay compiled
+
+    def test_graph_break_after_the_cache_moved_raises(self):
+        # A failed attempt that already advanced the cache can't be re-run: the error is raised, with a note.
+        class Layer:
+            cumulative_length = 0
+
+        class Cache:
+            layers = [Layer()]
+
+        cache = Cache()
+
+        def compiled(**kwargs):
+            kwargs["past_key_values"].layers[0].cumulative_length += 4  # ran before the graph break
+            raise torch._dynamo.exc.BackendCompilerFailed(lambda: None, RuntimeError("boom"), None)
+
+        eager_calls = []
+        fallback = EagerFallback(self.model, compiled, lambda **kwargs: eager_calls.append(kwargs))
+        with self.assertRaises(torch._dynamo.exc.BackendCompilerFailed) as raised:
+            fallback(input_ids=torch.ones(1, 4, dtype=torch.long), past_key_values=cache)
+        self.assertIn("part of it had already run", "\n".join(getattr(raised.exception, "__notes__", [])))
+        self.assertEqual(eager_calls, [])
+
+    def test_failure_before_anything_ran_falls_back(self):
+        class Layer:
+            cumulative_length = torch.tensor(3)
+
+        class Cache:
+            layers = [Layer()]
+
+        def compiled(**kwargs):
+            raise torch._dynamo.exc.BackendCompilerFailed(lambda: None, RuntimeError("boom"), None)
+
+        fallback = EagerFallback(self.model, compiled, lambda **kwargs: "eager")
+        inputs = {"input_ids": torch.ones(1, 4, dtype=torch.long), "past_key_values": Cache()}
+        self.assertEqual(fallback(**inputs), "eager")
+        self.assertEqual(fallback(**inputs), "eager")  # remembered: not compiled again
+
+
+class ThreadsTest(RobustnessTestBase):
+    def run_threads(self, targets):
+        errors = []
+
+        def guard(target):
+            try:
+                target()
+            except BaseException as error:  # noqa: BLE001 (reported below)
+                errors.append(error)
+
+        threads = [threading.Thread(target=guard, args=(t,)) for t in targets]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=300)
+        self.assertEqual(errors, [])
+
+    def test_enable_from_many_threads(self):
+        original_init = GenerationConfig.__init__
+        barrier = threading.Barrier(8)
+        made = []
+
+        def target():
+            barrier.wait()
+            prefill_buckets.enable()
+            made.append(GenerationConfig(prefill_buckets=[8, 16]).prefill_buckets)
+
+        self.run_threads([target] * 8)
+        self.assertEqual(made, [[8, 16]] * 8)
+        self.assertIs(GenerationConfig.__init__.__wrapped__, original_init)  # wrapped once
+        prefill_buckets.disable()
+        self.assertIs(GenerationConfig.__init__, original_init)
+
+    def test_two_models_and_two_threads_per_model(self):
+        other = tiny_llama(seed=1, num_hidden_layers=1)
+        jobs = []
+        for model, fields in ((self.model, {"prefill_buckets": [8, 16, 32]}), (other, {"prefill_buckets": "pow2"})):
+            for seed, cache in ((1, "static"), (2, None)):
+                for length in (3, 7, 13, 21):
+                    jobs.append((model, fields, random_ids(2, length, seed=seed * 100 + length), cache))
+        expected = [
+            model.generate(ids, max_new_tokens=5, do_sample=False, cache_implementation=cache)
+            for model, _, ids, cache in jobs
+        ]
+        actual = [None] * len(jobs)
+
+        def worker(indices):
+            def target():
+                for i in indices:
+                    model, fields, ids, cache = jobs[i]
+                    actual[i] = prefill_buckets.generate(
+                        model, ids, max_new_tokens=5, do_sample=False, cache_implementation=cache, **fields
+                    )
+
+            return target
+
+        # Four threads, each mixing both models, interleaved.
+        self.run_threads([worker(range(start, len(jobs), 4)) for start in range(4)])
+        for i, (got, want) in enumerate(zip(actual, expected)):
+            with self.subTest(job=i):
+                self.assertSameIds(got, want)
+        self.assertNoHooksLeft(other)
+
+    def test_disable_during_a_call(self):
+        prefill_buckets.enable()
+        started, release = threading.Event(), threading.Event()
+
+        class PausingStreamer:
+            def put(self, value):
+                if not started.is_set():
+                    started.set()
+                    release.wait(timeout=60)
+
+            def end(self):
+                pass
+
+        input_ids = random_ids(1, 7)
+        expected = UPSTREAM_GENERATE(self.model, input_ids, max_new_tokens=4, do_sample=False)
+        result = {}
+
+        def target():
+            result["ids"] = self.model.generate(
+                input_ids, max_new_tokens=4, do_sample=False, prefill_buckets=[16], streamer=PausingStreamer()
+            )
+
+        thread = threading.Thread(target=target)
+        thread.start()
+        self.assertTrue(started.wait(timeout=60))
+        prefill_buckets.disable()  # mid-call: transformers' classes are restored at once
+        self.assertIs(GenerationMixin.generate, UPSTREAM_GENERATE)
+        self.assertFalse(prefill_buckets.is_enabled())
+        self.assertNotIn("generate", torch._dynamo.eval_frame.OptimizedModule.__dict__)
+        self.assertEqual(GenerationConfig(prefill_buckets=[0]).prefill_buckets, [0])  # unknown, not validated
+        release.set()
+        thread.join(timeout=60)
+        self.assertSameIds(result["ids"], expected)  # the call in flight finishes exactly
+        self.assertNoHooksLeft(self.model)  # and takes its per-call hooks with it
