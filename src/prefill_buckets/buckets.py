@@ -5,12 +5,14 @@ here, so it can be read (and tested) on its own.
 
 The rule, in one place:
 
-1. `buckets` picks the size: the smallest bucket that holds the prompt (`"pow2"`: the next power of two).
-2. A prompt longer than the largest bucket of a list is padded to the next multiple of the largest bucket, unless
-   `pad_to_multiple_of` is set, in which case step 3 alone decides.
-3. `pad_to_multiple_of` applies last, as an alignment: the length from steps 1-2 is rounded up to a multiple of it.
+1. `pad_to_multiple_of` aligns the buckets: each is rounded up to a multiple of it (`"pow2"`: every power of two).
+2. A prompt is padded to the smallest aligned bucket that holds it.
+3. A prompt longer than every aligned bucket of a list is padded to the next multiple of `pad_to_multiple_of` when it
+   is set, else of the largest bucket. With `pad_to_multiple_of` alone, a prompt is padded to its next multiple.
 
-So `buckets="pow2", pad_to_multiple_of=64` gives 64, 64, ..., 64, 128, 256, ...: powers of two with a floor of 64.
+So `buckets="pow2", pad_to_multiple_of=64` gives 64, 64, ..., 64, 128, 256, ...: powers of two with a floor of 64,
+and `buckets=[5, 10], pad_to_multiple_of=4` gives 8 for prompts of 1 to 8 tokens and 12 for 9 to 12. A padded length
+is its own bucket (`bucket(bucket(n)) == bucket(n)`), so a prompt that already fits one is not padded further.
 
 A static cache needs `padded prompt + max_new_tokens - 1` slots. Its length is bucketed geometrically, whatever the
 prompt policy: the next power of two (then aligned to `pad_to_multiple_of`). Every cache size is a compiled decode
@@ -64,26 +66,30 @@ class BucketPolicy:
         """The largest listed bucket, or `None` when the policy has no upper end (`"pow2"` or no list)."""
         return self.buckets[-1] if isinstance(self.buckets, tuple) else None
 
+    def _align(self, length: int) -> int:
+        return length if self.pad_to_multiple_of is None else round_up(max(length, 1), self.pad_to_multiple_of)
+
     def exceeds_buckets(self, length: int) -> bool:
-        """Whether `length` is longer than every listed bucket (never true for `"pow2"` or a bare multiple)."""
-        return self.largest_bucket is not None and length > self.largest_bucket
+        """Whether `length` is longer than every (aligned) listed bucket; never true for `"pow2"` or a bare multiple."""
+        return self.largest_bucket is not None and length > self._align(self.largest_bucket)
 
     def bucket(self, length: int) -> int:
-        """The padded length for a sequence of `length` tokens (always `>= length`)."""
+        """The padded length for a sequence of `length` tokens: the smallest aligned bucket `>= length`."""
         if length < 0:
             raise ValueError(f"A length must be >= 0, got {length}.")
-        padded = length
         if self.buckets == POW2:
-            padded = next_power_of_two(length)
-        elif isinstance(self.buckets, tuple):
-            fitting = [b for b in self.buckets if b >= length]
+            # Aligned powers of two never decrease: the first that holds `length` is at most its next power of two.
+            power = 1
+            while self._align(power) < length:
+                power *= 2
+            return self._align(power)
+        if isinstance(self.buckets, tuple):
+            fitting = [aligned for aligned in map(self._align, self.buckets) if aligned >= length]
             if fitting:
-                padded = fitting[0]
-            elif self.pad_to_multiple_of is None:
-                padded = round_up(length, self.largest_bucket)
-        if self.pad_to_multiple_of is not None:
-            padded = round_up(max(padded, 1), self.pad_to_multiple_of)
-        return padded
+                return fitting[0]
+            if self.pad_to_multiple_of is None:
+                return round_up(length, self.largest_bucket)
+        return self._align(length)
 
     def cache_length(self, length: int) -> int:
         """The static cache length for a sequence that needs `length` slots: the next power of two, aligned."""

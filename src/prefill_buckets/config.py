@@ -21,8 +21,8 @@ FIELD_DOCS = """
         prefill_pad_to_multiple_of (`int`, *optional*):
             Left-pad the prompt (with masked pad tokens) up to a multiple of this length before prefill, and strip the
             padding from the output. With a static cache and a compiled forward, prompts whose padded lengths are equal
-            share one compiled prefill graph. When `prefill_buckets` is also set, this is applied after it, as an
-            alignment: the bucket length is rounded up to a multiple of this value.
+            share one compiled prefill graph. When `prefill_buckets` is also set, it aligns the buckets: each is
+            rounded up to a multiple of this value, and the prompt takes the smallest aligned bucket that holds it.
         prefill_buckets (`list[int]` or `str`, *optional*):
             Left-pad the prompt up to the smallest of these lengths that holds it, and strip the padding from the
             output. Either a list of strictly increasing positive lengths, such as `[64, 256, 1024]`, or `"pow2"` for

@@ -119,7 +119,7 @@ class BucketPolicyTest(unittest.TestCase):
         policy = BucketPolicy(pad_to_multiple_of=1)
         self.assertEqual([policy.bucket(n) for n in range(1, 40)], list(range(1, 40)))
 
-    # ---- the combination rule: bucket first, then alignment --------------------------------------------------
+    # ---- the combination rule: align the buckets, then pick --------------------------------------------------
 
     def test_pow2_with_multiple_is_pow2_with_a_floor(self):
         # The example of the module docstring: 64, 64, ..., 64, 128, 256, ...
@@ -128,18 +128,24 @@ class BucketPolicyTest(unittest.TestCase):
         self.assertEqual([policy.bucket(n) for n in (65, 128, 129, 256, 257)], [128, 128, 256, 256, 512])
 
     def test_pow2_with_multiple_not_power_of_two(self):
-        # The bucket is picked first (pow2), then rounded up to the alignment.
+        # The powers of two are aligned first (1..16 -> 24, 32 -> 48, 64 -> 72, 128 -> 144), then a prompt takes the
+        # smallest that holds it: 17 tokens fit in 24.
         policy = BucketPolicy(buckets="pow2", pad_to_multiple_of=24)
-        self.assertEqual([policy.bucket(n) for n in (1, 16, 17, 32, 33, 64, 65)], [24, 24, 48, 48, 72, 72, 144])
+        lengths = (1, 16, 17, 24, 25, 32, 33, 48, 49, 64, 65, 72, 73)
+        self.assertEqual([policy.bucket(n) for n in lengths], [24, 24, 24, 24, 48, 48, 48, 48, 72, 72, 72, 72, 144])
 
     @parameterized.expand(
         [
-            # buckets [10, 20, 50], alignment 8: the bucket is rounded up to a multiple of 8
+            # buckets [10, 20, 50], alignment 8: the buckets become 16, 24, 56, and a prompt takes the first that
+            # holds it (an 11-token prompt fits the aligned first bucket, 16)
             (1, 16),
             (10, 16),
-            (11, 24),
+            (11, 16),
+            (16, 16),
+            (17, 24),
             (20, 24),
-            (21, 56),
+            (24, 24),
+            (25, 56),
             (50, 56),
             # beyond the list, with the alignment set: the alignment alone decides
             (51, 56),
@@ -223,12 +229,13 @@ class BucketPolicyPropertyTest(unittest.TestCase):
         if policy.pad_to_multiple_of is not None:
             # The alignment applies last, always.
             self.assertEqual(padded % policy.pad_to_multiple_of, 0)
-            # ... and adds less than one alignment step to what the buckets alone give.
             if policy.buckets is None or policy.exceeds_buckets(length):
                 self.assertLess(padded - length, policy.pad_to_multiple_of)
             else:
-                alone = BucketPolicy(buckets=policy.buckets).bucket(length)
-                self.assertEqual(padded, round_up(alone, policy.pad_to_multiple_of))
+                # The smallest of the aligned buckets that holds it.
+                raw = policy.buckets if policy.buckets != "pow2" else [1 << k for k in range(length.bit_length() + 1)]
+                aligned = [round_up(b, policy.pad_to_multiple_of) for b in raw]
+                self.assertEqual(padded, min(a for a in aligned if a >= length))
         elif policy.buckets == "pow2":
             self.assertTrue(is_power_of_two(padded))
             self.assertLess(padded, 2 * length)
@@ -257,11 +264,10 @@ class BucketPolicyPropertyTest(unittest.TestCase):
         low, high = sorted((a, b))
         self.assertLessEqual(policy.bucket(low), policy.bucket(high))
 
-    @settings(max_examples=300, deadline=None)
-    @given(st.one_of(st.just("pow2"), bucket_lists), lengths)
-    def test_one_rule_is_idempotent(self, buckets, length):
-        # A padded length is its own bucket (with a single rule; an alignment on top can move it to the next bucket).
-        policy = BucketPolicy(buckets=buckets)
+    @settings(max_examples=500, deadline=None)
+    @given(policy_strategy(), lengths)
+    def test_idempotent(self, policy, length):
+        # A padded length is its own bucket: `precompile` warms a bucket up with a prompt of exactly its length.
         padded = policy.bucket(length)
         self.assertEqual(policy.bucket(padded), padded)
 
