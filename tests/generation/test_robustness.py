@@ -140,6 +140,24 @@ class GenerationModesTest(RobustnessTestBase):
             self.assertEqual(got[..., :2].abs().sum().item(), 0.0)
             self.assertEqual(got[..., 8:].abs().sum().item(), 0.0)
 
+    def test_custom_generate_runs_unbucketed(self):
+        def loop(model, input_ids, logits_processor, stopping_criteria, generation_config, **kwargs):
+            seen.append(input_ids.shape[1])
+            return GenerationMixin._sample(
+                model, input_ids, logits_processor, stopping_criteria, generation_config, **kwargs
+            )
+
+        seen = []
+        input_ids = random_ids(1, 5)
+        expected = self.model.generate(input_ids, max_new_tokens=3, do_sample=False)
+        with CaptureLogger(generation_logger) as logs:
+            actual = prefill_buckets.generate(
+                self.model, input_ids, max_new_tokens=3, do_sample=False, custom_generate=loop, prefill_buckets=[8]
+            )
+        self.assertSameIds(actual, expected)
+        self.assertEqual(seen, [5])  # the loop got the prompt as passed
+        self.assertIn("`custom_generate` replaces the generation loop", logs.out)
+
 
 class BadInputTest(RobustnessTestBase):
     def test_empty_prompt(self):
