@@ -172,23 +172,24 @@ class EagerFallback:
         state = self.state
         if signature in state["eager"]:
             return self.eager(*args, **kwargs)
-        first_call = signature not in state["compiled"]
-        cache = next((kwargs[k] for k in ("past_key_values", "cache") if kwargs.get(k) is not None), None)
-        before = _cache_counters(cache) if first_call else None
+        cache = before = None
+        if signature not in state["compiled"]:  # a new shape: a graph is compiled before it runs
+            cache = kwargs.get("past_key_values", kwargs.get("cache"))
+            before = _cache_counters(cache)
         try:
             output = self.compiled(*args, **kwargs)
         except torch._dynamo.exc.BackendCompilerFailed as error:
             if before is None or not _same_counters(before, _cache_counters(cache)):
                 error.add_note(
-                    "prefill_buckets could not fall back to eager for this forward: part of it had already run "
-                    "before the graph that failed to compile (a graph break), and had updated the cache. Compile "
-                    "with `fullgraph=True` to fall back safely, or fix the backend error."
+                    "prefill_buckets could not fall back to eager for this forward: it can't show that the failed "
+                    "attempt left the cache untouched (after a graph break, part of the forward runs before the "
+                    "graph that failed). Compile with `fullgraph=True` to fall back safely, or fix the backend error."
                 )
                 raise
             state["eager"].add(signature)
             if not self.model.__dict__.get(_FALLBACK_WARNED):
                 object.__setattr__(self.model, _FALLBACK_WARNED, True)
-                shapes = ", ".join(f"{k} {list(s)}" for k, s, *_ in signature if s is not None)
+                shapes = ", ".join(f"{name} {list(shape)}" for name, shape, _ in signature)
                 logger.warning(
                     f"Compiling the forward failed in the backend ({error.backend_name!r} raised "
                     f"{type(error.inner_exception).__name__}: {error.inner_exception}). The forward runs eagerly for "
@@ -213,10 +214,10 @@ def _fallback_state(model, compiled) -> dict:
 
 
 def _signature(args, kwargs) -> tuple:
-    items = [(str(i), value) for i, value in enumerate(args)] + sorted(kwargs.items(), key=lambda kv: kv[0])
-    return tuple(
-        (key, tuple(value.shape), value.dtype, value.device) if isinstance(value, torch.Tensor) else (key, None)
-        for key, value in items
+    """The shapes and dtypes of a call's tensor arguments, by position and name: what a new graph is compiled for."""
+    tensor = torch.Tensor
+    return tuple((i, v.shape, v.dtype) for i, v in enumerate(args) if isinstance(v, tensor)) + tuple(
+        (k, v.shape, v.dtype) for k, v in kwargs.items() if isinstance(v, tensor)
     )
 
 

@@ -762,9 +762,9 @@ class AllLengthsMixin(BucketedGenerationTestBase):
         self.check_long_prompt(policy, bucket)
 
     def test_list_with_alignment(self):
-        # Bucket first (5 -> 12, 13 -> 24), then the alignment (-> 16, 24); beyond the list the alignment alone.
+        # The buckets aligned to 8 are 16 and 24; 13 tokens fit in 16. Beyond the list the alignment alone decides.
         policy = {"prefill_buckets": [12, 24], "prefill_pad_to_multiple_of": 8}
-        for length, bucket in ((5, 16), (13, 24), (30, 32)):
+        for length, bucket in ((5, 16), (13, 16), (17, 24), (30, 32)):
             input_ids = random_ids(1, length, seed=length)
             (bucketed, seen), (plain, _) = self.generate_pair(
                 policy, input_ids=input_ids, max_new_tokens=MAX_NEW_TOKENS, do_sample=False
