@@ -367,3 +367,40 @@ class CheckDocLinksTest(unittest.TestCase):
             self.assertIn(expected, output)
         self.assertNotIn("in_a_code_block", output)
         self.assertNotIn("in_code", output)
+
+
+class WarningsTableTest(unittest.TestCase):
+    """Every warning `src/` logs has a row in the guide's Warnings table: its first words are found there."""
+
+    @staticmethod
+    def normalize(text: str) -> str:
+        return re.sub(r"\s+", " ", text.replace("`", ""))
+
+    def warning_openings(self):
+        import ast
+
+        for path in sorted((REPO / "src" / "prefill_buckets").glob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not (
+                    isinstance(node, ast.Call)
+                    and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in ("warning", "warning_once")
+                    and getattr(node.func.value, "id", None) == "logger"
+                ):
+                    continue
+                message = node.args[0]
+                parts = message.values if isinstance(message, ast.JoinedStr) else [message]
+                # The first literal run of the message long enough to be recognisable (placeholders vary).
+                literals = [self.normalize(p.value).strip() for p in parts if isinstance(p, ast.Constant)]
+                opening = next((text for text in literals if len(text) >= 15), None)
+                yield f"{path.name}:{node.lineno}", opening
+
+    def test_every_warning_is_documented(self):
+        page = (DOCS / "llm_optims.md").read_text()
+        table = self.normalize(page[page.index("## Warnings") : page.index("## Measured results")])
+        openings = list(self.warning_openings())
+        self.assertGreaterEqual(len(openings), 10)
+        for where, opening in openings:
+            with self.subTest(where=where):
+                self.assertIsNotNone(opening, "a warning without a literal opening can't be looked up")
+                self.assertIn(opening[:24], table, f"{where}: add a row for this warning to the Warnings table")
