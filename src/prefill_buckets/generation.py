@@ -206,7 +206,12 @@ def _unsupported_reason(model, arguments: dict, model_kwargs: dict) -> str | Non
     if model_kwargs.get("cache_implementation") == "paged":
         return "`cache_implementation='paged'` switches to continuous batching, which schedules its own shapes."
     cache = _passed_cache(model_kwargs)
-    if cache is not None and cache.get_seq_length() > 0 and _CACHE_PADDING not in cache.__dict__:
+    if cache is not None and _cache_seq_length(cache) is None:
+        return (
+            "the cache passed in has only recurrent (linear-attention) layers, which don't tell how many tokens they "
+            "hold, so the prompt can't be lined up with them. Let `generate` create the cache."
+        )
+    if cache is not None and _cache_seq_length(cache) > 0 and _CACHE_PADDING not in cache.__dict__:
         return (
             "the cache passed in already holds tokens from an unpadded call, so the prompt can't be padded in front "
             "of them. The call runs unpadded (exact output), and this prompt length may compile a new graph."
@@ -226,10 +231,18 @@ def _passed_cache(model_kwargs: dict):
     return cache if hasattr(cache, "get_seq_length") else None
 
 
+def _cache_seq_length(cache) -> int | None:
+    """The tokens a cache holds, or `None` when it can't tell (only recurrent layers, as in Mamba's cache)."""
+    try:
+        return int(cache.get_seq_length())  # a 0-d tensor for a static cache
+    except ValueError:
+        return None
+
+
 def _continued_padding(model_kwargs: dict) -> tuple[int, int] | None:
     """`(pad, padded batch)` when the call continues from a cache that a bucketed call filled, else `None`."""
     cache = _passed_cache(model_kwargs)
-    if cache is None or cache.get_seq_length() == 0:
+    if cache is None or not _cache_seq_length(cache):
         return None
     return cache.__dict__.get(_CACHE_PADDING)
 
@@ -703,7 +716,7 @@ def _hook_prepare_cache_for_generation(original, model):
             generation_config.max_cache_len = None
         cache = _passed_cache(model_kwargs)
         # What prefill runs on: the padded prompt, or, continuing from a cache, the tokens the cache lacks.
-        prefill = plan.padded_length - int(cache.get_seq_length())  # a 0-d tensor for a static cache
+        prefill = plan.padded_length - (_cache_seq_length(cache) or 0)
         auto_compile = model._valid_auto_compile_criteria(model_kwargs, generation_config)
         if creates_static and (auto_compile or compiled_forward(model) is not None):
             # Allocate the cache now, outside the compiled forward, as upstream does for chunked prefill: tensors
@@ -780,7 +793,7 @@ def _hook_prepare_inputs_for_generation(original, model):
             # Upstream dropped an all-ones mask. Put it back, with the length upstream would have carried: the
             # tokens already in the cache plus the ones this forward adds.
             cache = next((kwargs[key] for key in _CACHE_KWARGS if kwargs.get(key) is not None), None)
-            past_length = cache.get_seq_length() if cache is not None else 0
+            past_length = (_cache_seq_length(cache) or 0) if cache is not None else 0
             next_sequence_length = kwargs.get("next_sequence_length")
             inputs_embeds = kwargs.get("inputs_embeds")
             if next_sequence_length is not None:  # decode: the new tokens are the last ones of `input_ids`

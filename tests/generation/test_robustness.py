@@ -159,6 +159,83 @@ class GenerationModesTest(RobustnessTestBase):
         self.assertIn("`custom_generate` replaces the generation loop", logs.out)
 
 
+# More decoder families than test_equivalence.py: other attention layouts, MoE, recurrent and hybrid caches. Built
+# from tiny configs (`AutoConfig.for_model`), 2 layers, vocab 128.
+_COMMON = {
+    "vocab_size": VOCAB,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "pad_token_id": 0,
+    "eos_token_id": 1,
+    "bos_token_id": 2,
+}
+MORE_ARCHITECTURES = {
+    "gemma3_text": {"head_dim": 8, "sliding_window": 8},
+    "gemma2": {"head_dim": 8, "sliding_window": 8},
+    "qwen2": {},
+    "olmo2": {},
+    "cohere": {},
+    "falcon": {},
+    "gpt_neox": {},
+    "phi": {},
+    "starcoder2": {},
+    "bloom": {},
+    "opt": {"ffn_dim": 64, "word_embed_proj_dim": 32},
+    "gptj": {"n_embd": 32, "n_head": 4, "n_layer": 2, "rotary_dim": 4},
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "head_dim": 8},
+    # Recurrent state, and hybrids of attention with recurrent or convolutional layers.
+    "mamba": {"state_size": 4, "expand": 2, "conv_kernel": 4},
+    "jamba": {
+        "attn_layer_period": 2,
+        "attn_layer_offset": 1,
+        "expert_layer_period": 4,
+        "num_experts": 1,
+        "mamba_d_state": 4,
+        "mamba_d_conv": 4,
+        "mamba_expand": 2,
+        "use_mamba_kernels": False,
+    },
+    "lfm2": {"layer_types": ["conv", "full_attention"]},
+    "recurrent_gemma": {
+        "head_dim": 8,
+        "lru_width": 32,
+        "attention_window_size": 8,
+        "block_types": ["recurrent", "attention"],
+    },
+}
+
+
+class MoreArchitecturesTest(RobustnessTestBase):
+    @parameterized.expand([(name,) for name in MORE_ARCHITECTURES])
+    def test_batch_of_lengths(self, name):
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        torch.manual_seed(0)
+        config = AutoConfig.for_model(name, **{**_COMMON, **MORE_ARCHITECTURES[name]})
+        model = AutoModelForCausalLM.from_config(config).eval()
+        for length in (3, 8, 9):
+            input_ids = random_ids(2, length, seed=length)
+            attention_mask = torch.ones_like(input_ids)
+            input_ids[1, :1], attention_mask[1, :1] = 0, 0
+            for cache_implementation in (None, "static"):
+                with self.subTest(length=length, cache=cache_implementation):
+                    kwargs = {
+                        "attention_mask": attention_mask,
+                        "max_new_tokens": 4,
+                        "do_sample": False,
+                        "cache_implementation": cache_implementation,
+                    }
+                    expected = model.generate(input_ids, **kwargs)
+                    actual = prefill_buckets.generate(model, input_ids, prefill_buckets=[8, 16], **kwargs)
+                    self.assertSameIds(actual, expected)
+        self.assertNoHooksLeft(model)
+
+
 class BadInputTest(RobustnessTestBase):
     def test_empty_prompt(self):
         with self.assertRaisesRegex(ValueError, "prompt is empty"):
