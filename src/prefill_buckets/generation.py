@@ -762,9 +762,28 @@ def _early_initialize(model, cache, rows: int) -> None:
     if shape is None or not hasattr(cache, "early_initialization"):
         return
     num_heads, head_dim = shape
+    declared = _attention_kv_heads(model)
+    if declared and set(num_heads if isinstance(num_heads, list) else [num_heads]) != declared:
+        # The config misstates the key/value heads (multi-query Falcon: 1, whatever `num_kv_heads` says). Leave the
+        # cache to initialize from the first keys it gets: exact, at the cost of one more graph on the first call.
+        return
     cache.early_initialization(
         batch_size=rows, num_heads=num_heads, head_dim=head_dim, dtype=model.dtype, device=model.device
     )
+
+
+def _attention_kv_heads(model) -> set[int]:
+    """The key/value head counts the attention modules hold themselves, where they do (cached on the model)."""
+    heads = model.__dict__.get("_prefill_buckets_kv_heads")
+    if heads is None:
+        heads = set()
+        for module in model.modules():
+            for name in ("num_key_value_heads", "num_kv_heads"):
+                value = module.__dict__.get(name)
+                if isinstance(value, int) and not isinstance(value, bool) and module is not model:
+                    heads.add(value)
+        object.__setattr__(model, "_prefill_buckets_kv_heads", heads)
+    return heads
 
 
 def _account_graphs(model, rows: int, prefill_length: int, cache_length: int) -> None:
@@ -818,6 +837,7 @@ def _hook_prepare_inputs_for_generation(original, model):
             model_inputs = original(input_ids, *args, **kwargs)
         finally:
             _MATERIALIZE_SDPA_MASK.reset(token)
+        _materialize_recurrent_masks(model_inputs, kwargs.get("attention_mask"))
         # Chunked prefill slices per-token inputs out of the whole prompt's: views whose strides depend on the prompt
         # length, which a compiled forward guards on. Fresh copies give every chunk of every prompt one signature.
         for key in _PER_TOKEN_KWARGS:
@@ -827,6 +847,33 @@ def _hook_prepare_inputs_for_generation(original, model):
         return model_inputs
 
     return hooked
+
+
+def _recurrent_mask_keys() -> tuple[str, ...]:
+    """The layer types whose mask is a recurrent layers' 2D padding mask (Mamba, linear attention, convolutions)."""
+    recurrent = getattr(masking_utils, "create_recurrent_attention_mask", None)
+    mapping = getattr(masking_utils, "LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING", {})
+    return tuple(key for key, function in mapping.items() if recurrent is not None and function is recurrent)
+
+
+def _materialize_recurrent_masks(model_inputs: dict, attention_mask) -> None:
+    """
+    A hybrid model's masks come as a dict per layer type. For recurrent layers upstream gives `None` when the 2D
+    mask is all ones (an exact-fit prompt), and the padding mask otherwise: two graphs per bucket. Putting the
+    all-ones mask in gives exact fits the signature of the padded prompts in their bucket; multiplying by ones
+    changes nothing.
+    """
+    masks = model_inputs.get("attention_mask")
+    if not isinstance(masks, dict) or not isinstance(attention_mask, torch.Tensor) or attention_mask.ndim != 2:
+        return
+    tokens = model_inputs.get("input_ids")
+    if tokens is None:
+        tokens = model_inputs.get("inputs_embeds")
+    if tokens is None or tokens.shape[1] <= 1:  # decode steps never get a recurrent mask
+        return
+    for key in _recurrent_mask_keys():
+        if key in masks and masks[key] is None:
+            masks[key] = attention_mask[:, -tokens.shape[1] :].contiguous()
 
 
 # True while a bucketed call builds its 4D masks: the mask is then always a tensor, never SDPA's `is_causal` skip.

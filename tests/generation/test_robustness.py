@@ -12,7 +12,7 @@ from transformers.generation.utils import GenerationMixin
 from transformers.testing_utils import CaptureLogger
 
 import prefill_buckets
-from prefill_buckets.compilation import EagerFallback
+from prefill_buckets.compilation import EagerFallback, GraphCounter
 from prefill_buckets.compilation import logger as compilation_logger
 from prefill_buckets.generation import _HOOKS, UPSTREAM_GENERATE
 from prefill_buckets.generation import logger as generation_logger
@@ -180,12 +180,12 @@ MORE_ARCHITECTURES = {
     "olmo2": {},
     "cohere": {},
     "falcon": {},
-    "gpt_neox": {},
+    "gpt_neox": {"num_key_value_heads": None},  # multi-head attention only: no key/value head count to state
     "phi": {},
     "starcoder2": {},
-    "bloom": {},
-    "opt": {"ffn_dim": 64, "word_embed_proj_dim": 32},
-    "gptj": {"n_embd": 32, "n_head": 4, "n_layer": 2, "rotary_dim": 4},
+    "bloom": {"num_key_value_heads": None},
+    "opt": {"ffn_dim": 64, "word_embed_proj_dim": 32, "num_key_value_heads": None},
+    "gptj": {"n_embd": 32, "n_head": 4, "n_layer": 2, "rotary_dim": 4, "num_key_value_heads": None},
     "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
     "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "head_dim": 8},
     # Recurrent state, and hybrids of attention with recurrent or convolutional layers.
@@ -233,6 +233,34 @@ class MoreArchitecturesTest(RobustnessTestBase):
                     expected = model.generate(input_ids, **kwargs)
                     actual = prefill_buckets.generate(model, input_ids, prefill_buckets=[8, 16], **kwargs)
                     self.assertSameIds(actual, expected)
+        self.assertNoHooksLeft(model)
+
+
+class MoreArchitecturesCompiledTest(RobustnessTestBase):
+    # Multi-query Falcon (its config states more key/value heads than it uses), MoE, recurrent and hybrid caches.
+    @parameterized.expand([(name,) for name in ("falcon", "gpt_neox", "qwen3_moe", "mamba", "jamba", "lfm2")])
+    def test_graphs_stay_within_the_bound(self, name):
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        torch._dynamo.reset()
+        self.addCleanup(torch._dynamo.reset)
+        config = AutoConfig.for_model(name, **{**_COMMON, **MORE_ARCHITECTURES[name]})
+        torch.manual_seed(0)
+        reference = AutoModelForCausalLM.from_config(config).eval()
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config).eval()
+        counter = GraphCounter()
+        model.compile(backend=counter, dynamic=False, fullgraph=True)
+        generation_config = GenerationConfig(
+            cache_implementation="static", max_cache_len=32, max_new_tokens=4, do_sample=False
+        )
+        for length in (3, 5, 8, 11, 16, 2, 13):  # exact fits (8, 16) included
+            input_ids = random_ids(1, length, seed=length)
+            actual = prefill_buckets.generate(
+                model, input_ids, generation_config=generation_config, prefill_buckets=[8, 16]
+            )
+            self.assertSameIds(actual, reference.generate(input_ids, max_new_tokens=4, do_sample=False))
+        self.assertEqual(counter.graphs, 3)  # a prefill graph per bucket, one decode graph
         self.assertNoHooksLeft(model)
 
 
