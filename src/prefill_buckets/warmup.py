@@ -62,10 +62,11 @@ def precompile(
     batch_sizes: tuple[int, ...] | list[int] = (1,),
     max_prompt_length: int | None = None,
     progress: bool = True,
+    min_prompt_length: int | None = None,
 ) -> list[CompiledShape]:
     r"""
-    Compiles every graph that `generate` with `generation_config` can need for prompts up to `max_prompt_length`
-    tokens, so that later calls compile nothing.
+    Compiles every graph that `generate` with `generation_config` can need for prompts of `min_prompt_length` (1 by
+    default) to `max_prompt_length` tokens, so that later calls with such prompts compile nothing.
 
     Runs one short `generate` (2 new tokens) per batch size and bucket, longest first, on a prompt that exactly fits
     the bucket. With a static cache and no `max_cache_len`, the cache is pinned to the length the longest bucket needs
@@ -73,9 +74,11 @@ def precompile(
     later call uses that one cache shape. The model then holds, per batch size, one prefill graph per bucket and one
     decode graph:
 
-        graphs = len(batch_sizes) * (prefill buckets up to max_prompt_length + 1)
+        graphs = len(batch_sizes) * (prefill buckets from min_prompt_length to max_prompt_length + 1)
 
-    (one fewer per batch size when 1 is a bucket: a 1-token prefill into the allocated cache is the decode graph).
+    counting the buckets of `min_prompt_length` and `max_prompt_length` themselves (one fewer per batch size when 1 is
+    one of these buckets: a 1-token prefill into the allocated cache is the decode graph). A later prompt shorter than
+    `min_prompt_length`, in a bucket below, compiles its prefill graph when it comes.
 
     Args:
         model ([`PreTrainedModel`]):
@@ -92,6 +95,10 @@ def precompile(
             defaults to the largest bucket.
         progress (`bool`, *optional*, defaults to `True`):
             Show a progress bar.
+        min_prompt_length (`int`, *optional*):
+            The shortest prompt later calls will send: the buckets below its bucket are not warmed up (with `"pow2"`,
+            `min_prompt_length=100` skips 1 to 64). Defaults to 1, every bucket. Must not be larger than
+            `max_prompt_length`.
 
     Returns:
         `list[CompiledShape]`: one entry per warm-up call, longest first.
@@ -125,6 +132,14 @@ def precompile(
         max_prompt_length = policy.largest_bucket
     if not isinstance(max_prompt_length, int) or isinstance(max_prompt_length, bool) or max_prompt_length < 1:
         raise ValueError(f"`max_prompt_length` must be a positive integer, but is {max_prompt_length!r}.")
+    if min_prompt_length is not None:
+        if not isinstance(min_prompt_length, int) or isinstance(min_prompt_length, bool) or min_prompt_length < 1:
+            raise ValueError(f"`min_prompt_length` must be a positive integer, but is {min_prompt_length!r}.")
+        if min_prompt_length > max_prompt_length:
+            raise ValueError(
+                f"`min_prompt_length` ({min_prompt_length}) must not be larger than `max_prompt_length` "
+                f"({max_prompt_length})."
+            )
     if not batch_sizes or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in batch_sizes):
         raise ValueError(f"`batch_sizes` must be a non-empty list of positive integers, but is {batch_sizes!r}.")
 
@@ -132,6 +147,8 @@ def precompile(
     if batch_policy is not None:  # calls run at the batch buckets, not at the sizes they were given
         batch_sizes = sorted({batch_policy.bucket(batch_size) for batch_size in batch_sizes})
     lengths = sorted(bucket_lengths(policy, max_prompt_length), reverse=True)
+    if min_prompt_length is not None:
+        lengths = [length for length in lengths if length >= policy.bucket(min_prompt_length)]
     max_new_tokens = generation_config.max_new_tokens
     if max_new_tokens is None:
         max_new_tokens = (generation_config.max_length or 20) - 1
