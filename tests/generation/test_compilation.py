@@ -400,6 +400,81 @@ class PrecompileTest(CompilationTestCase):
             )
         self.assertEqual(model._previous_max_cache_length, cache_length)
 
+    def test_min_prompt_length_skips_smaller_buckets(self):
+        model = make_model()
+        reference = make_reference(model)
+        counter = GraphCounter()
+        model.compile(backend=counter, dynamic=False, fullgraph=True)
+        config = make_config(prefill_buckets="pow2")
+
+        # 5 tokens are in bucket 8, 20 in bucket 32: buckets 1, 2 and 4 are skipped.
+        compiled = prefill_buckets.precompile(
+            model, config, batch_sizes=(1,), max_prompt_length=20, min_prompt_length=5, progress=False
+        )
+
+        self.assertEqual([shape.prompt_length for shape in compiled], [32, 16, 8])
+        # 3 prefill graphs and 1 decode graph, all at the cache length of bucket 32.
+        self.assertEqual(counter.graphs, 4, f"graphs: {counter.shapes}")
+        self.assertEqual(sorted(prefill_lengths(counter)), [8, 16, 32], f"graphs: {counter.shapes}")
+        self.assertEqual(decode_graphs(counter), 1, f"graphs: {counter.shapes}")
+        self.assertEqual(sum(shape.graphs for shape in compiled), counter.graphs)
+
+        # Prompts from 5 to 20 tokens compile nothing; a shorter one, in a skipped bucket, compiles its prefill graph.
+        def generate(input_ids):
+            return prefill_buckets.generate(model, input_ids, generation_config=config)
+
+        for length in (5, 8, 13, 20):
+            self.check_call(counter, generate, make_prompt(length), reference, make_config())
+        self.assertEqual(counter.graphs, 4, f"graphs: {counter.shapes}")
+        self.check_call(counter, generate, make_prompt(3), reference, make_config())
+        self.assertEqual(counter.graphs, 5, f"graphs: {counter.shapes}")
+        self.assertEqual(sorted(prefill_lengths(counter)), [4, 8, 16, 32], f"graphs: {counter.shapes}")
+
+    def test_min_prompt_length_in_the_largest_bucket(self):
+        # An uncompiled model: which warm-up calls run is what is tested. 20 and 30 share bucket 32.
+        model = make_model()
+        config = make_config(prefill_buckets="pow2")
+        compiled = prefill_buckets.precompile(
+            model, config, batch_sizes=(1, 2), max_prompt_length=30, min_prompt_length=20, progress=False
+        )
+        self.assertEqual([(shape.batch_size, shape.prompt_length) for shape in compiled], [(2, 32), (1, 32)])
+        # The default (and 1) warms every bucket up to the largest.
+        for min_prompt_length in (None, 1):
+            compiled = prefill_buckets.precompile(
+                model, config, max_prompt_length=30, min_prompt_length=min_prompt_length, progress=False
+            )
+            self.assertEqual([shape.prompt_length for shape in compiled], [32, 16, 8, 4, 2, 1])
+
+    def test_min_prompt_length_with_list_policy(self):
+        model = make_model()
+        config = make_config(prefill_buckets=[8, 16, 32])
+        compiled = prefill_buckets.precompile(model, config, min_prompt_length=9, progress=False)
+        self.assertEqual([shape.prompt_length for shape in compiled], [32, 16])
+
+    @parameterized.expand([("zero", 0), ("negative", -4), ("bool", True), ("float", 4.0), ("string", "4")])
+    def test_min_prompt_length_must_be_a_positive_integer(self, _, min_prompt_length):
+        model = make_model()
+        with self.assertRaisesRegex(ValueError, "`min_prompt_length` must be a positive integer"):
+            prefill_buckets.precompile(
+                model,
+                make_config(prefill_buckets="pow2"),
+                max_prompt_length=32,
+                min_prompt_length=min_prompt_length,
+                progress=False,
+            )
+
+    def test_min_prompt_length_larger_than_max_raises(self):
+        model = make_model()
+        with self.assertRaisesRegex(ValueError, r"`min_prompt_length` \(33\).*`max_prompt_length` \(32\)"):
+            prefill_buckets.precompile(
+                model, make_config(prefill_buckets="pow2"), max_prompt_length=32, min_prompt_length=33, progress=False
+            )
+        # With a list of buckets, `max_prompt_length` defaults to the largest bucket.
+        with self.assertRaisesRegex(ValueError, r"`min_prompt_length` \(17\).*`max_prompt_length` \(16\)"):
+            prefill_buckets.precompile(
+                model, make_config(prefill_buckets=[8, 16]), min_prompt_length=17, progress=False
+            )
+
     def test_list_policy_defaults_to_largest_bucket(self):
         # An uncompiled model: `precompile` only runs the warm-up calls, and which calls it runs is what is tested.
         model = make_model()
