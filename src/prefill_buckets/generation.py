@@ -376,15 +376,21 @@ def _check_pad_token_id(model, generation_config, model_kwargs, plan: "_Plan") -
         )
 
 
+def _max_positions(model) -> int | None:
+    """The model's `max_position_embeddings`, when its config states one."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    max_positions = getattr(config, "max_position_embeddings", None)
+    return max_positions if isinstance(max_positions, int) and not isinstance(max_positions, bool) else None
+
+
 def _capped_bucket(model, policy: BucketPolicy, prompt_length: int) -> int:
     """
     The bucket of a prompt, but never more positions than the model has (`max_position_embeddings`), unless the
     prompt itself is longer: then it is not padded at all.
     """
     padded_length = policy.bucket(prompt_length)
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    max_positions = getattr(config, "max_position_embeddings", None)
-    if isinstance(max_positions, int) and padded_length > max_positions:
+    max_positions = _max_positions(model)
+    if max_positions is not None and padded_length > max_positions:
         capped = max(prompt_length, max_positions)
         logger.warning_once(
             f"The bucket of a {prompt_length}-token prompt is {padded_length}, more positions than the model has "

@@ -21,7 +21,7 @@ from transformers.utils import logging
 from .buckets import BucketPolicy
 from .compilation import graph_budget
 from .config import PREFILL_BUCKETS, PREFILL_PAD_TO_MULTIPLE_OF, batch_policy_from_fields, policy_from_fields
-from .generation import generate, resolve_fields
+from .generation import _capped_bucket, _max_positions, generate, resolve_fields
 
 
 logger = logging.get_logger(__name__)
@@ -46,11 +46,18 @@ class CompiledShape:
     seconds: float
 
 
-def bucket_lengths(policy: BucketPolicy, max_prompt_length: int) -> list[int]:
-    """Every padded length `policy` gives a prompt of 1 to `max_prompt_length` tokens, increasing."""
+def bucket_lengths(policy: BucketPolicy, max_prompt_length: int, max_positions: int | None = None) -> list[int]:
+    """
+    Every padded length `policy` gives a prompt of 1 to `max_prompt_length` tokens, increasing. With `max_positions`
+    (the model's `max_position_embeddings`), a bucket past it is capped there, as `generate` caps it.
+    """
     lengths, length = [], 1
     while length <= max_prompt_length:
+        if max_positions is not None and length > max_positions:
+            break  # longer prompts than the model has positions for are not padded: no bucket to warm up
         padded = policy.bucket(length)
+        if max_positions is not None:
+            padded = min(padded, max_positions)
         lengths.append(padded)
         length = padded + 1
     return lengths
@@ -78,7 +85,9 @@ def precompile(
 
     counting the buckets of `min_prompt_length` and `max_prompt_length` themselves (one fewer per batch size when 1 is
     one of these buckets: a 1-token prefill into the allocated cache is the decode graph). A later prompt shorter than
-    `min_prompt_length`, in a bucket below, compiles its prefill graph when it comes.
+    `min_prompt_length`, in a bucket below, compiles its prefill graph when it comes. As in `generate`, a bucket past
+    the model's `max_position_embeddings` is capped there, and prompts longer than that are not padded (each length
+    compiles its own graph), so none is warmed up.
 
     Args:
         model ([`PreTrainedModel`]):
@@ -146,9 +155,9 @@ def precompile(
     batch_policy = batch_policy_from_fields(**fields)
     if batch_policy is not None:  # calls run at the batch buckets, not at the sizes they were given
         batch_sizes = sorted({batch_policy.bucket(batch_size) for batch_size in batch_sizes})
-    lengths = sorted(bucket_lengths(policy, max_prompt_length), reverse=True)
+    lengths = sorted(bucket_lengths(policy, max_prompt_length, _max_positions(module)), reverse=True)
     if min_prompt_length is not None:
-        lengths = [length for length in lengths if length >= policy.bucket(min_prompt_length)]
+        lengths = [length for length in lengths if length >= _capped_bucket(module, policy, min_prompt_length)]
     max_new_tokens = generation_config.max_new_tokens
     if max_new_tokens is None:
         max_new_tokens = (generation_config.max_length or 20) - 1

@@ -400,6 +400,51 @@ class PrecompileTest(CompilationTestCase):
             )
         self.assertEqual(model._previous_max_cache_length, cache_length)
 
+    @parameterized.expand(
+        [
+            # pow2 aligned to 3: 1, 2 -> 3; 4 -> 6; 8 -> 9; 16 -> 18; 32 -> 33 (a prompt of 3 tokens fits in 3)
+            (
+                "pow2_aligned_to_3",
+                {"prefill_buckets": "pow2", "prefill_pad_to_multiple_of": 3},
+                40,
+                None,
+                [3, 6, 9, 18, 33, 66],
+            ),
+            # a list aligned to 8: [5, 10, 20] -> 8, 16, 24
+            (
+                "list_aligned_to_8",
+                {"prefill_buckets": [5, 10, 20], "prefill_pad_to_multiple_of": 8},
+                24,
+                None,
+                [8, 16, 24],
+            ),
+            # buckets past max_position_embeddings (48) are capped there, as generate caps them
+            ("capped_at_max_positions", {"prefill_buckets": [16, 64]}, 48, 48, [16, 48]),
+        ]
+    )
+    def test_every_prompt_after_precompile_compiles_nothing(self, _, fields, max_prompt_length, positions, buckets):
+        model = make_model()
+        if positions is not None:
+            model.config.max_position_embeddings = positions
+        reference = make_reference(model)
+        counter = GraphCounter()
+        model.compile(backend=counter, dynamic=False, fullgraph=True)
+        config = make_config(**fields)
+
+        compiled = prefill_buckets.precompile(model, config, max_prompt_length=max_prompt_length, progress=False)
+
+        self.assertEqual(sorted(shape.prompt_length for shape in compiled), buckets)
+        self.assertEqual(counter.graphs, len(buckets) + 1, f"graphs: {counter.shapes}")
+        for length in range(1, max_prompt_length + 1):
+            self.check_call(
+                counter,
+                lambda ids: prefill_buckets.generate(model, ids, generation_config=config),
+                make_prompt(length),
+                reference,
+                make_config(),
+            )
+        self.assertEqual(counter.graphs, len(buckets) + 1, f"graphs: {counter.shapes}")
+
     def test_min_prompt_length_skips_smaller_buckets(self):
         model = make_model()
         reference = make_reference(model)
