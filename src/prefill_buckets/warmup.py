@@ -18,7 +18,7 @@ from transformers import GenerationConfig
 from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS
 from transformers.utils import logging
 
-from .buckets import BucketPolicy
+from .buckets import BucketPolicy, round_up
 from .compilation import graph_budget
 from .config import PREFILL_BUCKETS, PREFILL_PAD_TO_MULTIPLE_OF, batch_policy_from_fields, policy_from_fields
 from .generation import _capped_bucket, _max_positions, generate, resolve_fields
@@ -33,6 +33,8 @@ _MANIFEST = "manifest.json"
 _ARTIFACTS = "torch_cache_artifacts.bin"
 _KERNELS = "inductor_kernels/"
 _ZIP_MAGIC = b"PK\x03\x04"
+# A pinned static cache's length is a multiple of this (or of `prefill_pad_to_multiple_of`): sizes kernels like.
+_CACHE_ALIGNMENT = 64
 
 
 @dataclass(frozen=True)
@@ -77,8 +79,9 @@ def precompile(
 
     Runs one short `generate` (2 new tokens) per batch size and bucket, longest first, on a prompt that exactly fits
     the bucket. With a static cache and no `max_cache_len`, the cache is pinned to the length the longest bucket needs
-    with `max_new_tokens` (the first call sets it, and upstream keeps the largest cache seen on the model), so every
-    later call uses that one cache shape. The model then holds, per batch size, one prefill graph per bucket and one
+    with `max_new_tokens`, rounded up to a multiple of 64 (or of `prefill_pad_to_multiple_of`). The first call sets
+    it, upstream keeps the largest cache seen on the model, and later calls that fit in it use it, so every later
+    call uses that one cache shape. The model then holds, per batch size, one prefill graph per bucket and one
     decode graph:
 
         graphs = len(batch_sizes) * (prefill buckets from min_prompt_length to max_prompt_length + 1)
@@ -163,7 +166,10 @@ def precompile(
         max_new_tokens = (generation_config.max_length or 20) - 1
     cache_implementation = generation_config.cache_implementation or module.generation_config.cache_implementation
     if cache_implementation in ALL_STATIC_CACHE_IMPLEMENTATIONS and generation_config.max_cache_len is None:
-        generation_config.max_cache_len = policy.cache_length(lengths[0] + max_new_tokens - 1)
+        # Pinned, so one decode graph whatever its size: the slots the longest bucket needs, rounded up to a
+        # multiple of 64 (not to the next power of two, which a growing cache uses to bound its sizes).
+        needed = lengths[0] + max_new_tokens - 1
+        generation_config.max_cache_len = round_up(needed, policy.pad_to_multiple_of or _CACHE_ALIGNMENT)
 
     # Warm-up calls: 2 new tokens = one prefill and one decode step; sampling and stopping don't change the graphs.
     generation_config.max_new_tokens = 2
