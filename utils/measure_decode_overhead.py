@@ -1,0 +1,86 @@
+"""Per-token decode time of upstream `generate` and of a bucketed call, side by side in one process.
+
+    python utils/measure_decode_overhead.py [--rounds 4] [--prompt-length 100] [--bucket 128]
+
+SmolLM2-135M-Instruct (converted once by `python -m prefill_buckets bench`, see its `--help`), `model.forward`
+compiled with inductor (`dynamic=False`), a static cache pinned at 1088 slots. One prompt runs through upstream
+`generate` unpadded and through `prefill_buckets.generate` padded to one bucket; both share the decode graph (same
+shapes), so the difference is what bucketing adds per step outside the graph. The calls alternate, after one warm-up
+call each, and the per-token time is read from a streamer's timestamps (first new token to last).
+"""
+
+import argparse
+import os
+import statistics
+import time
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--prompt-length", type=int, default=100)
+    parser.add_argument("--bucket", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=24)
+    args = parser.parse_args()
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the benchmark: spinning threads distort a shared CPU
+
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    import prefill_buckets
+    from prefill_buckets.bench import smollm2_folder
+    from prefill_buckets.compilation import GraphCounter
+
+    model = AutoModelForCausalLM.from_pretrained(smollm2_folder(), dtype=torch.float32).eval()
+    counter = GraphCounter("inductor")
+    model.forward = torch.compile(model.forward, backend=counter, dynamic=False)
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(100, model.config.vocab_size, (1, args.prompt_length), generator=generator)
+    config = GenerationConfig(
+        cache_implementation="static",
+        max_cache_len=1088,
+        max_new_tokens=args.new_tokens,
+        min_new_tokens=args.new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+    )
+
+    class Timestamps:
+        def __init__(self):
+            self.times = []
+
+        def put(self, value):
+            self.times.append(time.perf_counter())
+
+        def end(self):
+            pass
+
+    def decode_ms_per_token(kind: str) -> float:
+        streamer = Timestamps()
+        if kind == "upstream":
+            model.generate(input_ids, generation_config=config, streamer=streamer)
+        else:
+            prefill_buckets.generate(
+                model, input_ids, generation_config=config, streamer=streamer, prefill_buckets=[args.bucket]
+            )
+        # The streamer gets the prompt, then each new token: the decode steps run between the first and the last.
+        first, last = streamer.times[1], streamer.times[-1]
+        return (last - first) / (len(streamer.times) - 2) * 1000
+
+    kinds = ("upstream", "bucketed")
+    for kind in kinds:
+        start = time.perf_counter()
+        decode_ms_per_token(kind)
+        print(f"{kind}: first call (compiles) {time.perf_counter() - start:.1f} s, graphs so far {counter.graphs}")
+    results = {kind: [] for kind in kinds}
+    for _ in range(args.rounds):
+        for kind in kinds:
+            results[kind].append(decode_ms_per_token(kind))
+    medians = {kind: statistics.median(values) for kind, values in results.items()}
+    for kind in kinds:
+        print(f"{kind:9s} decode ms/token: {', '.join(f'{v:.1f}' for v in results[kind])}  median {medians[kind]:.1f}")
+    print(f"bucketed / upstream: {medians['bucketed'] / medians['upstream']:.3f}; graphs: {counter.graphs}")
+
+
+if __name__ == "__main__":
+    main()
