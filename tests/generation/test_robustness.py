@@ -17,6 +17,7 @@ from prefill_buckets.compilation import logger as compilation_logger
 from prefill_buckets.generation import _HOOKS, UPSTREAM_GENERATE
 from prefill_buckets.generation import logger as generation_logger
 
+from .test_equivalence import _LLAMA_LIKE, _SPECIAL_TOKENS
 from .tiny_models import tiny_llama
 
 
@@ -161,18 +162,7 @@ class GenerationModesTest(RobustnessTestBase):
 
 # More decoder families than test_equivalence.py: other attention layouts, MoE, recurrent and hybrid caches. Built
 # from tiny configs (`AutoConfig.for_model`), 2 layers, vocab 128.
-_COMMON = {
-    "vocab_size": VOCAB,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 256,
-    "pad_token_id": 0,
-    "eos_token_id": 1,
-    "bos_token_id": 2,
-}
+_COMMON = {**_LLAMA_LIKE, **_SPECIAL_TOKENS}
 MORE_ARCHITECTURES = {
     "gemma3_text": {"head_dim": 8, "sliding_window": 8},
     "gemma2": {"head_dim": 8, "sliding_window": 8},
