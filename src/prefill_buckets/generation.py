@@ -206,12 +206,13 @@ def _unsupported_reason(model, arguments: dict, model_kwargs: dict) -> str | Non
     if model_kwargs.get("cache_implementation") == "paged":
         return "`cache_implementation='paged'` switches to continuous batching, which schedules its own shapes."
     cache = _passed_cache(model_kwargs)
-    if cache is not None and _cache_seq_length(cache) is None:
+    cached_tokens = _cache_seq_length(cache) if cache is not None else 0
+    if cached_tokens is None:
         return (
             "the cache passed in has only recurrent (linear-attention) layers, which don't tell how many tokens they "
             "hold, so the prompt can't be lined up with them. Let `generate` create the cache."
         )
-    if cache is not None and _cache_seq_length(cache) > 0 and _CACHE_PADDING not in cache.__dict__:
+    if cached_tokens > 0 and _CACHE_PADDING not in cache.__dict__:
         return (
             "the cache passed in already holds tokens from an unpadded call, so the prompt can't be padded in front "
             "of them. The call runs unpadded (exact output), and this prompt length may compile a new graph."
@@ -411,13 +412,10 @@ def _pad_token_is_inferable(model, generation_config, model_kwargs) -> bool:
 
 def _default_attention_mask(model, generation_config, model_kwargs, input_ids: torch.Tensor) -> torch.Tensor:
     """The mask upstream infers when none is passed: pad tokens are masked, unless the pad token is also eos."""
-    pad_token_id = _resolved_token_id(model, generation_config, model_kwargs, "pad_token_id")
-    eos_token_id = _resolved_token_id(model, generation_config, model_kwargs, "eos_token_id")
-    if pad_token_id is None and eos_token_id is not None:
-        pad_token_id = eos_token_id[0] if isinstance(eos_token_id, list) else eos_token_id
-    eos_ids = eos_token_id if isinstance(eos_token_id, list) else [eos_token_id]
-    if pad_token_id is not None and pad_token_id not in eos_ids and (input_ids == pad_token_id).any():
-        return input_ids.ne(pad_token_id).long()
+    if _pad_token_is_inferable(model, generation_config, model_kwargs):
+        pad_token_id = _resolved_token_id(model, generation_config, model_kwargs, "pad_token_id")
+        if (input_ids == pad_token_id).any():
+            return input_ids.ne(pad_token_id).long()
     return torch.ones(input_ids.shape[:2], dtype=torch.long, device=input_ids.device)
 
 
