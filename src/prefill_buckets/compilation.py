@@ -1,11 +1,13 @@
 """Compiled-forward bookkeeping: counting graphs and the compiled calls that run them."""
 
 import contextlib
-import weakref
 from collections.abc import Callable
 
 import torch
 from transformers.utils import logging
+
+from . import _compat
+from .state import LOCK, state_of
 
 
 logger = logging.get_logger(__name__)
@@ -71,15 +73,9 @@ def compiled_forward(model) -> str | None:
     """
     if getattr(model, "_compiled_call_impl", None) is not None:
         return "model.compile()"
-    forward = model.__dict__.get("forward")
-    if forward is not None and hasattr(forward, "_torchdynamo_orig_callable"):
+    if _compat.eager_callable(model.__dict__.get("forward")) is not None:
         return "torch.compile(model.forward)"
     return None
-
-
-def is_compiled_wrapper(model) -> bool:
-    """Whether `model` is the `OptimizedModule` that `torch.compile(model)` returns."""
-    return isinstance(model, torch._dynamo.eval_frame.OptimizedModule)
 
 
 @contextlib.contextmanager
@@ -90,57 +86,29 @@ def compiled_wrapper_forward(wrapper):
     `torch.compile(model).generate(...)` hands `generate` to the original module, whose forward is not compiled:
     every step runs eagerly. Inside this context the module's `__call__` goes through the wrapper's dynamo context
     (same backend, mode and options), exactly as after `model.compile(...)`. The compiled callable is kept on the
-    wrapper, so its graphs are reused by later calls.
+    wrapper, so its graphs are reused by later calls. Calls may overlap (threads sharing one wrapper): the module's
+    compiled call is set by the first to enter and removed by the last to leave.
     """
     module = wrapper._orig_mod
-    if module._compiled_call_impl is not None:
-        yield
-        return
-    compiled_call = wrapper.__dict__.get("_prefill_buckets_compiled_call")
-    if compiled_call is None:
-        compiled_call = wrapper.dynamo_ctx(module._call_impl)
-        object.__setattr__(wrapper, "_prefill_buckets_compiled_call", compiled_call)
-    module._compiled_call_impl = compiled_call
+    state = state_of(wrapper)
+    with LOCK:
+        if state.wrapper_users == 0 and _compat.compiled_call_impl(module) is not None:
+            own = False  # the module is compiled in place (`model.compile()`): its own compiled call runs
+        else:
+            own = True
+            if state.wrapper_compiled_call is None:
+                state.wrapper_compiled_call = _compat.compile_with_wrapper(wrapper, module._call_impl)
+            if state.wrapper_users == 0:
+                _compat.set_compiled_call_impl(module, state.wrapper_compiled_call)
+            state.wrapper_users += 1
     try:
         yield
     finally:
-        module._compiled_call_impl = None
-
-
-class GraphBudget:
-    """
-    The graphs a compiled model has needed so far, by shape, for one static-cache generation workload.
-
-    A compiled forward compiles one graph per distinct input shape: a prefill graph per `(rows, prompt length,
-    cache length)` and a decode graph per `(rows, cache length)`, where rows are `batch * max(num_beams,
-    num_return_sequences)`. Torch keeps at most `torch._dynamo.config.recompile_limit` graphs per function and runs
-    the rest eagerly, without an error.
-    """
-
-    def __init__(self):
-        self.prefill: set[tuple[int, int, int]] = set()
-        self.decode: set[tuple[int, int]] = set()
-        self.warned_near_limit = False
-
-    @property
-    def graphs(self) -> int:
-        return len(self.prefill) + len(self.decode)
-
-    def add(self, rows: int, prompt_length: int, cache_length: int) -> bool:
-        """Records one call's shapes; returns whether they need a graph not seen before."""
-        before = self.graphs
-        self.prefill.add((rows, prompt_length, cache_length))
-        self.decode.add((rows, cache_length))
-        return self.graphs > before
-
-
-def graph_budget(model) -> GraphBudget:
-    """The `GraphBudget` kept on `model` (created on first use)."""
-    budget = model.__dict__.get("_prefill_buckets_graph_budget")
-    if budget is None:
-        budget = GraphBudget()
-        object.__setattr__(model, "_prefill_buckets_graph_budget", budget)
-    return budget
+        if own:
+            with LOCK:
+                state.wrapper_users -= 1
+                if state.wrapper_users == 0:
+                    _compat.set_compiled_call_impl(module, None)
 
 
 class EagerFallback:
@@ -162,10 +130,10 @@ class EagerFallback:
         self.compiled = compiled
         self.eager = eager
         self.__wrapped__ = compiled
-        orig = getattr(compiled, "_torchdynamo_orig_callable", None)
+        orig = _compat.eager_callable(compiled)
         if orig is not None:  # still reads as a compiled forward (`compiled_forward`)
             self._torchdynamo_orig_callable = orig
-        self.state = _fallback_state(model, compiled)
+        self.state = _fallback_shapes(model, compiled)
 
     def __call__(self, *args, **kwargs):
         signature = _signature(args, kwargs)
@@ -187,8 +155,9 @@ class EagerFallback:
                 )
                 raise
             state["eager"].add(signature)
-            if not self.model.__dict__.get(_FALLBACK_WARNED):
-                object.__setattr__(self.model, _FALLBACK_WARNED, True)
+            model_state = state_of(self.model)
+            if not model_state.fallback_warned:
+                model_state.fallback_warned = True
                 shapes = ", ".join(f"{name} {list(shape)}" for name, shape, _ in signature)
                 logger.warning(
                     f"Compiling the forward failed in the backend ({error.backend_name!r} raised "
@@ -201,14 +170,10 @@ class EagerFallback:
         return output
 
 
-_FALLBACK_WARNED = "_prefill_buckets_fallback_warned"
-_fallback_states: "weakref.WeakKeyDictionary[Callable, dict]" = weakref.WeakKeyDictionary()
-
-
-def _fallback_state(model, compiled) -> dict:
-    """The shapes a compiled callable has run compiled, and those that run eagerly; kept across calls."""
+def _fallback_shapes(model, compiled) -> dict:
+    """The shapes a compiled callable of `model` has run compiled, and those that run eagerly; kept across calls."""
     try:
-        return _fallback_states.setdefault(compiled, {"compiled": set(), "eager": set()})
+        return state_of(model).fallback_shapes.setdefault(compiled, {"compiled": set(), "eager": set()})
     except TypeError:  # not weak-referenceable: per wrapper
         return {"compiled": set(), "eager": set()}
 

@@ -20,7 +20,7 @@ from torch._dynamo.eval_frame import OptimizedModule
 from transformers import GenerationConfig
 from transformers.generation.utils import GenerationMixin
 
-from . import generation
+from . import _compat, generation
 from .config import FIELD_DOCS, FIELDS, validate_fields
 
 
@@ -50,6 +50,7 @@ def enable() -> None:
     >>> prefill_buckets.disable()
     ```
     """
+    _compat.check_upstream()
     with _lock:
         if _originals:
             return

@@ -18,10 +18,13 @@ from transformers import GenerationConfig
 from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS
 from transformers.utils import logging
 
-from .buckets import BucketPolicy, round_up
-from .compilation import graph_budget
-from .config import PREFILL_BUCKETS, PREFILL_PAD_TO_MULTIPLE_OF, batch_policy_from_fields, policy_from_fields
-from .generation import _capped_bucket, _max_positions, generate, resolve_fields
+from .buckets import BucketPolicy
+from .cache import pinned_cache_length
+from .config import PREFILL_BUCKETS, PREFILL_PAD_TO_MULTIPLE_OF
+from .generation import generate
+from .inputs import capped_bucket
+from .settings import resolve_fields, resolve_settings
+from .state import state_of
 
 
 logger = logging.get_logger(__name__)
@@ -33,8 +36,6 @@ _MANIFEST = "manifest.json"
 _ARTIFACTS = "torch_cache_artifacts.bin"
 _KERNELS = "inductor_kernels/"
 _ZIP_MAGIC = b"PK\x03\x04"
-# A pinned static cache's length is a multiple of this (or of `prefill_pad_to_multiple_of`): sizes kernels like.
-_CACHE_ALIGNMENT = 64
 
 
 @dataclass(frozen=True)
@@ -129,7 +130,8 @@ def precompile(
     module = getattr(model, "_orig_mod", model)
     generation_config = copy.deepcopy(generation_config if generation_config is not None else module.generation_config)
     fields = resolve_fields(module, generation_config, {})
-    policy = policy_from_fields(**fields)
+    settings = resolve_settings(module, generation_config, {}, {})
+    policy = settings.policy
     if fields[PREFILL_BUCKETS] is None and fields[PREFILL_PAD_TO_MULTIPLE_OF] is None:
         raise ValueError(
             "`precompile` needs `prefill_buckets` or `prefill_pad_to_multiple_of` on `generation_config` (or on "
@@ -155,12 +157,12 @@ def precompile(
     if not batch_sizes or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in batch_sizes):
         raise ValueError(f"`batch_sizes` must be a non-empty list of positive integers, but is {batch_sizes!r}.")
 
-    batch_policy = batch_policy_from_fields(**fields)
+    batch_policy = settings.batch_policy
     if batch_policy is not None:  # calls run at the batch buckets, not at the sizes they were given
         batch_sizes = sorted({batch_policy.bucket(batch_size) for batch_size in batch_sizes})
-    lengths = sorted(bucket_lengths(policy, max_prompt_length, _max_positions(module)), reverse=True)
+    lengths = sorted(bucket_lengths(policy, max_prompt_length, settings.max_positions), reverse=True)
     if min_prompt_length is not None:
-        lengths = [length for length in lengths if length >= _capped_bucket(module, policy, min_prompt_length)]
+        lengths = [length for length in lengths if length >= capped_bucket(settings, min_prompt_length)]
     max_new_tokens = generation_config.max_new_tokens
     if max_new_tokens is None:
         max_new_tokens = (generation_config.max_length or 20) - 1
@@ -168,14 +170,13 @@ def precompile(
     if cache_implementation in ALL_STATIC_CACHE_IMPLEMENTATIONS and generation_config.max_cache_len is None:
         # Pinned, so one decode graph whatever its size: the slots the longest bucket needs, rounded up to a
         # multiple of 64 (not to the next power of two, which a growing cache uses to bound its sizes).
-        needed = lengths[0] + max_new_tokens - 1
-        generation_config.max_cache_len = round_up(needed, policy.pad_to_multiple_of or _CACHE_ALIGNMENT)
+        generation_config.max_cache_len = pinned_cache_length(policy, lengths[0] + max_new_tokens - 1)
 
     # Warm-up calls: 2 new tokens = one prefill and one decode step; sampling and stopping don't change the graphs.
     generation_config.max_new_tokens = 2
     generation_config.min_new_tokens = 2
     generation_config.max_length = None
-    _make_room(module, len(set(batch_sizes)) * (len(lengths) + 1))
+    state_of(module).budget.make_room(len(set(batch_sizes)) * (len(lengths) + 1))
     token_id = 0
     device = module.device
     jobs = [(batch_size, length) for batch_size in sorted(set(batch_sizes), reverse=True) for length in lengths]
@@ -201,19 +202,6 @@ def precompile(
         )
     logger.info(f"precompile: {sum(c.graphs for c in compiled)} graphs in {sum(c.seconds for c in compiled):.1f} s")
     return compiled
-
-
-def _make_room(module, graphs: int) -> None:
-    """Raises torch's recompile limit, if needed, to hold the graphs compiled so far plus `graphs` more."""
-    needed = graph_budget(module).graphs + graphs
-    limit = torch._dynamo.config.recompile_limit
-    if needed > limit:
-        torch._dynamo.config.recompile_limit = needed
-        logger.warning(
-            f"precompile raised torch's `torch._dynamo.config.recompile_limit` from {limit} to {needed}: the graphs "
-            f"this config needs, plus those the model has compiled before. Past the limit, torch silently runs the "
-            "forward eagerly."
-        )
 
 
 def _graphs_compiled() -> int:

@@ -59,7 +59,7 @@ class ChunkedPrefillTest(unittest.TestCase):
         from transformers.testing_utils import CaptureLogger
         from transformers.utils import logging
 
-        logger = logging.get_logger("prefill_buckets.generation")
+        logger = logging.get_logger("prefill_buckets")
         config = GenerationConfig(
             cache_implementation="static", max_new_tokens=2, do_sample=False, prefill_chunk_size=CHUNK
         )

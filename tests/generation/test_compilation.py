@@ -38,7 +38,7 @@ LENGTHS = [16, 9, 12, 5, 3, 30, 17]
 # cache 64) compiles nothing new.
 GRAPHS_FOR_LENGTHS = 4
 
-logger = logging.get_logger("prefill_buckets.generation")
+logger = logging.get_logger("prefill_buckets")
 
 
 # ---- a registered counting backend, for `CompileConfig` --------------------------------------------------------------

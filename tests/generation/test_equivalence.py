@@ -30,10 +30,12 @@ from transformers.testing_utils import CaptureLogger
 from transformers.utils import logging as transformers_logging
 
 import prefill_buckets
-from prefill_buckets.generation import _HOOKS
-from prefill_buckets.generation import logger as generation_logger
+from prefill_buckets.hooks import HOOKS
 
 from .tiny_models import CACHE
+
+
+package_logger = transformers_logging.get_logger("prefill_buckets")  # every module of the package logs under it
 
 
 # Upstream's SDPA mask-skip rule, which a bucketed call replaces while it runs and must put back.
@@ -240,7 +242,7 @@ class BucketedGenerationTestBase:
         self.addCleanup(self.assertNoHooksLeft, self.model)
 
     def assertNoHooksLeft(self, model):
-        for name in tuple(_HOOKS):
+        for name in tuple(HOOKS):
             self.assertNotIn(name, model.__dict__)
         self.assertIs(masking_utils._ignore_causal_mask_sdpa, UPSTREAM_IGNORE_CAUSAL_MASK_SDPA)
 
@@ -922,7 +924,7 @@ class LongPromptWarningTest(unittest.TestCase):
 
     def test_prompt_longer_than_largest_bucket_warns(self):
         model = get_model("llama")
-        with CaptureLogger(generation_logger) as captured:
+        with CaptureLogger(package_logger) as captured:
             prefill_buckets.generate(model, random_ids(1, 70), max_new_tokens=2, prefill_buckets=[8, 16, 32, 64])
         self.assertIn("70 tokens", captured.out)
         self.assertIn("(64)", captured.out)
@@ -930,7 +932,7 @@ class LongPromptWarningTest(unittest.TestCase):
 
     def test_no_warning_inside_the_buckets(self):
         model = get_model("llama")
-        with CaptureLogger(generation_logger) as captured:
+        with CaptureLogger(package_logger) as captured:
             prefill_buckets.generate(model, random_ids(1, 60), max_new_tokens=2, prefill_buckets=[8, 16, 32, 64])
         self.assertEqual(captured.out, "")
 

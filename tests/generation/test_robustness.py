@@ -10,15 +10,19 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import CompileConfig, GenerationConfig, PreTrainedTokenizerFast, masking_utils
 from transformers.generation.utils import GenerationMixin
 from transformers.testing_utils import CaptureLogger
+from transformers.utils import logging
 
 import prefill_buckets
 from prefill_buckets.compilation import EagerFallback, GraphCounter
 from prefill_buckets.compilation import logger as compilation_logger
-from prefill_buckets.generation import _HOOKS, UPSTREAM_GENERATE
-from prefill_buckets.generation import logger as generation_logger
+from prefill_buckets.generation import UPSTREAM_GENERATE
+from prefill_buckets.hooks import HOOKS
 
 from .test_equivalence import _LLAMA_LIKE, _SPECIAL_TOKENS
 from .tiny_models import tiny_llama
+
+
+package_logger = logging.get_logger("prefill_buckets")  # every module of the package logs under it
 
 
 UPSTREAM_IGNORE_CAUSAL_MASK_SDPA = masking_utils._ignore_causal_mask_sdpa
@@ -52,7 +56,7 @@ class RobustnessTestBase(unittest.TestCase):
         self.addCleanup(self.assertNoHooksLeft, self.model)
 
     def assertNoHooksLeft(self, model):
-        for name in _HOOKS:
+        for name in HOOKS:
             self.assertNotIn(name, model.__dict__)
         self.assertNotIsInstance(model.__dict__.get("_compiled_call_impl"), EagerFallback)
         self.assertNotIsInstance(model.__dict__.get("forward"), EagerFallback)
@@ -151,7 +155,7 @@ class GenerationModesTest(RobustnessTestBase):
         seen = []
         input_ids = random_ids(1, 5)
         expected = self.model.generate(input_ids, max_new_tokens=3, do_sample=False)
-        with CaptureLogger(generation_logger) as logs:
+        with CaptureLogger(package_logger) as logs:
             actual = prefill_buckets.generate(
                 self.model, input_ids, max_new_tokens=3, do_sample=False, custom_generate=loop, prefill_buckets=[8]
             )
@@ -304,7 +308,7 @@ class BadInputTest(RobustnessTestBase):
             lambda m, a, k: seen.append(k["input_ids"].shape[1]), with_kwargs=True
         )
         self.addCleanup(handle.remove)
-        with CaptureLogger(generation_logger) as logs:
+        with CaptureLogger(package_logger) as logs:
             actual = prefill_buckets.generate(
                 model, input_ids, max_new_tokens=3, do_sample=False, prefill_buckets=[32, 128]
             )
@@ -331,7 +335,7 @@ class BadInputTest(RobustnessTestBase):
         input_ids = random_ids(2, 6)
         input_ids[1, :2] = 1
         expected = model.generate(input_ids, max_new_tokens=3, do_sample=False)
-        with CaptureLogger(generation_logger) as logs:
+        with CaptureLogger(package_logger) as logs:
             actual = prefill_buckets.generate(model, input_ids, max_new_tokens=3, do_sample=False, prefill_buckets=[8])
         self.assertSameIds(actual, expected)
         self.assertIn("can't be inferred from `input_ids`", logs.out)
@@ -340,7 +344,7 @@ class BadInputTest(RobustnessTestBase):
         input_ids = random_ids(2, 6)
         input_ids[1, :2] = 0
         expected = self.model.generate(input_ids, attention_mask=input_ids.ne(0).long(), max_new_tokens=3)
-        with CaptureLogger(generation_logger) as logs:
+        with CaptureLogger(package_logger) as logs:
             actual = prefill_buckets.generate(self.model, input_ids, max_new_tokens=3, prefill_buckets=[8])
         self.assertSameIds(actual, expected)
         self.assertNotIn("can't be inferred", logs.out)

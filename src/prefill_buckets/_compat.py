@@ -1,0 +1,198 @@
+"""Every private transformers and torch name the package touches, with its version gates, and a check that they exist.
+
+Bucketing works by hooking a few private steps of upstream `generate` for the duration of a call. A transformers
+release that renames or reshapes one of them must fail loudly, never run with a hook silently skipped (a missed
+`_prepare_generated_length` hook, for instance, would shift `max_length` by the padding). `check_upstream` verifies
+them all; `enable()` and the first bucketed call on each model class run it.
+
+The versions this release is tested on are `TESTED_TRANSFORMERS`. On another version the check still runs, and the
+first bucketed call logs which version it is, once.
+"""
+
+import inspect
+import threading
+
+import torch
+import transformers
+from packaging import version
+from transformers import PreTrainedModel, masking_utils
+from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS
+from transformers.generation.utils import GenerationMixin
+from transformers.utils import logging
+
+
+logger = logging.get_logger(__name__)
+
+TESTED_TRANSFORMERS = ("5.17.0", "5.24.0")  # oldest and newest, both run in CI
+TRANSFORMERS_VERSION = version.parse(transformers.__version__)
+
+# Before transformers 5.21, chunked prefill feeds the whole `input_ids` from position 0, even when the cache already
+# holds their start: a call continuing from a cache must then prefill in one (eager) forward.
+CHUNKED_PREFILL_RESUMES = TRANSFORMERS_VERSION.release >= (5, 21)
+
+__all__ = ["ALL_STATIC_CACHE_IMPLEMENTATIONS", "UPSTREAM_GENERATE", "UPSTREAM_GENERATE_SIGNATURE"]
+
+# Captured at import, before `enable()` can replace it.
+UPSTREAM_GENERATE = GenerationMixin.generate
+UPSTREAM_GENERATE_SIGNATURE = inspect.signature(UPSTREAM_GENERATE)
+
+# The methods hooked on a model instance during a bucketed call, and the parameters each hook reads by name (the first
+# two are called with exactly these, in this order; the others pass everything through and read some by keyword).
+HOOK_TARGETS: dict[str, tuple[str, ...]] = {
+    "_prepare_generated_length": (
+        "generation_config",
+        "has_default_max_length",
+        "has_default_min_length",
+        "model_input_name",
+        "input_ids_length",
+        "inputs_tensor",
+    ),
+    "_prepare_cache_for_generation": (
+        "generation_config",
+        "model_kwargs",
+        "generation_mode",
+        "batch_size",
+        "max_cache_length",
+    ),
+    "prepare_inputs_for_generation": ("input_ids", "attention_mask", "inputs_embeds"),
+    "_get_logits_processor": ("generation_config", "logits_processor"),
+    "_get_stopping_criteria": ("generation_config", "stopping_criteria"),
+    "_get_candidate_generator": ("generation_config",),
+    "get_compiled_call": ("compile_config",),
+}
+# Other private methods called on the model.
+CALLED_METHODS = ("_valid_auto_compile_criteria",)
+
+_checked: set[type] = set()
+_checked_lock = threading.Lock()
+
+
+class _GenerativeModel(PreTrainedModel, GenerationMixin):
+    """What `enable()` checks when no model is known yet: the upstream classes every generative model inherits."""
+
+
+def check_upstream(model_class: type = _GenerativeModel) -> None:
+    """
+    Raises `RuntimeError` naming the transformers version and the missing piece when a hook target or another private
+    name the package relies on is missing, or no longer takes the parameters the hook reads. Cached per class.
+    """
+    if model_class in _checked:
+        return
+    problems = []
+    for name, parameters in HOOK_TARGETS.items():
+        method = getattr(model_class, name, None)
+        if method is None:
+            problems.append(f"`{model_class.__name__}.{name}` does not exist")
+            continue
+        accepted = inspect.signature(method).parameters
+        missing = [p for p in parameters if p not in accepted]
+        if missing:
+            problems.append(f"`{model_class.__name__}.{name}` takes no parameter `{missing[0]}`")
+    for name in CALLED_METHODS:
+        if not callable(getattr(model_class, name, None)):
+            problems.append(f"`{model_class.__name__}.{name}` does not exist")
+    if not callable(getattr(masking_utils, "_ignore_causal_mask_sdpa", None)):
+        problems.append("`transformers.masking_utils._ignore_causal_mask_sdpa` does not exist")
+    if not hasattr(torch._dynamo.config, "recompile_limit"):
+        problems.append(f"`torch._dynamo.config.recompile_limit` does not exist (torch {torch.__version__})")
+    if problems:
+        raise RuntimeError(
+            f"prefill_buckets can't bucket `generate` on transformers {transformers.__version__}: "
+            + "; ".join(problems)
+            + f". It is tested on transformers {' and '.join(TESTED_TRANSFORMERS)}: install one of those, or unset the "
+            "prefill bucket fields (and call `prefill_buckets.disable()`) to use this version without them."
+        )
+    with _checked_lock:
+        if not _checked and not _is_tested_range():
+            logger.warning(
+                f"prefill_buckets is tested on transformers {TESTED_TRANSFORMERS[0]} to {TESTED_TRANSFORMERS[-1]}, "
+                f"and this is {transformers.__version__}. Every private step it hooks is present with the parameters "
+                "it expects, but its output is not verified on this version: compare a few outputs against an "
+                "unbucketed call."
+            )
+        _checked.add(model_class)
+
+
+def _is_tested_range() -> bool:
+    oldest, newest = (version.parse(v).release[:2] for v in (TESTED_TRANSFORMERS[0], TESTED_TRANSFORMERS[-1]))
+    return oldest <= TRANSFORMERS_VERSION.release[:2] <= newest
+
+
+# ---- transformers ------------------------------------------------------------------------------------------------
+
+
+def get_sdpa_mask_skip():
+    return masking_utils._ignore_causal_mask_sdpa
+
+
+def set_sdpa_mask_skip(function) -> None:
+    masking_utils._ignore_causal_mask_sdpa = function
+
+
+def recurrent_mask_keys() -> tuple[str, ...]:
+    """The layer types whose mask is a recurrent layers' 2D padding mask (Mamba, linear attention, convolutions)."""
+    recurrent = getattr(masking_utils, "create_recurrent_attention_mask", None)  # absent before hybrid masks existed
+    mapping = getattr(masking_utils, "LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING", {})
+    return tuple(key for key, function in mapping.items() if recurrent is not None and function is recurrent)
+
+
+def valid_auto_compile(model, model_kwargs: dict, generation_config) -> bool:
+    """Whether upstream `generate` will compile the forward itself (a static cache with `compile_config`, or CUDA)."""
+    return model._valid_auto_compile_criteria(model_kwargs, generation_config)
+
+
+def compile_on_all_devices(compile_config) -> None:
+    """Makes upstream auto-compile on every device, CPU included (by default it compiles on CUDA/XPU only)."""
+    compile_config._compile_all_devices = True
+
+
+def static_cache_init_shape(model):
+    """`(num_heads, head_dim)` to allocate a static cache before the first forward, or `None` where upstream has no such method."""
+    shape_of = getattr(model, "_get_static_cache_init_shape", None)
+    return shape_of() if shape_of is not None else None
+
+
+def previous_max_cache_length(model) -> int:
+    """The largest static cache upstream has made for `model`, which it reuses when a call fits (-1: none yet)."""
+    previous = getattr(model, "_previous_max_cache_length", -1)
+    return previous if isinstance(previous, int) else -1
+
+
+def is_static_cache(cache) -> bool:
+    return type(cache).__name__ == "StaticCache"
+
+
+def is_prompt_lookup(candidate_generator) -> bool:
+    return type(candidate_generator).__name__ == "PromptLookupCandidateGenerator"
+
+
+# ---- torch ------------------------------------------------------------------------------------------------------
+
+
+def is_compiled_wrapper(model) -> bool:
+    """Whether `model` is the `OptimizedModule` that `torch.compile(model)` returns."""
+    return isinstance(model, torch._dynamo.eval_frame.OptimizedModule)
+
+
+def unwrap(model):
+    """The module a `torch.compile(model)` wrapper wraps, or `model` itself."""
+    return model._orig_mod if is_compiled_wrapper(model) else model
+
+
+def compile_with_wrapper(wrapper, function):
+    """`function` compiled by the wrapper's own dynamo context: same backend, mode and options."""
+    return wrapper.dynamo_ctx(function)
+
+
+def compiled_call_impl(module):
+    """What `module.compile()` installed as the module's compiled call, or `None`."""
+    return module.__dict__.get("_compiled_call_impl")
+
+
+def set_compiled_call_impl(module, function) -> None:
+    object.__setattr__(module, "_compiled_call_impl", function)
+
+
+def eager_callable(compiled):
+    """The original function of a `torch.compile`d function, or `None` when `compiled` is not one."""
+    return getattr(compiled, "_torchdynamo_orig_callable", None)

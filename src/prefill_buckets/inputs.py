@@ -1,0 +1,287 @@
+"""Padding a call's inputs: the prompt to its bucket (columns in front), and the batch to its batch bucket (rows).
+
+Pure input rewriting: the user's dicts and tensors are never modified, new ones are returned with a `Plan` that says
+what was added, which the hooks and `output.strip_output` read.
+"""
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers.generation.stopping_criteria import StoppingCriteriaList
+from transformers.utils import logging
+
+from .cache import continued_padding
+from .config import PREFILL_BATCH_BUCKETS, PREFILL_BUCKETS, PREFILL_PAD_TO_MULTIPLE_OF
+from .padding import left_pad
+from .settings import CallSettings
+from .views import DummyRowsFinished, PromptStrippingStreamer
+
+
+logger = logging.get_logger(__name__)
+
+# Per-token model inputs that are padded along with the prompt, and their fill value. Position ids of masked
+# positions are 0, as upstream fills them.
+PER_TOKEN_KWARGS = {"attention_mask": 0, "position_ids": 0, "token_type_ids": 0, "mm_token_type_ids": 0}
+
+
+@dataclass
+class Plan:
+    """What one bucketed `generate` call does to its inputs, read by the hooks while the call runs."""
+
+    model: Any
+    settings: CallSettings
+    prompt_length: int  # tokens in the prompt as the user passed it (their own padding included)
+    padded_length: int  # the bucket
+    added_id_columns: int  # columns added to `input_ids` (0 when the prompt is only `inputs_embeds`)
+    batch_size: int = 1  # prompts the user passed
+    padded_batch: int = 1  # prompts generated from, dummy rows of `prefill_batch_buckets` included
+    rows: int = 1  # output rows the user gets: batch * max(num_beams, num_return_sequences)
+    padded_rows: int = 1  # output rows generated, dummy rows of `prefill_batch_buckets` included
+    recompile_limit: int | None = None  # torch's limit once the call's graphs are accounted for
+
+    @property
+    def added_positions(self) -> int:
+        """Positions added in front of the sequence the model sees."""
+        return self.padded_length - self.prompt_length
+
+
+def capped_bucket(settings: CallSettings, prompt_length: int) -> int:
+    """
+    The bucket of a prompt, but never more positions than the model has (`max_position_embeddings`), unless the
+    prompt itself is longer: then it is not padded at all.
+    """
+    padded_length = settings.policy.bucket(prompt_length)
+    max_positions = settings.max_positions
+    if max_positions is not None and padded_length > max_positions:
+        capped = max(prompt_length, max_positions)
+        logger.warning_once(
+            f"The bucket of a {prompt_length}-token prompt is {padded_length}, more positions than the model has "
+            f"(`max_position_embeddings={max_positions}`), so it is padded to {capped} instead. Prompts this long "
+            f"share that length, and its compiled graph; make {max_positions} your largest bucket to say so."
+        )
+        padded_length = capped
+    return padded_length
+
+
+def check_ids_in_vocabulary(settings: CallSettings, input_ids: torch.Tensor) -> None:
+    """Raises `ValueError` for an id the embedding can't look up (an index error on CPU, a device assert on CUDA)."""
+    vocab_size = settings.vocab_size
+    if vocab_size is None:
+        return
+    low, high = (int(v) for v in torch.aminmax(input_ids))
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        raise ValueError(
+            f"`input_ids` holds the id {bad}, outside the model's vocabulary (valid ids: 0 to {vocab_size - 1}). If "
+            "those positions are padding, fill them with a `pad_token_id` in the vocabulary and mask them with "
+            "`attention_mask`."
+        )
+
+
+def check_pad_token_id(plan: Plan) -> None:
+    """
+    Raises `ValueError` when finished rows would be fed a pad id the embedding can't look up. Upstream fills rows
+    that stop early with `pad_token_id` and feeds it back to the model; dummy rows of `prefill_batch_buckets` stop
+    at once. With one row (or beam search) nothing is fed, and the id is never used.
+    """
+    settings = plan.settings
+    pad_token_id = settings.pad_token_id
+    if pad_token_id is None or settings.vocab_size is None or settings.in_vocabulary(pad_token_id):
+        return
+    if plan.padded_rows > 1 and settings.num_beams == 1:
+        raise ValueError(
+            f"`pad_token_id` is {pad_token_id}, outside the model's vocabulary (valid ids: 0 to "
+            f"{settings.vocab_size - 1}). This call generates {plan.padded_rows} rows: a row that finishes before the "
+            "others is filled with `pad_token_id` and fed back to the model, which can't look it up. Set "
+            "`pad_token_id` to an id in the vocabulary (the eos token id is the usual choice)."
+        )
+
+
+def _default_attention_mask(settings: CallSettings, input_ids: torch.Tensor) -> torch.Tensor:
+    """The mask upstream infers when none is passed: pad tokens are masked, unless the pad token is also eos."""
+    if settings.pad_token_is_inferable and (input_ids == settings.pad_token_id).any():
+        return input_ids.ne(settings.pad_token_id).long()
+    return torch.ones(input_ids.shape[:2], dtype=torch.long, device=input_ids.device)
+
+
+def pad_inputs(model, settings: CallSettings, arguments: dict, model_kwargs: dict):
+    """Left-pads the prompt and every per-token input to the bucket. Returns the plan and new call arguments."""
+    arguments = dict(arguments)
+    model_kwargs = dict(model_kwargs)  # the user's dict and tensors are never modified
+
+    input_ids = arguments.pop("inputs", None)
+    if input_ids is None:
+        input_ids = model_kwargs.pop("input_ids", None)
+    inputs_embeds = model_kwargs.get("inputs_embeds")
+
+    if inputs_embeds is not None:
+        prompt_length = inputs_embeds.shape[1]
+    elif input_ids is not None:
+        if input_ids.ndim != 2 or input_ids.dtype not in (torch.long, torch.int):
+            raise ValueError(
+                f"`{PREFILL_BUCKETS}` pads `input_ids` of shape [batch, length] with an integer dtype, but got shape "
+                f"{tuple(input_ids.shape)} and dtype {input_ids.dtype}."
+            )
+        prompt_length = input_ids.shape[1]
+    else:
+        # Upstream starts from a lone BOS token: one token, one bucket.
+        if settings.bos_token_id is None:
+            raise ValueError("`bos_token_id` has to be defined when no `input_ids` are provided.")
+        batch_size = next((v.shape[0] for v in model_kwargs.values() if isinstance(v, torch.Tensor)), 1)
+        input_ids = torch.full((batch_size, 1), settings.bos_token_id, dtype=torch.long, device=model.device)
+        prompt_length = 1
+    if prompt_length == 0:
+        raise ValueError(
+            f"The prompt is empty (0 tokens). `{PREFILL_BUCKETS}` pads a prompt up to a bucket, so it needs at least "
+            "one token: start the prompt with the BOS token."
+        )
+
+    continued = continued_padding(model_kwargs)
+    if continued is not None:
+        # Continuing from a cache a bucketed call filled: its first positions are padding, so the prompt (the whole
+        # conversation so far) gets the same padding in front.
+        added_positions, padded_batch = continued
+        batch_size = (inputs_embeds if inputs_embeds is not None else input_ids).shape[0]
+        if padded_batch != batch_size:
+            raise ValueError(
+                f"The cache passed in was filled by a call padded to {padded_batch} rows with `{PREFILL_BATCH_BUCKETS}`"
+                f", but this call has {batch_size}. Continue from a cache with the batch it was filled with: pass "
+                f"`{PREFILL_BATCH_BUCKETS}=None` to the call that fills it."
+            )
+        padded_length = prompt_length + added_positions
+    else:
+        padded_length = capped_bucket(settings, prompt_length)
+    if continued is None and settings.policy.exceeds_buckets(prompt_length):
+        logger.warning_once(
+            f"A prompt of {prompt_length} tokens is longer than the largest of `{PREFILL_BUCKETS}` "
+            f"({settings.policy.largest_bucket}), so it is padded to {padded_length}. Each such length compiles a new "
+            f"graph: add a larger bucket, or set `{PREFILL_PAD_TO_MULTIPLE_OF}` to choose the length for long prompts."
+        )
+    added_positions = padded_length - prompt_length
+    fill_token_id = settings.fill_token_id
+    if input_ids is not None and input_ids.numel() > 0:
+        check_ids_in_vocabulary(settings, input_ids)
+
+    if model_kwargs.get("attention_mask") is None:
+        mask_source = input_ids if input_ids is not None and input_ids.shape[1] == prompt_length else None
+        if mask_source is not None:
+            model_kwargs["attention_mask"] = _default_attention_mask(settings, mask_source)
+            if mask_source.shape[0] > 1 and not settings.pad_token_is_inferable:
+                # Upstream warns about this itself, but only when no mask is passed: this call passes one.
+                logger.warning_once(
+                    "The attention mask is not set with a batched input, and can't be inferred from `input_ids` "
+                    "because the pad token is not set or is the eos token, so every prompt token is attended (as "
+                    "upstream `generate` does). If the batch is padded, pass its `attention_mask`."
+                )
+        else:
+            batch_size = inputs_embeds.shape[0]
+            model_kwargs["attention_mask"] = torch.ones(
+                batch_size, prompt_length, dtype=torch.long, device=inputs_embeds.device
+            )
+
+    added_id_columns = 0
+    if input_ids is not None:
+        if input_ids.shape[1] == prompt_length:
+            added_id_columns = added_positions
+            input_ids = left_pad(input_ids, added_positions, fill_token_id)
+        elif input_ids.shape[1] != 0:
+            raise ValueError(
+                f"`input_ids` ({input_ids.shape[1]} tokens) and `inputs_embeds` ({prompt_length} positions) must have "
+                f"the same length to be padded with `{PREFILL_BUCKETS}`; pass `inputs_embeds` alone."
+            )
+        model_kwargs["input_ids"] = input_ids
+    if inputs_embeds is not None:
+        fill_embedding = model.get_input_embeddings().weight[fill_token_id].detach()
+        model_kwargs["inputs_embeds"] = left_pad(inputs_embeds, added_positions, fill_embedding, dim=1)
+
+    for key, fill in PER_TOKEN_KWARGS.items():
+        value = model_kwargs.get(key)
+        if isinstance(value, torch.Tensor) and value.shape[-1] == prompt_length:
+            model_kwargs[key] = left_pad(value, added_positions, fill)
+
+    streamer = arguments.get("streamer")
+    if streamer is not None and added_id_columns > 0:
+        arguments["streamer"] = PromptStrippingStreamer(streamer, added_id_columns)
+
+    batch_size = (model_kwargs["inputs_embeds"] if inputs_embeds is not None else input_ids).shape[0]
+    plan = Plan(
+        model,
+        settings,
+        prompt_length=prompt_length,
+        padded_length=padded_length,
+        added_id_columns=added_id_columns,
+        batch_size=batch_size,
+        padded_batch=batch_size,
+    )
+    plan.rows = plan.padded_rows = batch_size * settings.rows_per_prompt
+    return plan, arguments, model_kwargs
+
+
+def pad_rows(plan: Plan, arguments: dict, model_kwargs: dict):
+    """
+    Appends dummy rows up to the batch bucket: one unmasked pad token each (a fully masked row would give NaNs), no
+    other inputs. A stopping criterion marks them finished from the first step, so they never keep generation going,
+    and `output.strip_output` drops them.
+    """
+    model, settings = plan.model, plan.settings
+    input_ids = model_kwargs.get("input_ids")
+    prompt = model_kwargs["inputs_embeds"] if model_kwargs.get("inputs_embeds") is not None else input_ids
+    batch_size = prompt.shape[0]
+    padded_batch = settings.batch_policy.bucket(batch_size)
+    expand = settings.rows_per_prompt
+    if padded_batch == batch_size:
+        return plan, arguments, model_kwargs
+    known = {"input_ids", "inputs_embeds", *PER_TOKEN_KWARGS}
+    per_row = sorted(
+        k
+        for k, v in model_kwargs.items()
+        if isinstance(v, torch.Tensor) and k not in known and v.shape[:1] == (batch_size,)
+    )
+    if settings.num_beams > 1 or per_row:
+        reason = "beam search ranks rows together" if not per_row else f"it can't pad the per-row input {per_row[0]!r}"
+        logger.warning_once(f"`{PREFILL_BATCH_BUCKETS}` is not applied to this call: {reason}.")
+        return plan, arguments, model_kwargs
+    if arguments.get("negative_prompt_ids") is not None:
+        logger.warning_once(
+            f"`{PREFILL_BATCH_BUCKETS}` is not applied to this call: it can't pad `negative_prompt_ids`."
+        )
+        return plan, arguments, model_kwargs
+
+    extra = padded_batch - batch_size
+    fill_token_id = settings.fill_token_id
+    length = plan.padded_length
+    model_kwargs = dict(model_kwargs)
+    dummy_mask = torch.zeros(extra, length, dtype=torch.long, device=prompt.device)
+    dummy_mask[:, -1] = 1
+    if input_ids is not None and input_ids.shape[1] > 0:
+        dummy = torch.full((extra, input_ids.shape[1]), fill_token_id, dtype=input_ids.dtype, device=input_ids.device)
+        model_kwargs["input_ids"] = torch.cat([input_ids, dummy])
+    elif input_ids is not None:
+        model_kwargs["input_ids"] = input_ids.new_empty(padded_batch, 0)
+    if model_kwargs.get("inputs_embeds") is not None:
+        embeds = model_kwargs["inputs_embeds"]
+        fill_embedding = model.get_input_embeddings().weight[fill_token_id].detach().to(embeds.dtype)
+        model_kwargs["inputs_embeds"] = torch.cat([embeds, fill_embedding.expand(extra, *embeds.shape[1:])])
+    for key in PER_TOKEN_KWARGS:
+        value = model_kwargs.get(key)
+        if not isinstance(value, torch.Tensor):
+            continue
+        if key == "attention_mask":
+            model_kwargs[key] = torch.cat([value, dummy_mask.to(value.dtype)])
+        else:
+            row_dim = 0 if value.ndim == 2 else 1  # multimodal rope position ids are [3, batch, length]
+            shape = list(value.shape)
+            shape[row_dim] = extra
+            model_kwargs[key] = torch.cat([value, value.new_zeros(shape)], dim=row_dim)
+
+    criteria = StoppingCriteriaList(arguments.get("stopping_criteria") or [])
+    criteria.append(DummyRowsFinished(first_dummy_row=batch_size * expand))
+    arguments = dict(arguments, stopping_criteria=criteria)
+    plan.padded_rows = padded_batch * expand
+    plan.padded_batch = padded_batch
+    if isinstance(arguments.get("streamer"), PromptStrippingStreamer):
+        arguments["streamer"].rows = batch_size * expand
+    elif arguments.get("streamer") is not None:
+        arguments["streamer"] = PromptStrippingStreamer(arguments["streamer"], 0, rows=batch_size * expand)
+    return plan, arguments, model_kwargs

@@ -1,0 +1,117 @@
+"""One call's settings: the bucket fields and the generation values padding needs, resolved once, frozen.
+
+Resolution follows upstream `generate`'s priority, in one rule: a `generate` keyword argument (even `None`, which
+turns a field off for the call) > the `generation_config` argument > `model.generation_config`.
+"""
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import GenerationConfig
+
+from .buckets import BucketPolicy
+from .config import FIELDS, batch_policy_from_fields, policy_from_fields
+
+
+_MISSING = object()
+
+
+def resolve(name: str, kwargs: dict, generation_config: GenerationConfig | None, model) -> Any:
+    """The value of one generation field for a call (see the module docstring for the priority)."""
+    value = kwargs.get(name, _MISSING)
+    if value is not _MISSING:
+        return value
+    value = getattr(generation_config, name, None) if generation_config is not None else None
+    if value is None:
+        value = getattr(getattr(model, "generation_config", None), name, None)
+    return value
+
+
+def resolve_fields(model, generation_config: GenerationConfig | None, field_kwargs: dict) -> dict[str, Any]:
+    """The bucket fields' values for one call, by name."""
+    return {field: resolve(field, field_kwargs, generation_config, model) for field in FIELDS}
+
+
+def _token_ids(value) -> tuple[int, ...]:
+    """A special token id, list of ids or tensor of ids, as a tuple of plain ints (empty when unset)."""
+    if value is None:
+        return ()
+    if isinstance(value, torch.Tensor):
+        value = value.flatten().tolist()
+    if isinstance(value, (list, tuple)):
+        return tuple(int(v) for v in value)
+    return (int(value),)
+
+
+def vocabulary_size(model) -> int | None:
+    """The number of ids the input embedding can look up, when it tells."""
+    size = getattr(model.get_input_embeddings(), "num_embeddings", None)
+    return size if isinstance(size, int) else None
+
+
+def max_positions(model) -> int | None:
+    """The model's `max_position_embeddings`, when its config states one."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    value = getattr(config, "max_position_embeddings", None)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+@dataclass(frozen=True)
+class CallSettings:
+    """What one `generate` call asks for, as far as padding is concerned."""
+
+    policy: BucketPolicy | None  # prompt-length buckets; `None`: the call is not bucketed
+    batch_policy: BucketPolicy | None  # batch-size buckets (`prefill_batch_buckets`)
+    pad_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    num_beams: int
+    num_return_sequences: int
+    cache_implementation: str | None
+    vocab_size: int | None
+    max_positions: int | None
+
+    @property
+    def rows_per_prompt(self) -> int:
+        """Output rows per prompt: `max(num_beams, num_return_sequences)`."""
+        return max(self.num_beams, self.num_return_sequences)
+
+    @property
+    def pad_token_is_inferable(self) -> bool:
+        """Whether pad tokens in `input_ids` tell the padding, as upstream infers it: a pad token that is not eos."""
+        return self.pad_token_id is not None and self.pad_token_id not in self.eos_token_ids
+
+    def in_vocabulary(self, token_id) -> bool:
+        return isinstance(token_id, int) and token_id >= 0 and (self.vocab_size is None or token_id < self.vocab_size)
+
+    @property
+    def fill_token_id(self) -> int:
+        """The id that fills added positions. They are masked, so any id in the vocabulary gives the same output."""
+        candidates = (self.pad_token_id, *self.eos_token_ids, 0)
+        return next(c for c in candidates if self.in_vocabulary(c))
+
+
+def resolve_settings(
+    model, generation_config: GenerationConfig | None, field_kwargs: dict, model_kwargs: dict
+) -> CallSettings:
+    """Resolves everything a call's padding depends on, once. Raises `ValueError` for an invalid bucket field."""
+    fields = resolve_fields(model, generation_config, field_kwargs)
+
+    def value(name):
+        return resolve(name, model_kwargs, generation_config, model)
+
+    pad_token_ids = _token_ids(value("pad_token_id"))
+    bos_token_ids = _token_ids(value("bos_token_id"))
+    return CallSettings(
+        policy=policy_from_fields(**fields),
+        batch_policy=batch_policy_from_fields(**fields),
+        pad_token_id=pad_token_ids[0] if pad_token_ids else None,
+        eos_token_ids=_token_ids(value("eos_token_id")),
+        bos_token_id=bos_token_ids[0] if bos_token_ids else None,
+        num_beams=value("num_beams") or 1,
+        num_return_sequences=value("num_return_sequences") or 1,
+        cache_implementation=value("cache_implementation"),
+        vocab_size=vocabulary_size(model),
+        max_positions=max_positions(model),
+    )
