@@ -970,8 +970,25 @@ class EncoderDecoderTest(unittest.TestCase):
     def test_without_fields_is_upstream(self):
         input_ids = random_ids(1, 5)
         expected = self.model.generate(input_ids, max_new_tokens=3, do_sample=False)
+        hooked_during_call = record_hooks_during_forwards(self, self.model)
         out = prefill_buckets.generate(self.model, input_ids, max_new_tokens=3, do_sample=False)
         self.assertTrue(torch.equal(out, expected))
+        # Not only the same ids: the call never went through the bucketed path (no hook at any forward)...
+        self.assertTrue(hooked_during_call)
+        self.assertEqual(set().union(*hooked_during_call), set())
+        # ...which the same recorder does see on a bucketed call (positive control).
+        decoder = get_model("llama")
+        hooked_during_call = record_hooks_during_forwards(self, decoder)
+        prefill_buckets.generate(decoder, input_ids, max_new_tokens=3, do_sample=False, prefill_buckets=[8])
+        self.assertEqual(set().union(*hooked_during_call), set(HOOKS))
+
+
+def record_hooks_during_forwards(test: unittest.TestCase, model) -> list[set[str]]:
+    """For every forward of `model` from now on, the names of the bucketed-call hooks installed on the instance."""
+    seen = []
+    handle = model.register_forward_pre_hook(lambda module, args: seen.append(set(HOOKS) & set(model.__dict__)))
+    test.addCleanup(handle.remove)
+    return seen
 
 
 if __name__ == "__main__":

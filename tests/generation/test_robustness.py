@@ -1,6 +1,7 @@
 # Every generation mode a user reaches for, bad input, and faults: with buckets, the output is exactly an unpadded
 # run's, or the call raises a clear error. Reference runs are upstream `generate` on the same inputs.
 
+import logging as std_logging
 import threading
 import unittest
 
@@ -27,6 +28,11 @@ package_logger = logging.get_logger("prefill_buckets")  # every module of the pa
 
 UPSTREAM_IGNORE_CAUSAL_MASK_SDPA = masking_utils._ignore_causal_mask_sdpa
 VOCAB = 128
+
+
+def clear_warning_once() -> None:
+    """Forgets what `logger.warning_once` has logged (transformers caches it per process), so a test sees it again."""
+    std_logging.Logger.warning_once.cache_clear()
 
 
 def random_ids(batch_size: int, length: int, seed: int = 0) -> torch.Tensor:
@@ -321,13 +327,21 @@ class BadInputTest(RobustnessTestBase):
         self.assertSameIds(actual, expected)
 
     def test_no_max_length_reminder_caused_by_padding(self):
-        # 60 tokens + 3 new fit in 64 positions; the padded sequence (128 + 3) does not, but takes no more positions.
+        # 20 tokens + 3 new fit in 64 positions; the padded sequence (64 + 3) does not, but takes no more positions.
         model = tiny_llama(max_position_embeddings=64)
         from transformers.generation.stopping_criteria import logger as criteria_logger
 
+        reminder = "exceeded the model's predefined maximum length"
+        # Positive control: the reminder is a `warning_once`, so clear what earlier tests logged; an unpadded call
+        # that does pass the model's positions (63 + 3 > 64) logs it.
+        clear_warning_once()
+        with CaptureLogger(criteria_logger) as logs:
+            model.generate(random_ids(1, 63), max_new_tokens=3, do_sample=False)
+        self.assertIn(reminder, logs.out)
+        clear_warning_once()
         with CaptureLogger(criteria_logger) as logs:
             prefill_buckets.generate(model, random_ids(1, 20), max_new_tokens=3, prefill_buckets=[64])
-        self.assertNotIn("exceeded the model's predefined maximum length", logs.out)
+        self.assertNotIn(reminder, logs.out)
 
     def test_padded_batch_without_mask_pad_is_eos(self):
         # The padding can't be told from the ids: upstream attends it (and warns); so does the bucketed call.
@@ -335,6 +349,7 @@ class BadInputTest(RobustnessTestBase):
         input_ids = random_ids(2, 6)
         input_ids[1, :2] = 1
         expected = model.generate(input_ids, max_new_tokens=3, do_sample=False)
+        clear_warning_once()
         with CaptureLogger(package_logger) as logs:
             actual = prefill_buckets.generate(model, input_ids, max_new_tokens=3, do_sample=False, prefill_buckets=[8])
         self.assertSameIds(actual, expected)
@@ -344,6 +359,7 @@ class BadInputTest(RobustnessTestBase):
         input_ids = random_ids(2, 6)
         input_ids[1, :2] = 0
         expected = self.model.generate(input_ids, attention_mask=input_ids.ne(0).long(), max_new_tokens=3)
+        clear_warning_once()  # else an earlier test's warning would make the check below pass vacuously
         with CaptureLogger(package_logger) as logs:
             actual = prefill_buckets.generate(self.model, input_ids, max_new_tokens=3, prefill_buckets=[8])
         self.assertSameIds(actual, expected)

@@ -1,0 +1,131 @@
+# The coupling to private upstream API (`_compat.py`): a missing or reshaped hook target raises a clear error instead
+# of being skipped, and a `torch.compile(model)` wrapper shared by threads keeps every forward compiled.
+
+import threading
+import unittest
+
+import torch
+from transformers import GenerationConfig, LlamaForCausalLM
+from transformers.generation.streamers import BaseStreamer
+
+import prefill_buckets
+from prefill_buckets import _compat
+from prefill_buckets.compilation import GraphCounter
+
+from .tiny_models import tiny_llama, tiny_llama_config
+
+
+def random_ids(length: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, 128, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+class RenamedHookTarget(LlamaForCausalLM):
+    """As if a transformers release renamed `_prepare_generated_length`."""
+
+    _prepare_generated_length = None
+
+
+class ReshapedHookTarget(LlamaForCausalLM):
+    """As if a transformers release renamed a parameter the hook passes by position and reads by name."""
+
+    def _prepare_generated_length(self, generation_config, has_default_max_length, has_default_min_length, input_name,
+                                  input_ids_length, inputs_tensor):  # fmt: skip
+        return super()._prepare_generated_length(
+            generation_config,
+            has_default_max_length,
+            has_default_min_length,
+            input_name,
+            input_ids_length,
+            inputs_tensor,
+        )
+
+
+class CheckUpstreamTest(unittest.TestCase):
+    def test_tested_version_passes(self):
+        _compat.check_upstream()
+        _compat.check_upstream(LlamaForCausalLM)
+
+    def test_missing_hook_target_raises(self):
+        torch.manual_seed(0)
+        model = RenamedHookTarget(tiny_llama_config()).eval()
+        ids = random_ids(5)
+        with self.assertRaisesRegex(
+            RuntimeError, r"transformers \d+\.\d+.*`RenamedHookTarget\._prepare_generated_length`"
+        ):
+            prefill_buckets.generate(model, ids, max_new_tokens=2, prefill_buckets=[8])
+
+    def test_reshaped_hook_target_raises(self):
+        torch.manual_seed(0)
+        model = ReshapedHookTarget(tiny_llama_config()).eval()
+        with self.assertRaisesRegex(RuntimeError, "takes no parameter `model_input_name`"):
+            prefill_buckets.generate(model, random_ids(5), max_new_tokens=2, prefill_buckets=[8])
+
+
+class _PausingStreamer(BaseStreamer):
+    """Sets `started` at the prompt, then blocks its generation at token `pause_at` until `resume` is set."""
+
+    def __init__(self, pause_at: int, resume: threading.Event):
+        self.started = threading.Event()
+        self.resume = resume
+        self.pause_at = pause_at
+        self.puts = 0
+
+    def put(self, value):
+        if self.puts == 0:
+            self.started.set()
+        if self.puts == self.pause_at:
+            assert self.resume.wait(timeout=120), "the other thread never got there"
+        self.puts += 1
+
+    def end(self):
+        pass
+
+
+class SharedWrapperThreadsTest(unittest.TestCase):
+    def test_overlapping_calls_on_one_wrapper_stay_compiled(self):
+        # Two threads share one `torch.compile(model)` wrapper. A enters first; B enters while A runs, and pauses;
+        # A returns; then B finishes. B's forwards after A returned must still run compiled: each forward is one
+        # compiled call.
+        model = tiny_llama()
+        counter = GraphCounter()
+        wrapper = torch.compile(model, backend=counter, dynamic=False)
+        config = GenerationConfig(cache_implementation="static", do_sample=False, prefill_buckets=[16])
+        outputs, errors = {}, []
+
+        def run(name, length, new_tokens, **kwargs):
+            try:
+                outputs[name] = prefill_buckets.generate(
+                    wrapper,
+                    random_ids(length, seed=length),
+                    generation_config=config,
+                    max_new_tokens=new_tokens,
+                    min_new_tokens=new_tokens,
+                    **kwargs,
+                )
+            except Exception as error:  # reported below, not lost in the thread
+                errors.append(error)
+
+        run("warm", 10, 2)  # compiles the shapes, so the threads only run graphs
+        calls_before = counter.calls
+        b_started, a_done = threading.Event(), threading.Event()
+        streamer_a = _PausingStreamer(pause_at=1, resume=b_started)  # A waits in its call until B is in its own
+        streamer_b = _PausingStreamer(pause_at=2, resume=a_done)  # B waits until A has returned
+        thread_a = threading.Thread(target=run, args=("a", 10, 3), kwargs={"streamer": streamer_a})
+        thread_b = threading.Thread(target=run, args=("b", 12, 6), kwargs={"streamer": streamer_b})
+        thread_a.start()
+        self.assertTrue(streamer_a.started.wait(timeout=120))
+        thread_b.start()
+        self.assertTrue(streamer_b.started.wait(timeout=120))
+        b_started.set()
+        thread_a.join(timeout=120)
+        a_done.set()
+        thread_b.join(timeout=120)
+        self.assertFalse(thread_a.is_alive() or thread_b.is_alive())
+        self.assertEqual(errors, [])
+        self.assertEqual(counter.calls - calls_before, 3 + 6)  # every forward of both calls compiled
+        for name, length, new_tokens in (("a", 10, 3), ("b", 12, 6)):
+            expected = model.generate(
+                random_ids(length, seed=length), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False
+            )
+            self.assertTrue(torch.equal(outputs[name], expected), name)
+        self.assertIsNone(model._compiled_call_impl)  # the last call out removed the wrapper's compiled call
