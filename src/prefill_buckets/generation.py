@@ -108,7 +108,7 @@ def generate(model, *args, **kwargs):
     plan, arguments, model_kwargs = pad_inputs(model, settings, arguments, model_kwargs)
     if settings.batch_policy is not None and continues is None:  # a cache's rows are fixed when it is filled
         plan, arguments, model_kwargs = pad_rows(plan, arguments, model_kwargs)
-    check_pad_token_id(plan)
+    model_kwargs.update(check_pad_token_id(plan, arguments))
     compiled_wrapper = compiled_wrapper_forward(wrapper) if wrapper is not None else contextlib.nullcontext()
     with compiled_wrapper, bucketed_call(plan):
         output = UPSTREAM_GENERATE(model, **arguments, **model_kwargs)

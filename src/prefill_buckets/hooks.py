@@ -130,6 +130,8 @@ def _prepare_cache_for_generation(
         # The cache is made. Unset again, so configs derived from this one (an assistant model's) don't inherit it.
         generation_config.max_cache_len = None
     cache = passed_cache(model_kwargs)
+    cache_length = cache.get_max_length() if hasattr(cache, "get_max_length") else -1
+    plan.static_cache_length = cache_length
     # What prefill runs on: the padded prompt, or, continuing from a cache, the tokens the cache lacks.
     prefill = plan.padded_length - (cache_seq_length(cache) or 0)
     auto_compile = _compat.valid_auto_compile(model, model_kwargs, generation_config)
@@ -153,7 +155,6 @@ def _prepare_cache_for_generation(
             f"{chunk}: then every chunk of every prompt shares one prefill graph."
         )
     if compiled:
-        cache_length = cache.get_max_length() if hasattr(cache, "get_max_length") else -1
         # Chunked prefill runs a graph per chunk shape: the chunk, and a shorter last chunk if any.
         shapes = {prefill} if chunk is None else {min(chunk, prefill), prefill % chunk}
         for prefill_length in shapes - {0}:

@@ -39,6 +39,7 @@ class Plan:
     rows: int = 1  # output rows the user gets: batch * max(num_beams, num_return_sequences)
     padded_rows: int = 1  # output rows generated, dummy rows of `prefill_batch_buckets` included
     recompile_limit: int | None = None  # torch's limit once the call's graphs are accounted for
+    static_cache_length: int | None = None  # slots of the call's static cache, once it is made
 
     @property
     def added_positions(self) -> int:
@@ -79,23 +80,47 @@ def check_ids_in_vocabulary(settings: CallSettings, input_ids: torch.Tensor) -> 
         )
 
 
-def check_pad_token_id(plan: Plan) -> None:
+def check_pad_token_id(plan: Plan, arguments: dict) -> dict:
     """
-    Raises `ValueError` when finished rows would be fed a pad id the embedding can't look up. Upstream fills rows
-    that stop early with `pad_token_id` and feeds it back to the model; dummy rows of `prefill_batch_buckets` stop
-    at once. With one row (or beam search) nothing is fed, and the id is never used.
+    Checks the pad id against the rows that finish early, and returns the generation kwargs the call needs for it.
+
+    Upstream fills a row that finishes before the others with `pad_token_id` and feeds it back to the model, so a pad
+    id outside the vocabulary fails at the embedding (an index error on CPU, a device assert on CUDA). Raises
+    `ValueError` when one of the user's rows can finish early: there is more than one (and no beam search, which does
+    not feed finished beams), and an eos id in the vocabulary, `stop_strings` or the user's own stopping criteria
+    could finish it. The dummy rows of `prefill_batch_buckets` are finished from the first step, so they would be fed
+    the pad id too: when no user row can finish early, the call fills finished rows with an id in the vocabulary
+    instead (`{"pad_token_id": ...}`). No user row is ever filled, so the output is the same.
     """
     settings = plan.settings
     pad_token_id = settings.pad_token_id
     if pad_token_id is None or settings.vocab_size is None or settings.in_vocabulary(pad_token_id):
-        return
-    if plan.padded_rows > 1 and settings.num_beams == 1:
+        return {}
+    if settings.num_beams > 1:
+        return {}
+    user_criteria = [c for c in arguments.get("stopping_criteria") or () if not isinstance(c, DummyRowsFinished)]
+    can_finish_early = [
+        reason
+        for reason, present in (
+            (
+                f"the eos ids {list(settings.eos_token_ids)} are in it",
+                any(map(settings.in_vocabulary, settings.eos_token_ids)),
+            ),
+            ("`stop_strings` is set", bool(settings.stop_strings)),
+            ("`stopping_criteria` are passed", bool(user_criteria)),
+        )
+        if present
+    ]
+    if plan.rows > 1 and can_finish_early:
         raise ValueError(
             f"`pad_token_id` is {pad_token_id}, outside the model's vocabulary (valid ids: 0 to "
-            f"{settings.vocab_size - 1}). This call generates {plan.padded_rows} rows: a row that finishes before the "
-            "others is filled with `pad_token_id` and fed back to the model, which can't look it up. Set "
-            "`pad_token_id` to an id in the vocabulary (the eos token id is the usual choice)."
+            f"{settings.vocab_size - 1}). This call generates {plan.rows} rows and a row can finish before the others "
+            f"({', '.join(can_finish_early)}): it is then filled with `pad_token_id` and fed back to the model, which "
+            "can't look it up. Set `pad_token_id` to an id in the vocabulary (the eos token id is the usual choice)."
         )
+    if plan.padded_rows > plan.rows:
+        return {"pad_token_id": settings.fill_token_id}
+    return {}
 
 
 def _default_attention_mask(settings: CallSettings, input_ids: torch.Tensor) -> torch.Tensor:

@@ -19,23 +19,30 @@ def strip_output(output, plan: Plan):
     sequences = output.get("sequences")
     if sequences is not None:
         output["sequences"] = strip_left(sequences, plan.added_id_columns)
+    # The sequence the model has seen at step `s` spans `padded_length + s` positions. Prefill hidden states and
+    # the prefill query axis span it; without a cache (`use_cache=False`) every step re-runs the whole sequence, so
+    # every step's do; a dynamic cache's key axis does too. A static cache's key axis is the cache: left as is.
     added = plan.added_positions
-    padded_total = plan.padded_length  # sequence length the model has seen, at the current step
     if output.get("hidden_states") is not None:
-        steps = list(output["hidden_states"])
-        if steps:  # prefill: [B, S, H] per layer, S spans the padded prompt
-            steps[0] = tuple(_strip_if(h, 1, plan.padded_length, added) for h in steps[0])
-        output["hidden_states"] = tuple(steps)
+        output["hidden_states"] = tuple(
+            tuple(_strip_if(h, 1, plan.padded_length + step, added) for h in layers)  # [B, S, H]
+            for step, layers in enumerate(output["hidden_states"])
+        )
     if output.get("attentions") is not None:
         steps = []
         for step, layers in enumerate(output["attentions"]):
-            seen = padded_total + step
-            new_layers = []
-            for attention in layers:  # [B, heads, query, key]
-                if step == 0:
-                    attention = _strip_if(attention, -2, plan.padded_length, added)
-                new_layers.append(_strip_if(attention, -1, seen, added))
-            steps.append(tuple(new_layers))
+            seen = plan.padded_length + step
+            steps.append(
+                tuple(
+                    _strip_if(
+                        _strip_if(attention, -2, seen, added),  # [B, heads, query, key]
+                        -1,
+                        seen if seen != plan.static_cache_length else None,
+                        added,
+                    )
+                    for attention in layers
+                )
+            )
         output["attentions"] = tuple(steps)
     return output
 
@@ -54,8 +61,8 @@ def _take_rows(value, rows: int):
     return value
 
 
-def _strip_if(tensor, dim: int, padded_size: int, added: int):
-    """Strips `added` from `dim` when that axis spans the padded sequence, as a dynamic cache's key axis does."""
-    if tensor is None or tensor.shape[dim] != padded_size:
+def _strip_if(tensor, dim: int, padded_size: int | None, added: int):
+    """Strips `added` from `dim` when that axis spans the padded sequence (`padded_size` positions)."""
+    if tensor is None or padded_size is None or tensor.shape[dim] != padded_size:
         return tensor
     return strip_left(tensor, added, dim=dim)

@@ -69,6 +69,7 @@ class CallSettings:
     num_beams: int
     num_return_sequences: int
     cache_implementation: str | None
+    stop_strings: str | list[str] | None
     vocab_size: int | None
     max_positions: int | None
 
@@ -112,6 +113,7 @@ def resolve_settings(
         num_beams=value("num_beams") or 1,
         num_return_sequences=value("num_return_sequences") or 1,
         cache_implementation=value("cache_implementation"),
+        stop_strings=value("stop_strings"),
         vocab_size=vocabulary_size(model),
         max_positions=max_positions(model),
     )

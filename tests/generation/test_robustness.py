@@ -9,6 +9,7 @@ import torch
 from parameterized import parameterized
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import CompileConfig, GenerationConfig, PreTrainedTokenizerFast, masking_utils
+from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.utils import GenerationMixin
 from transformers.testing_utils import CaptureLogger
 from transformers.utils import logging
@@ -285,15 +286,54 @@ class BadInputTest(RobustnessTestBase):
             )
 
     def test_pad_token_outside_the_vocabulary_with_batch_buckets(self):
-        # One prompt, but a dummy row makes two: it finishes at once and would be fed the pad id.
-        with self.assertRaisesRegex(ValueError, "`pad_token_id` is 500.*generates 2 rows"):
+        # One prompt, and a dummy row that finishes at once: upstream would feed it the pad id, so the call fills
+        # finished rows with an id in the vocabulary. The user's row never finishes early: exact, as upstream.
+        input_ids = random_ids(1, 5)
+        expected = self.model.generate(input_ids, max_new_tokens=4, do_sample=False, pad_token_id=500)
+        actual = prefill_buckets.generate(
+            self.model,
+            input_ids,
+            max_new_tokens=4,
+            do_sample=False,
+            pad_token_id=500,
+            prefill_buckets=[8],
+            prefill_batch_buckets=[2],
+        )
+        self.assertSameIds(actual, expected)
+
+    @parameterized.expand([("no_batch_buckets", None), ("batch_buckets", [4])])
+    def test_pad_token_outside_the_vocabulary_eos_unreachable(self, _, batch_buckets):
+        # transformers' own tests force generation to the maximum length with `pad_token_id=-1, eos_token_id=-1`:
+        # no row can finish early, so upstream never feeds the pad id, and neither does the bucketed call.
+        input_ids, attention_mask = random_ids(2, 7), torch.ones(2, 7, dtype=torch.long)
+        attention_mask[1, :3] = 0
+        kwargs = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": -1, "eos_token_id": -1}
+        expected = self.model.generate(input_ids, attention_mask=attention_mask, **kwargs)
+        actual = prefill_buckets.generate(
+            self.model,
+            input_ids,
+            attention_mask=attention_mask,
+            prefill_buckets=[8],
+            prefill_batch_buckets=batch_buckets,
+            **kwargs,
+        )
+        self.assertSameIds(actual, expected)
+
+    def test_pad_token_outside_the_vocabulary_custom_criteria(self):
+        # The user's own criterion could finish a row early: refused, naming why.
+        class NeverStop(StoppingCriteria):
+            def __call__(self, input_ids, scores, **kwargs):
+                return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+        with self.assertRaisesRegex(ValueError, "`pad_token_id` is -1.*`stopping_criteria` are passed"):
             prefill_buckets.generate(
                 self.model,
-                random_ids(1, 5),
+                random_ids(2, 5),
                 max_new_tokens=2,
-                pad_token_id=500,
+                pad_token_id=-1,
+                eos_token_id=-1,
+                stopping_criteria=StoppingCriteriaList([NeverStop()]),
                 prefill_buckets=[8],
-                prefill_batch_buckets=[2],
             )
 
     def test_pad_token_outside_the_vocabulary_one_prompt(self):
