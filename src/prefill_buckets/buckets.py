@@ -14,10 +14,8 @@ So `buckets="pow2", pad_to_multiple_of=64` gives 64, 64, ..., 64, 128, 256, ...:
 and `buckets=[5, 10], pad_to_multiple_of=4` gives 8 for prompts of 1 to 8 tokens and 12 for 9 to 12. A padded length
 is its own bucket (`bucket(bucket(n)) == bucket(n)`), so a prompt that already fits one is not padded further.
 
-A static cache needs `padded prompt + max_new_tokens - 1` slots. Its length is bucketed geometrically, whatever the
-prompt policy: the next power of two (then aligned to `pad_to_multiple_of`). Every cache size is a compiled decode
-graph, and upstream keeps the largest cache seen so far on the model, so geometric sizes bound the decode graphs by
-log2 of the longest sequence, where prompt-sized steps (say multiples of 64) would compile one per step.
+`BucketPolicy.cache_length` is the geometric size (the next power of two, aligned) that `cache.py`'s cache-length
+rule falls back to for a model that states no maximum length; the rule itself lives there.
 """
 
 import numbers

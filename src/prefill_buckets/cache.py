@@ -1,39 +1,79 @@
 """The KV cache of a bucketed call: how long a static cache is, and how a later call continues from a filled one.
 
-The cache-length rule, in one place (`static_cache_length`):
+The cache-length rule, in one place (`static_cache_length`), for a static cache whose `max_cache_len` is not set.
+Every cache length is a compiled decode graph, and every bucket's prefill graph is compiled for one cache length, so
+the rule allocates once, for the whole workload when it can tell, and grows at most once:
 
-- `max_cache_len` set by the user: that, always.
-- Otherwise the cache the model already has, when the call fits in it: upstream keeps the largest static cache it has
-  made on the model, and every cache length is a compiled decode graph, so reusing it costs no graph.
-- Otherwise a new length, bucketed geometrically (`BucketPolicy.cache_length`: the next power of two, aligned), so a
-  mix of prompts needs a few cache lengths, not one per prompt.
+1. The cache the model already has, when the call fits in it (upstream keeps the largest static cache it has made
+   on the model): no new graph.
+2. The first cache of the model holds every prompt the policy bounds: with a list of buckets, the largest bucket
+   plus the new tokens. `"pow2"` and `prefill_pad_to_multiple_of` alone have no largest bucket: the first cache then
+   holds `FIRST_CACHE_SLOTS` slots (or the call, when it needs more).
+3. A call that does not fit grows the cache once, to the longest sequence the model takes: its
+   `max_position_embeddings` plus the new tokens. Later calls all fit. A model that states no maximum grows
+   geometrically instead (the next power of two), which bounds its cache lengths by log2 of the longest sequence.
 
-`precompile` pins the cache once instead (`pinned_cache_length`): the slots its longest bucket needs, rounded up to
-a multiple of 64 (or of `prefill_pad_to_multiple_of`), so every later call fits in it.
+Every length is capped at what the model takes (step 3's length), and rounded up to a multiple of 64 (or of
+`prefill_pad_to_multiple_of`). `precompile` pins the cache to its longest bucket instead (`pinned_cache_length`).
+The price of a large cache is decode time (a static cache's decode step attends over every slot) and memory: pin
+`max_cache_len` for the workload's longest prompt to pay only for that.
 """
+
+from transformers.utils import logging
 
 from ._compat import previous_max_cache_length, static_cache_init_shape
 from .buckets import BucketPolicy, round_up
+from .config import PREFILL_BUCKETS
+from .settings import CallSettings
 from .state import state_of
 
 
+logger = logging.get_logger(__name__)
+
 CACHE_KWARGS = ("cache", "past_key_values")  # `cache` from transformers 5.24 on, `past_key_values` before
-# A pinned static cache's length is a multiple of this (or of `prefill_pad_to_multiple_of`): sizes kernels like.
+# A static cache's length is a multiple of this (or of `prefill_pad_to_multiple_of`): sizes kernels like.
 CACHE_ALIGNMENT = 64
+# The first cache of a policy without a largest bucket: a few thousand slots serve most chat prompts without a growth
+# (SmolLM2-135M, fp32: 94 MB per row; decode time against the cache length is in the guide's "Cache sizing").
+FIRST_CACHE_SLOTS = 2048
 # Set on a cache filled by a bucketed call: `(columns added in front, batch size with dummy rows)`. A later call that
 # continues from the cache (multi-turn chat) pads its prompt by the same columns, so cache and prompt line up.
 _CACHE_PADDING = "_prefill_buckets_padding"
 
 
-def static_cache_length(model, policy: BucketPolicy, needed: int) -> int:
-    """The length of the static cache a call that needs `needed` slots creates, when `max_cache_len` is not set."""
+def _aligned(policy: BucketPolicy, slots: int) -> int:
+    return round_up(slots, policy.pad_to_multiple_of or CACHE_ALIGNMENT)
+
+
+def static_cache_length(model, settings: CallSettings, needed: int, prompt_slots: int) -> int:
+    """
+    The length of the static cache for a call that needs `needed` slots, `prompt_slots` of them for its (padded)
+    prompt and the tokens already cached, the rest for new tokens. See the module docstring for the rule.
+    """
+    policy = settings.policy
     previous = previous_max_cache_length(model)
-    return previous if previous >= needed else policy.cache_length(needed)
+    if previous >= needed:
+        return previous
+    new_slots = needed - prompt_slots
+    cap = None if settings.max_positions is None else _aligned(policy, max(needed, settings.max_positions + new_slots))
+    if previous < 0:
+        largest = policy.largest_bucket
+        first = policy.bucket(largest) + new_slots if largest is not None else FIRST_CACHE_SLOTS
+        first = _aligned(policy, max(needed, first))
+        return first if cap is None else min(first, cap)
+    grown = cap if cap is not None else policy.cache_length(needed)
+    logger.warning_once(
+        f"A call needs {needed} static cache slots, more than the model's cache of {previous}, so the cache grows to "
+        f"{grown} slots: every bucket compiles its prefill graph once more at the new length, and decode one more "
+        f"graph. Pin `max_cache_len` for your longest prompt, list your largest bucket in `{PREFILL_BUCKETS}`, or "
+        "call `prefill_buckets.precompile` with your longest prompt, to allocate the cache once."
+    )
+    return grown
 
 
 def pinned_cache_length(policy: BucketPolicy, needed: int) -> int:
     """The length `precompile` pins the static cache to, for a workload whose longest call needs `needed` slots."""
-    return round_up(needed, policy.pad_to_multiple_of or CACHE_ALIGNMENT)
+    return _aligned(policy, needed)
 
 
 def passed_cache(model_kwargs: dict):

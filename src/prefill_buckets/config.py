@@ -28,8 +28,9 @@ FIELD_DOCS = """
             output. Either a list of strictly increasing positive lengths, such as `[64, 256, 1024]`, or `"pow2"` for
             every power of two. A prompt longer than the largest listed bucket is padded to a multiple of the largest
             bucket (or of `prefill_pad_to_multiple_of` when set) and logs a warning, since each such length compiles a
-            new graph. With a static cache and no `max_cache_len`, the cache length is rounded up to a power of
-            two (aligned to `prefill_pad_to_multiple_of`), so prompts of different lengths share cache shapes.
+            new graph. With a static cache and no `max_cache_len`, the model's first cache holds the largest bucket
+            (2048 slots for `"pow2"`), and a prompt that outgrows it grows it once, to `max_position_embeddings`, so
+            prompts of different lengths share one cache shape, and one decode graph.
         prefill_batch_buckets (`list[int]` or `str`, *optional*):
             Pad the batch up to the smallest of these sizes that holds it, with dummy rows (one masked-in pad token
             each) that are finished from the first step and stripped from the output. Same values as

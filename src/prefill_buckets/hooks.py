@@ -121,7 +121,9 @@ def _prepare_cache_for_generation(
     # `generation_config` is upstream's private copy: what the user passed is untouched.
     sized_here = creates_static and generation_config.max_cache_len is None
     if sized_here:
-        generation_config.max_cache_len = static_cache_length(model, plan.settings.policy, max_cache_length)
+        generation_config.max_cache_len = static_cache_length(
+            model, plan.settings, max_cache_length, prompt_slots=plan.padded_length
+        )
     if generation_config.compile_config is not None:
         # An explicit `compile_config` compiles on every device, CPU included (upstream: CUDA/XPU only).
         _compat.compile_on_all_devices(generation_config.compile_config)

@@ -10,6 +10,7 @@ import platform
 import sys
 import time
 import zipfile
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,6 +74,7 @@ def precompile(
     max_prompt_length: int | None = None,
     progress: bool = True,
     min_prompt_length: int | None = None,
+    prompt_lengths: Iterable[int] | None = None,
 ) -> list[CompiledShape]:
     r"""
     Compiles every graph that `generate` with `generation_config` can need for prompts of `min_prompt_length` (1 by
@@ -112,6 +114,10 @@ def precompile(
             The shortest prompt later calls will send: the buckets below its bucket are not warmed up (with `"pow2"`,
             `min_prompt_length=100` skips 1 to 64). Defaults to 1, every bucket. Must not be larger than
             `max_prompt_length`.
+        prompt_lengths (`Iterable[int]`, *optional*):
+            A sample of the prompt lengths later calls will send (token counts, say from a log): `min_prompt_length`
+            and `max_prompt_length` are taken from it, so only the buckets the sample reaches are warmed up. Not
+            together with either of them.
 
     Returns:
         `list[CompiledShape]`: one entry per warm-up call, longest first.
@@ -126,6 +132,20 @@ def precompile(
     [64, 16]
     ```
     """
+    if prompt_lengths is not None:
+        if max_prompt_length is not None or min_prompt_length is not None:
+            raise ValueError(
+                "Pass either `prompt_lengths` (a sample, from which the shortest and longest prompt are taken) or "
+                "`min_prompt_length` / `max_prompt_length`, not both."
+            )
+        lengths = list(prompt_lengths)
+        bad = [n for n in lengths if not isinstance(n, int) or isinstance(n, bool) or n < 1]
+        if not lengths or bad:
+            raise ValueError(
+                f"`prompt_lengths` must be a non-empty sample of positive integers (prompt lengths in tokens), but "
+                f"{'is empty' if not lengths else f'holds {bad[0]!r}'}."
+            )
+        min_prompt_length, max_prompt_length = min(lengths), max(lengths)
     wrapper = model
     module = getattr(model, "_orig_mod", model)
     generation_config = copy.deepcopy(generation_config if generation_config is not None else module.generation_config)

@@ -32,11 +32,11 @@ MAX_NEW_TOKENS = 4
 # run without a mask, so a second prefill graph for it would show at once).
 BUCKETS = [16, 32]
 LENGTHS = [16, 9, 12, 5, 3, 30, 17]
-# What those lengths compile, from the rules: the static cache is sized from the bucket (`padded + MAX_NEW_TOKENS -
-# 1`, to the next power of two) and never shrinks on a model. The bucket-16 prompts run at cache 32 (16 + 3 -> 32),
-# then 30 grows it to 64 (32 + 3 -> 64): prefill 16 @ 32, decode @ 32, prefill 32 @ 64, decode @ 64. 17 (bucket 32,
-# cache 64) compiles nothing new.
-GRAPHS_FOR_LENGTHS = 4
+# What those lengths compile, from the rules: the first static cache holds the largest bucket (`32 + MAX_NEW_TOKENS
+# - 1` = 35 slots, rounded up to a multiple of 64), so every call runs at cache 64: prefill 16 @ 64, prefill 32 @ 64,
+# one decode graph @ 64.
+GRAPHS_FOR_LENGTHS = 3
+DECODE_GRAPHS_FOR_LENGTHS = 1
 
 logger = logging.get_logger("prefill_buckets")
 
@@ -172,7 +172,7 @@ class CompilationTestCase(unittest.TestCase):
             self.check_call(counter, generate, make_prompt(length), reference, reference_config)
         self.assertEqual(counter.graphs, GRAPHS_FOR_LENGTHS, f"graphs: {counter.shapes}")
         self.assertEqual(sorted(prefill_lengths(counter)), BUCKETS, f"graphs: {counter.shapes}")
-        self.assertEqual(decode_graphs(counter), 2, f"graphs: {counter.shapes}")
+        self.assertEqual(decode_graphs(counter), DECODE_GRAPHS_FOR_LENGTHS, f"graphs: {counter.shapes}")
         self.assertEqual(model._previous_max_cache_length, 64)
         self.assertEqual(counter.calls, MAX_NEW_TOKENS * len(LENGTHS))
 
@@ -489,6 +489,18 @@ class PrecompileTest(CompilationTestCase):
                 model, config, max_prompt_length=30, min_prompt_length=min_prompt_length, progress=False
             )
             self.assertEqual([shape.prompt_length for shape in compiled], [32, 16, 8, 4, 2, 1])
+
+    def test_prompt_lengths_sample(self):
+        # The shortest (23) and longest (495) prompt of a sample: pow2 buckets 32 to 512, not 1 to 512.
+        model = make_model()
+        config = make_config(prefill_buckets="pow2")
+        compiled = prefill_buckets.precompile(model, config, prompt_lengths=[300, 23, 495, 100], progress=False)
+        self.assertEqual([shape.prompt_length for shape in compiled], [512, 256, 128, 64, 32])
+        for bad in ([], [0, 5], [2.5]):
+            with self.assertRaisesRegex(ValueError, "`prompt_lengths` must be a non-empty sample of positive"):
+                prefill_buckets.precompile(model, config, prompt_lengths=bad, progress=False)
+        with self.assertRaisesRegex(ValueError, "either `prompt_lengths`"):
+            prefill_buckets.precompile(model, config, prompt_lengths=[5], max_prompt_length=8, progress=False)
 
     def test_min_prompt_length_with_list_policy(self):
         model = make_model()

@@ -852,14 +852,33 @@ class StaticCacheLengthTest(unittest.TestCase):
         return out[CACHE].layers[0].max_cache_len
 
     def test_one_cache_length_per_bucket(self):
-        lengths = {self.cache_length(n, prefill_buckets=[8, 16, 32, 64]) for n in (3, 5, 8)}
-        # Sized from the padded prompt, 8 + 4 - 1 = 11 slots, rounded up to a power of two.
-        self.assertEqual(lengths, {16})
-        self.assertEqual(self.cache_length(9, prefill_buckets=[8, 16, 32, 64]), 32)  # 16 + 3 -> 32
+        # A list of buckets bounds the prompts: the first cache holds the largest bucket, 64 + 4 - 1 = 67 slots,
+        # rounded up to a multiple of 64. Every prompt of every bucket gets that one cache length.
+        lengths = {self.cache_length(n, prefill_buckets=[8, 16, 32, 64]) for n in (3, 5, 8, 9, 64)}
+        self.assertEqual(lengths, {128})
 
     def test_cache_length_is_aligned(self):
-        # 5 -> 24 (the alignment), 24 + 3 = 27 slots -> 32 -> aligned to 48.
-        self.assertEqual(self.cache_length(5, prefill_pad_to_multiple_of=24), 48)
+        # No largest bucket: the first cache has `FIRST_CACHE_SLOTS`, capped at the longest sequence the model takes
+        # (256 positions + 4 - 1 new slots = 259), and aligned to 24: 264.
+        self.assertEqual(self.cache_length(5, prefill_pad_to_multiple_of=24), 264)
+
+    def test_cache_grows_once_to_what_the_model_takes(self):
+        model_class, make_config = MODEL_SPECS["llama"]
+        model = model_class(make_config()).eval()
+        lengths = []
+        for length in (5, 70, 200, 9):  # 70 and 200 are longer than the largest bucket: padded to multiples of 16
+            out = prefill_buckets.generate(
+                model,
+                random_ids(1, length, seed=length),
+                max_new_tokens=4,
+                do_sample=False,
+                cache_implementation="static",
+                return_dict_in_generate=True,
+                prefill_buckets=[8, 16],
+            )
+            lengths.append(out[CACHE].layers[0].max_cache_len)
+        # First 16 + 3 = 19 -> 64; then one growth, to 256 positions + 3 new slots = 259 -> 320; never again.
+        self.assertEqual(lengths, [64, 320, 320, 320])
 
     def test_max_cache_len_is_respected(self):
         self.assertEqual(self.cache_length(5, prefill_buckets=[8, 16], max_cache_len=40), 40)

@@ -1,0 +1,98 @@
+# The simplest config is bounded (issue 13): bucket fields set, no `max_cache_len`, no `precompile`, prompts of 10 to
+# 500 tokens in random orders. The graphs per batch size are at most the prefill buckets used plus one decode graph
+# (chunked prefill: one chunk graph and one decode graph), no forward falls back to eager, and the tokens are upstream's.
+#
+# Counted with `GraphCounter` (eager backend: tracing only) on `model.compile(dynamic=False, fullgraph=True)`: each
+# forward is one compiled call or an error, so `calls == forwards` means nothing ran eagerly.
+
+import random
+import unittest
+
+import torch
+from parameterized import parameterized
+from transformers import GenerationConfig
+
+import prefill_buckets
+from prefill_buckets.compilation import GraphCounter
+
+from .tiny_models import tiny_llama
+
+
+NEW_TOKENS = 8
+WORKLOAD_SIZE = 20
+
+
+def workload(seed: int) -> list[int]:
+    """`WORKLOAD_SIZE` distinct prompt lengths from 10 to 500, in a random order."""
+    return random.Random(seed).sample(range(10, 501), WORKLOAD_SIZE)
+
+
+def prompt(length: int) -> torch.Tensor:
+    return torch.randint(3, 128, (1, length), generator=torch.Generator().manual_seed(length))
+
+
+class BoundedByDefaultTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        # Upstream's tokens, once per length: eager, unpadded, a dynamic cache.
+        cls.reference = tiny_llama()
+        cls.expected = {}
+
+    def expected_tokens(self, length: int) -> torch.Tensor:
+        if length not in self.expected:
+            self.expected[length] = self.reference.generate(
+                prompt(length), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False
+            )
+        return self.expected[length]
+
+    def run_workload(self, lengths, **fields) -> tuple[GraphCounter, set[int], set[int]]:
+        torch._dynamo.reset()
+        model = tiny_llama()
+        counter = GraphCounter()
+        model.compile(backend=counter, dynamic=False, fullgraph=True)
+        config = GenerationConfig(
+            cache_implementation="static", max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False
+        )
+        cache_lengths, prefill_shapes = set(), set()
+        for length in lengths:
+            calls_before = counter.calls
+            out = prefill_buckets.generate(model, prompt(length), generation_config=config, **fields)
+            self.assertTrue(torch.equal(out, self.expected_tokens(length)), f"prompt of {length} tokens")
+            forwards = counter.calls - calls_before
+            chunk = fields.get("prefill_chunk_size")
+            prefill_forwards = 1 if chunk is None else -(-length // chunk)
+            self.assertEqual(forwards, prefill_forwards + NEW_TOKENS - 1, "a forward ran eagerly")
+            cache_lengths.add(model._previous_max_cache_length)
+        prefill_shapes = {shape[0] for shape in counter.shapes}
+        return counter, cache_lengths, prefill_shapes
+
+    @parameterized.expand([(f"pow2_{seed}", "pow2", seed) for seed in (0, 1)] + [("multiple64_2", 64, 2)])
+    def test_buckets_plus_one_decode_graph(self, _, policy, seed):
+        lengths = workload(seed)
+        fields = {"prefill_buckets": "pow2"} if policy == "pow2" else {"prefill_pad_to_multiple_of": policy}
+        bucket = prefill_buckets.BucketPolicy(
+            buckets=fields.get("prefill_buckets"), pad_to_multiple_of=fields.get("prefill_pad_to_multiple_of")
+        ).bucket
+        buckets_used = {bucket(length) for length in lengths}
+        counter, cache_lengths, _ = self.run_workload(lengths, **fields)
+        self.assertEqual(len(cache_lengths), 1, f"the cache grew: {sorted(cache_lengths)}")
+        self.assertLessEqual(counter.graphs, len(buckets_used) + 1, counter.shapes)
+
+    def test_chunked_two_graphs(self):
+        lengths = workload(3)
+        counter, cache_lengths, _ = self.run_workload(lengths, prefill_chunk_size=64, prefill_pad_to_multiple_of=64)
+        self.assertEqual(len(cache_lengths), 1, f"the cache grew: {sorted(cache_lengths)}")
+        self.assertEqual(counter.graphs, 2, counter.shapes)
+
+    def test_one_growth_past_the_largest_bucket(self):
+        # A list bounds the first cache to its largest bucket (64 + 7 -> 128 slots); prompts past it grow the cache
+        # once, to the longest sequence the model takes (512 positions + 7 -> 576), and never again.
+        lengths = [40, 20, 300, 60, 450, 10, 500]
+        buckets = [32, 64]
+        counter, cache_lengths, _ = self.run_workload(lengths, prefill_buckets=buckets)
+        self.assertEqual(sorted(cache_lengths), [128, 576])
+        policy = prefill_buckets.BucketPolicy(buckets=buckets)
+        before = {policy.bucket(n) for n in lengths[:2]}
+        after = {policy.bucket(n) for n in lengths[2:]}
+        # Buckets before the growth, then every bucket after it at the new length, one decode graph per cache length.
+        self.assertLessEqual(counter.graphs, len(before) + len(after) + 2, counter.shapes)
