@@ -1,4 +1,4 @@
-"""Bucketed generate under tensor parallelism, on CPU with gloo: a cold launch that compiles and saves each rank's
+"""Bucketed generate under tensor parallelism (CPU with gloo, or one GPU per rank with NCCL): a cold launch that compiles and saves each rank's
 compile cache, then a warm launch that loads it, side by side.
 
     torchrun --nproc-per-node 3 utils/tp_bench.py              # SmolLM2-135M-Instruct: 9 heads, 3 kv heads
@@ -64,9 +64,12 @@ def main() -> int:
     if args.fresh and rank == 0:
         shutil.rmtree(directory, ignore_errors=True)
     # Decided before anything compiles; every rank sees the same files (one machine, or a shared folder).
+    import torch
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=60))
+    # CUDA: NCCL, one GPU per rank (transformers puts rank r on `cuda:{LOCAL_RANK}`); otherwise gloo on the CPU.
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=60))
     dist.barrier()  # `--fresh` done
     cache_path = os.path.join(directory, "compile-cache-{rank}.zip")
     files = [cache_path.replace("{rank}", str(r)) for r in range(world_size)]
@@ -79,7 +82,6 @@ def main() -> int:
     dist.barrier()
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = inductor_dir
 
-    import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
     from transformers.distributed import DistributedConfig
     from transformers.generation.streamers import BaseStreamer
@@ -135,7 +137,7 @@ def main() -> int:
     lengths = [item["length"] for item in workload]
 
     # The launch: load the cache (warm), compile, precompile, then serve the workload.
-    figures = {"launch": launch, "rank": rank}
+    figures = {"launch": launch, "rank": rank, "backend": backend}
     if launch == "warm":
         prefill_buckets.load_compile_cache(rank_path(cache_path))
     model = AutoModelForCausalLM.from_pretrained(
@@ -171,7 +173,10 @@ def main() -> int:
     for index, item in enumerate(workload):
         streamer = FirstToken() if index == 0 else None
         out = prefill_buckets.generate(
-            model, torch.tensor([item["ids"]]), generation_config=generation_config, streamer=streamer
+            model,
+            torch.tensor([item["ids"]], device=model.device),
+            generation_config=generation_config,
+            streamer=streamer,
         )
         tokens.append(out[0, item["length"] :].tolist())
         if streamer is not None:
@@ -186,10 +191,10 @@ def main() -> int:
     # After the launch's clock: the reference.
     reference = None
     if rank == 0:  # one process, unsharded, eager, unpadded
-        single = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        single = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(model.device).eval()
         reference_config = GenerationConfig(**{**generation_config.to_diff_dict(), "prefill_buckets": None})
         reference = [
-            single.generate(torch.tensor([item["ids"]]), generation_config=reference_config)[
+            single.generate(torch.tensor([item["ids"]], device=model.device), generation_config=reference_config)[
                 0, item["length"] :
             ].tolist()
             for item in workload
@@ -214,7 +219,7 @@ def main() -> int:
 def report(directory: str, ranks: list[dict], lengths: list[int], model_name: str) -> None:
     launch = ranks[0]["launch"]
     print(
-        f"\n{model_name}, {len(ranks)} ranks (tp_plan='auto', gloo), pow2 buckets {ranks[0]['buckets']}, "
+        f"\n{model_name}, {len(ranks)} ranks (tp_plan='auto', {ranks[0]['backend']}), pow2 buckets {ranks[0]['buckets']}, "
         f"{ranks[0]['prompts']} prompts of {min(lengths)}-{max(lengths)} tokens, {launch} launch\n"
     )
     rows = [("", ranks)]

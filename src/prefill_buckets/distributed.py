@@ -18,10 +18,7 @@ import os
 
 import torch
 import torch.distributed as dist
-from transformers.utils import logging
 
-
-logger = logging.get_logger(__name__)
 
 # Per input: present, then up to `_MAX_DIMS` sizes (0 past the tensor's rank), then a fingerprint of integer values.
 _MAX_DIMS = 3
