@@ -7,11 +7,11 @@ all-reduce their partial outputs at every forward. Every rank must therefore pas
 
 - prompts padded to different buckets send all-reduces of different sizes: gloo aborts the process that receives
   the larger message (`SIGABRT`, "Received data size doesn't match expected size") and its peers fail on the
-  broken connection; NCCL can hang until the process group's timeout;
+  broken connection; NCCL (not tried here) has no such size check: expect a hang until the process group's timeout;
 - different prompts padded to the same bucket (or the same shape with other tokens) all-reduce partial activations
   of different prompts: no error, and every rank returns the same wrong tokens.
 
-[`check_same_inputs_across_ranks`] turns both into one clear `ValueError` on every rank, for one small all-gather.
+`check_same_inputs_across_ranks` turns both into one clear `ValueError` on every rank, for one small all-gather.
 """
 
 import os
@@ -47,7 +47,7 @@ def tensor_parallel_group(model) -> "dist.ProcessGroup | None":
 def check_same_inputs_across_ranks(model, **inputs: torch.Tensor | None) -> None:
     r"""
     Raises the same `ValueError` on every tensor-parallel rank of `model` when the ranks were not given the same
-    `inputs`; does nothing when `model` is not tensor-parallel (see [`tensor_parallel_group`]).
+    `inputs`; does nothing when `model` is not tensor-parallel (see `tensor_parallel_group`).
 
     Every rank must call it at the same point, with the same input names (the shapes and values are what is checked):
     it runs one all-gather of a few integers per input over the tensor-parallel group. Shapes are compared for every
@@ -57,7 +57,8 @@ def check_same_inputs_across_ranks(model, **inputs: torch.Tensor | None) -> None
         model ([`PreTrainedModel`]):
             The model `generate` runs, or its `torch.compile(model)` wrapper.
         inputs (`torch.Tensor` or `None`):
-            The padded model inputs of the call, by name (for example `input_ids=..., attention_mask=...`). `None`
+            The inputs of the call, by name (for example `input_ids=..., attention_mask=...`): as passed to
+            `generate`, or as padded (equal inputs pad equally). `None`
             counts as an absent input, which must be absent on every rank.
 
     Example:
