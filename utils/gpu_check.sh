@@ -10,7 +10,10 @@
 #   2. install  `pip install --no-deps -e .`, offline (no index, no build isolation)      -> $OUT/install.log
 #   3. tests    RUN_SLOW=1 python -m pytest tests/generation/test_gpu.py                 -> $OUT/pytest_gpu.{log,xml}
 #   4. bench    python utils/gpu_bench.py (skipped, with a message, if the file is absent) -> $OUT/gpu_bench.log
-#   5. summary  a table of the phases, tests and measured numbers                         -> $OUT/summary.md
+#   5. multi-gpu  with 2 or more GPUs: utils/tp_bench.py under torchrun (NCCL, tp_plan="auto", 2 ranks), a cold
+#               launch that saves each rank's compile cache, then a warm one that loads it -> $OUT/tp_bench_*.log
+#               (skipped, with a message, when fewer than 2 GPUs are visible, as in a dry run)
+#   6. summary  a table of the phases, tests and measured numbers                         -> $OUT/summary.md
 # It exits non-zero when a test fails, errors or times out, or the benchmark fails. An install that fails is
 # reported, and the tests then import the package from src/ (PYTHONPATH) so that they still run.
 #
@@ -22,7 +25,7 @@
 #   OUT               where results go (the device tool sets it); default ./gpu_results
 #   PYTHON            the interpreter; default `python` on PATH, else `python3`
 #   GPU_CHECK_DRY     1 for a dry run
-#   GPU_CHECK_BUDGET  seconds for the whole check; default 470 (GPU) or 170 (dry run)
+#   GPU_CHECK_BUDGET  seconds for the whole check; default 470 (GPU, plus 240 with 2 or more GPUs) or 170 (dry run)
 #   GPU_BENCH_ARGS    extra arguments for utils/gpu_bench.py (split on spaces)
 set -euo pipefail
 
@@ -87,6 +90,7 @@ CAP_ENV=60
 CAP_INSTALL=90
 CAP_TESTS=300
 CAP_BENCH=240
+CAP_TP=120 # each of the two tp_bench launches
 
 START=$SECONDS
 FAILED=0
@@ -213,7 +217,31 @@ else
     fi
 fi
 
-# ---- 5. summary --------------------------------------------------------------------------------------------------
+# ---- 5. multi-gpu ------------------------------------------------------------------------------------------------
+# Tensor parallelism needs 2 or more devices: 2 ranks, one GPU each, NCCL. The tiny config-built Llama (its 4 heads
+# and 2 kv heads split in 2) keeps it short; the second launch loads the compile caches the first saved.
+gpus="$("$PYTHON" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)' 2>/dev/null || echo 0)"
+if ((gpus < 2)); then
+    echo "==> multi-gpu: skipped: $gpus CUDA device(s) visible, tensor parallelism needs 2 or more"
+    record multi-gpu "skipped ($gpus CUDA device(s) visible, needs 2 or more)" 0 ""
+else
+    if [[ -z "${GPU_CHECK_BUDGET:-}" ]]; then
+        BUDGET=$((BUDGET + 2 * CAP_TP))
+    fi
+    tp=("$PYTHON" -m torch.distributed.run --standalone --nproc-per-node 2 utils/tp_bench.py --tiny)
+    tp+=(--cache-dir "$OUT/tp_bench")
+    run_phase "multi-gpu cold" "$CAP_TP" "$OUT/tp_bench_cold.log" "${tp[@]}" --fresh
+    if ((PHASE_RC != 0)); then
+        FAILED=1
+    else
+        run_phase "multi-gpu warm" "$CAP_TP" "$OUT/tp_bench_warm.log" "${tp[@]}"
+        if ((PHASE_RC != 0)); then
+            FAILED=1
+        fi
+    fi
+fi
+
+# ---- 6. summary --------------------------------------------------------------------------------------------------
 echo
 "$PYTHON" utils/gpu_check.py summary --out "$OUT" || FAILED=1
 echo

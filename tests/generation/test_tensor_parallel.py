@@ -1,0 +1,335 @@
+# Bucketed generate under transformers' tensor parallelism: 2 CPU ranks, gloo, a tiny Llama loaded with
+# `from_pretrained(path, distributed_config=DistributedConfig(tp_plan="auto"))` (4 heads and 2 kv heads: 2 and 1 per
+# rank), compiled with the counting backend.
+#
+# One 2-rank run serves every test: the ranks are started once (`setUpClass`, spawned processes, a process group with
+# a short timeout), run every phase, and write what they saw to a JSON file per rank; the tests compare it with one
+# process running the same workload on the same weights. The run is bounded: a rank still alive after
+# `RUN_TIMEOUT_S` is killed, and the process group's own timeout turns a stuck collective into an error sooner.
+# The last phase gives the ranks prompts of different buckets on purpose, and gloo aborts a rank: it comes last.
+
+import datetime
+import json
+import os
+import socket
+import tempfile
+import time
+import traceback
+import unittest
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers.utils import is_accelerate_available
+
+import prefill_buckets
+from prefill_buckets.compilation import GraphCounter
+from prefill_buckets.distributed import check_same_inputs_across_ranks, rank_path, tensor_parallel_group
+
+from .tiny_models import tiny_llama
+
+
+WORLD_SIZE = 2
+RUN_TIMEOUT_S = 150  # the whole 2-rank run, startup included: about 60 s on 2 busy cores
+PROCESS_GROUP_TIMEOUT_S = 30
+BUCKETS = [16, 32]
+MAX_CACHE_LEN = 48
+MAX_NEW_TOKENS = 5
+LENGTHS = [3, 9, 16, 20, 31, 12]  # both buckets, an exact fit in each
+BATCH_BUCKETS = [2, 4]
+BATCH_SIZES = [3, 4]  # both padded to 4 rows
+BATCH_LENGTH = 10
+MODEL = {"num_hidden_layers": 1}  # heads split across 2 ranks; one layer keeps tracing short
+
+
+def generation_config() -> GenerationConfig:
+    return GenerationConfig(
+        max_new_tokens=MAX_NEW_TOKENS,
+        do_sample=False,
+        cache_implementation="static",
+        max_cache_len=MAX_CACHE_LEN,
+    )
+
+
+def prompt(batch_size: int, length: int) -> torch.Tensor:
+    """Token ids above pad (0), eos (1) and bos (2); the same on every rank for the same arguments."""
+    seed = 1000 * batch_size + length
+    return torch.randint(3, 128, (batch_size, length), generator=torch.Generator().manual_seed(seed))
+
+
+def new_tokens(model, input_ids: torch.Tensor) -> list:
+    """Upstream `generate`, unpadded: the reference."""
+    return model.generate(input_ids, generation_config=generation_config())[:, input_ids.shape[1] :].tolist()
+
+
+def run_workload(model, counter: GraphCounter) -> dict:
+    """`precompile`, then bucketed calls at every length, then batch buckets: what one rank (or one process) sees."""
+    config = generation_config()
+    config.prefill_buckets = BUCKETS
+    compiled = prefill_buckets.precompile(model, config, progress=False)
+    result = {
+        "precompiled": [[c.batch_size, c.prompt_length, c.cache_length, c.graphs] for c in compiled],
+        "precompile_shapes": [list(map(list, shapes)) for shapes in counter.shapes],
+        "graphs_after_precompile": counter.graphs,
+        "tokens": {},
+    }
+    for length in LENGTHS:
+        out = prefill_buckets.generate(model, prompt(1, length), generation_config=config)
+        result["tokens"][str(length)] = out[:, length:].tolist()
+    result["graphs_after_generate"] = counter.graphs
+    result["batch_tokens"] = {}
+    for batch_size in BATCH_SIZES:
+        out = prefill_buckets.generate(
+            model, prompt(batch_size, BATCH_LENGTH), generation_config=config, prefill_batch_buckets=BATCH_BUCKETS
+        )
+        result["batch_tokens"][str(batch_size)] = out[:, BATCH_LENGTH:].tolist()
+    result["graphs_after_batch"] = counter.graphs
+    return result
+
+
+def _check_phase(model, rank: int) -> dict:
+    """`check_same_inputs_across_ranks` on equal inputs, on other shapes per rank, and on other tokens per rank."""
+    outcomes = {}
+    cases = {
+        "equal": prompt(1, 16),
+        "other_shape": prompt(1, 16 if rank == 0 else 32),
+        "other_tokens": prompt(1, 16) + rank,
+    }
+    for name, input_ids in cases.items():
+        try:
+            check_same_inputs_across_ranks(
+                model, input_ids=input_ids, attention_mask=torch.ones_like(input_ids), inputs_embeds=None
+            )
+            outcomes[name] = None
+        except ValueError as error:
+            outcomes[name] = str(error)
+    return outcomes
+
+
+def _compile_cache_phase(directory: str) -> dict:
+    """Each rank saves and loads its own compile cache file (torch's artifact functions mocked: no inductor here)."""
+    rank = dist.get_rank()
+    artifacts = f"graphs of rank {rank}".encode()
+    path = os.path.join(directory, "compile-cache-{rank}.zip")
+    with (
+        mock.patch.object(torch.compiler, "save_cache_artifacts", return_value=(artifacts, None)),
+        mock.patch.object(torch.compiler, "load_cache_artifacts", return_value=object()) as load,
+    ):
+        prefill_buckets.save_compile_cache(rank_path(path))
+        dist.barrier()  # every rank has written its file before any reads one, as in a second launch
+        loaded = prefill_buckets.load_compile_cache(rank_path(path))
+    try:
+        rank_path(os.path.join(directory, "compile-cache.zip"))
+        shared_path_error = None
+    except ValueError as error:
+        shared_path_error = str(error)
+    return {
+        "file": rank_path(path),
+        "loaded": loaded,
+        "artifacts_loaded": load.call_args.args[0].decode(),
+        "shared_path_error": shared_path_error,
+    }
+
+
+def _worker(rank: int, directory: str, port: int) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(WORLD_SIZE),
+        TORCHINDUCTOR_CACHE_DIR=os.path.join(directory, "inductor"),
+    )
+    torch.set_num_threads(1)
+    results = {}
+
+    def record(key, value):
+        results[key] = value
+        path = os.path.join(directory, f"rank{rank}.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump(results, f)
+        os.replace(path + ".tmp", path)
+
+    try:
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=WORLD_SIZE, timeout=datetime.timedelta(seconds=PROCESS_GROUP_TIMEOUT_S)
+        )
+        from transformers.distributed import DistributedConfig
+
+        model = AutoModelForCausalLM.from_pretrained(
+            os.path.join(directory, "model"), distributed_config=DistributedConfig(tp_plan="auto")
+        )
+        record("sharded", type(model.model.layers[0].self_attn.q_proj.weight).__name__)
+        counter = GraphCounter()
+        model.compile(backend=counter, dynamic=False, fullgraph=True)
+        record("workload", run_workload(model, counter))
+        record("check", _check_phase(model, rank))
+        record("compile_cache", _compile_cache_phase(directory))
+
+        # Other prompts in one bucket: the collectives match, the activations they sum don't.
+        length = 10 if rank == 0 else 12
+        out = prefill_buckets.generate(
+            model, prompt(1, length), generation_config=generation_config(), prefill_buckets=BUCKETS
+        )
+        record("same_bucket_other_prompt", out[:, length:].tolist())
+        record("graphs_before_other_bucket", counter.graphs)
+
+        # Last: prompts of different buckets (16 and 32). Precompiled, so nothing compiles; the collectives mismatch.
+        dist.barrier()
+        record("other_bucket", "started")
+        length = 10 if rank == 0 else 20
+        start = time.perf_counter()
+        try:
+            prefill_buckets.generate(
+                model, prompt(1, length), generation_config=generation_config(), prefill_buckets=BUCKETS
+            )
+            record("other_bucket", f"returned after {time.perf_counter() - start:.1f} s")
+        except Exception as error:  # noqa: BLE001 - whatever the collective raises is the finding
+            record("other_bucket", f"{type(error).__name__} after {time.perf_counter() - start:.1f} s: {error}")
+    except BaseException:
+        record("error", traceback.format_exc())
+        raise
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@unittest.skipUnless(
+    is_accelerate_available(), "transformers needs `accelerate` for `tp_plan`: pip install accelerate"
+)
+@unittest.skipUnless(dist.is_available() and dist.is_gloo_available(), "needs torch.distributed with gloo")
+class TensorParallelTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        tmp = tempfile.TemporaryDirectory()
+        cls.addClassCleanup(tmp.cleanup)
+        cls.directory = tmp.name
+        tiny_llama(**MODEL).save_pretrained(os.path.join(cls.directory, "model"))
+
+        # The 2-rank run, bounded in time.
+        context = mp.get_context("spawn")
+        port = _free_port()
+        processes = [context.Process(target=_worker, args=(rank, cls.directory, port)) for rank in range(WORLD_SIZE)]
+        start = time.perf_counter()
+        for process in processes:
+            process.start()
+
+        try:
+            # Meanwhile, in this process on the same weights: the unpadded tokens (the reference), and the workload.
+            model = AutoModelForCausalLM.from_pretrained(os.path.join(cls.directory, "model")).eval()
+            cls.reference = {str(length): new_tokens(model, prompt(1, length)) for length in LENGTHS + [10, 12]}
+            cls.batch_reference = {str(b): new_tokens(model, prompt(b, BATCH_LENGTH)) for b in BATCH_SIZES}
+            torch._dynamo.reset()
+            counter = GraphCounter()
+            model.compile(backend=counter, dynamic=False, fullgraph=True)
+            cls.single = run_workload(model, counter)
+            torch._dynamo.reset()
+
+        finally:
+            for process in processes:
+                process.join(max(0.0, RUN_TIMEOUT_S - (time.perf_counter() - start)))
+            cls.hung = [rank for rank, process in enumerate(processes) if process.is_alive()]
+            for process in processes:
+                if process.is_alive():
+                    process.kill()
+                    process.join()
+        cls.exitcodes = [process.exitcode for process in processes]
+        cls.ranks = []
+        for rank in range(WORLD_SIZE):
+            path = os.path.join(cls.directory, f"rank{rank}.json")
+            with open(path) if os.path.exists(path) else open(os.devnull) as f:
+                cls.ranks.append(json.loads(f.read() or "{}"))
+
+    def rank_results(self, key: str) -> list:
+        for rank, results in enumerate(self.ranks):
+            self.assertNotIn("error", results, f"rank {rank} failed before the last phase:\n{results.get('error')}")
+            self.assertIn(key, results, f"rank {rank} did not get to `{key}` (exit code {self.exitcodes[rank]})")
+        return [results[key] for results in self.ranks]
+
+    def test_weights_are_sharded(self):
+        self.assertEqual(self.rank_results("sharded"), ["DTensor"] * WORLD_SIZE)
+
+    def test_tokens_equal_single_process_unpadded(self):
+        for rank, workload in enumerate(self.rank_results("workload")):
+            for length in LENGTHS:
+                self.assertEqual(
+                    workload["tokens"][str(length)], self.reference[str(length)], f"rank {rank}, {length}"
+                )
+
+    def test_graphs_per_rank_equal_single_process_bound(self):
+        # Pinned cache: one prefill graph per bucket and one decode graph, then no recompiles for any length.
+        self.assertEqual(self.single["graphs_after_precompile"], len(BUCKETS) + 1)
+        self.assertEqual(self.single["graphs_after_generate"], self.single["graphs_after_precompile"])
+        for rank, workload in enumerate(self.rank_results("workload")):
+            for key in ("graphs_after_precompile", "graphs_after_generate", "graphs_after_batch"):
+                self.assertEqual(workload[key], self.single[key], f"rank {rank}: {key}")
+
+    def test_precompile_warms_same_graphs_in_same_order_on_every_rank(self):
+        workloads = self.rank_results("workload")
+        self.assertEqual([[batch, length] for batch, length, _, _ in self.single["precompiled"]], [[1, 32], [1, 16]])
+        for rank, workload in enumerate(workloads):
+            self.assertEqual(workload["precompiled"], self.single["precompiled"], f"rank {rank}")
+            self.assertEqual(workload["precompile_shapes"], workloads[0]["precompile_shapes"], f"rank {rank}")
+        self.assertEqual(len(workloads[0]["precompile_shapes"]), len(BUCKETS) + 1)
+
+    def test_batch_buckets(self):
+        for rank, workload in enumerate(self.rank_results("workload")):
+            self.assertEqual(workload["batch_tokens"], self.batch_reference, f"rank {rank}")
+        # One batch bucket (4 rows) for both calls: one prefill graph (bucket 16) and one decode graph.
+        self.assertEqual(self.single["graphs_after_batch"] - self.single["graphs_after_generate"], 2)
+
+    def test_check_same_inputs_raises_on_every_rank(self):
+        for rank, outcomes in enumerate(self.rank_results("check")):
+            self.assertIsNone(outcomes["equal"], f"rank {rank}")
+            self.assertIn("different inputs", outcomes["other_shape"])
+            self.assertIn("rank 0: attention_mask [1, 16]", outcomes["other_shape"])
+            self.assertIn("rank 1: attention_mask [1, 32]", outcomes["other_shape"])
+            self.assertIn("inputs_embeds=None", outcomes["other_shape"])
+            self.assertIn("same shapes, different tokens", outcomes["other_tokens"])
+        self.assertEqual(self.ranks[0]["check"], self.ranks[1]["check"])  # the same error on every rank
+
+    def test_check_same_inputs_is_a_no_op_without_tensor_parallelism(self):
+        model = tiny_llama(**MODEL)
+        self.assertIsNone(tensor_parallel_group(model))
+        with mock.patch.object(dist, "all_gather") as all_gather:
+            check_same_inputs_across_ranks(model, input_ids=prompt(1, 3))
+        all_gather.assert_not_called()
+
+    def test_compile_cache_one_file_per_rank(self):
+        caches = self.rank_results("compile_cache")
+        self.assertEqual(len({cache["file"] for cache in caches}), WORLD_SIZE)
+        for rank, cache in enumerate(caches):
+            self.assertTrue(cache["file"].endswith(f"compile-cache-{rank}.zip"))
+            self.assertTrue(cache["loaded"])
+            self.assertEqual(cache["artifacts_loaded"], f"graphs of rank {rank}")
+            self.assertIn("must contain `{rank}`", cache["shared_path_error"])
+        self.assertEqual(rank_path("cache-{rank}.zip"), "cache-0.zip")  # one process: rank 0
+        self.assertEqual(rank_path("cache.zip"), "cache.zip")
+
+    def test_other_prompt_in_same_bucket_is_silently_wrong(self):
+        # Why the check matters: nothing fails, and both ranks return tokens of neither prompt.
+        tokens = self.rank_results("same_bucket_other_prompt")
+        self.assertEqual(tokens[0], tokens[1])
+        self.assertNotEqual([self.reference["10"], self.reference["12"]], [tokens[0], tokens[1]])
+
+    def test_other_bucket_does_not_hang(self):
+        # gloo aborts the rank that receives a larger all-reduce than it posted (SIGABRT, "Received data size doesn't
+        # match expected size"), and its peer's collective fails on the closed connection: an error, not a hang.
+        self.rank_results("graphs_before_other_bucket")
+        self.assertEqual(self.hung, [], f"ranks still running after {RUN_TIMEOUT_S} s")
+        outcomes = [results.get("other_bucket") for results in self.ranks]
+        self.assertEqual(
+            [o for o in outcomes if o is not None and o.startswith("returned")],
+            [],
+            f"a rank returned from a call whose collectives did not match: {outcomes}, exit codes {self.exitcodes}",
+        )
+        self.assertTrue(any(code != 0 for code in self.exitcodes) or all(o != "started" for o in outcomes))
+
+
+if __name__ == "__main__":
+    unittest.main()
