@@ -158,6 +158,16 @@ def previous_max_cache_length(model) -> int:
     return previous if isinstance(previous, int) else -1
 
 
+def tensor_parallel_size(model) -> int:
+    """The number of ranks `model` is sharded over with transformers' tensor parallelism (1 when it is not)."""
+    return getattr(model, "_tp_size", None) or 1
+
+
+def device_mesh(model):
+    """The device mesh of a tensor-parallel `model`, or `None`."""
+    return getattr(model, "_device_mesh", None)
+
+
 def is_static_cache(cache) -> bool:
     return type(cache).__name__ == "StaticCache"
 

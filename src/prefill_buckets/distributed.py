@@ -19,6 +19,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from . import _compat
+
 
 # Per input: present, then up to `_MAX_DIMS` sizes (0 past the tensor's rank), then a fingerprint of integer values.
 _MAX_DIMS = 3
@@ -30,12 +32,12 @@ def tensor_parallel_group(model) -> "dist.ProcessGroup | None":
     The process group of `model`'s tensor-parallel ranks, or `None` when `model` is not sharded with tensor parallelism
     (`tp_size` of 1 or unset) or no process group is initialized.
     """
-    module = getattr(model, "_orig_mod", model)  # the `torch.compile(model)` wrapper
-    if (getattr(module, "_tp_size", None) or 1) <= 1:
+    module = _compat.unwrap(model)  # the `torch.compile(model)` wrapper
+    if _compat.tensor_parallel_size(module) <= 1:
         return None
     if not dist.is_available() or not dist.is_initialized():
         return None
-    mesh = getattr(module, "_device_mesh", None)
+    mesh = _compat.device_mesh(module)
     if mesh is None:
         return dist.group.WORLD
     names = mesh.mesh_dim_names or ()
@@ -70,7 +72,7 @@ def check_same_inputs_across_ranks(model, **inputs: torch.Tensor | None) -> None
     group = tensor_parallel_group(model)
     if group is None:
         return
-    module = getattr(model, "_orig_mod", model)
+    module = _compat.unwrap(model)
     names = sorted(inputs)
     device = _collective_device(group, module)
     summary = torch.stack([_summarize(inputs[name], device) for name in names])  # [inputs, 2 + _MAX_DIMS]

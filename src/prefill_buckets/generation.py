@@ -24,6 +24,7 @@ from .buckets import BucketPolicy
 from .cache import cache_seq_length, continued_padding, is_marked, mark_padding, passed_cache
 from .compilation import compiled_forward, compiled_wrapper_forward
 from .config import FIELDS, PREFILL_BUCKETS, PREFILL_PAD_TO_MULTIPLE_OF
+from .distributed import check_same_inputs_across_ranks
 from .hooks import active_plan, bucketed_call
 from .inputs import check_pad_token_id, pad_inputs, pad_rows
 from .output import strip_output
@@ -109,6 +110,13 @@ def generate(model, *args, **kwargs):
     if settings.batch_policy is not None and continues is None:  # a cache's rows are fixed when it is filled
         plan, arguments, model_kwargs = pad_rows(plan, arguments, model_kwargs)
     model_kwargs.update(check_pad_token_id(plan, arguments))
+    # Under tensor parallelism every rank must run the same padded shapes: one all-gather says so, or raises on all.
+    check_same_inputs_across_ranks(
+        model,
+        input_ids=model_kwargs.get("input_ids"),
+        inputs_embeds=model_kwargs.get("inputs_embeds"),
+        attention_mask=model_kwargs.get("attention_mask"),
+    )
     compiled_wrapper = compiled_wrapper_forward(wrapper) if wrapper is not None else contextlib.nullcontext()
     with compiled_wrapper, bucketed_call(plan):
         output = UPSTREAM_GENERATE(model, **arguments, **model_kwargs)

@@ -168,15 +168,26 @@ def _worker(rank: int, directory: str, port: int) -> None:
         record("check", _check_phase(model, rank))
         record("compile_cache", _compile_cache_phase(directory))
 
-        # Other prompts in one bucket: the collectives match, the activations they sum don't.
+        # Other prompts in one bucket: without `generate`'s check the collectives match, and the activations they
+        # sum don't...
         length = 10 if rank == 0 else 12
-        out = prefill_buckets.generate(
-            model, prompt(1, length), generation_config=generation_config(), prefill_buckets=BUCKETS
-        )
+        with mock.patch("prefill_buckets.generation.check_same_inputs_across_ranks"):
+            out = prefill_buckets.generate(
+                model, prompt(1, length), generation_config=generation_config(), prefill_buckets=BUCKETS
+            )
         record("same_bucket_other_prompt", out[:, length:].tolist())
+        # ...with it, every rank raises the same error.
+        try:
+            prefill_buckets.generate(
+                model, prompt(1, length), generation_config=generation_config(), prefill_buckets=BUCKETS
+            )
+            record("same_bucket_other_prompt_checked", "returned")
+        except ValueError as error:
+            record("same_bucket_other_prompt_checked", str(error))
         record("graphs_before_other_bucket", counter.graphs)
 
-        # Last: prompts of different buckets (16 and 32). Precompiled, so nothing compiles; the collectives mismatch.
+        # Last: prompts of different buckets (16 and 32). Precompiled, so nothing compiles; `generate`'s check raises
+        # on every rank before a collective could mismatch.
         dist.barrier()
         record("other_bucket", "started")
         length = 10 if rank == 0 else 20
@@ -312,23 +323,26 @@ class TensorParallelTest(unittest.TestCase):
         self.assertEqual(rank_path("cache.zip"), "cache.zip")
 
     def test_other_prompt_in_same_bucket_is_silently_wrong(self):
-        # Why the check matters: nothing fails, and both ranks return tokens of neither prompt.
+        # Why the check matters: without it nothing fails, and both ranks return tokens of neither prompt...
         tokens = self.rank_results("same_bucket_other_prompt")
         self.assertEqual(tokens[0], tokens[1])
         self.assertNotEqual([self.reference["10"], self.reference["12"]], [tokens[0], tokens[1]])
+        # ...and `generate` runs it: the same error on every rank.
+        errors = self.rank_results("same_bucket_other_prompt_checked")
+        self.assertIn("same shapes, different tokens", errors[0])
+        self.assertEqual(errors[0], errors[1])
 
-    def test_other_bucket_does_not_hang(self):
-        # gloo aborts the rank that receives a larger all-reduce than it posted (SIGABRT, "Received data size doesn't
-        # match expected size"), and its peer's collective fails on the closed connection: an error, not a hang.
+    def test_other_bucket_raises_on_every_rank(self):
+        # Without the check, gloo aborts the rank that receives a larger all-reduce than it posted (SIGABRT, "Received
+        # data size doesn't match expected size"). `generate`'s check raises one clear error on every rank first.
         self.rank_results("graphs_before_other_bucket")
         self.assertEqual(self.hung, [], f"ranks still running after {RUN_TIMEOUT_S} s")
         outcomes = [results.get("other_bucket") for results in self.ranks]
-        self.assertEqual(
-            [o for o in outcomes if o is not None and o.startswith("returned")],
-            [],
-            f"a rank returned from a call whose collectives did not match: {outcomes}, exit codes {self.exitcodes}",
-        )
-        self.assertTrue(any(code != 0 for code in self.exitcodes) or all(o != "started" for o in outcomes))
+        for rank, outcome in enumerate(outcomes):
+            self.assertTrue(outcome.startswith("ValueError"), f"rank {rank}: {outcome}")
+            self.assertIn("rank 0: attention_mask [1, 16]", outcome)
+            self.assertIn("rank 1: attention_mask [1, 32]", outcome)
+        self.assertEqual(self.exitcodes, [0] * WORLD_SIZE)
 
 
 if __name__ == "__main__":
