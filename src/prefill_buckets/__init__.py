@@ -4,6 +4,7 @@ __version__ = "0.1.0"
 
 from .buckets import BucketPolicy, WasteReport, padding_waste, suggest_buckets
 from .config import PREFILL_BATCH_BUCKETS, PREFILL_BUCKETS, PREFILL_PAD_TO_MULTIPLE_OF
+from .custom_generate import save_custom_generate
 from .generation import generate
 from .patch import disable, enable, is_enabled
 from .warmup import CompiledShape, load_compile_cache, precompile, save_compile_cache
@@ -24,5 +25,6 @@ __all__ = [
     "padding_waste",
     "precompile",
     "save_compile_cache",
+    "save_custom_generate",
     "suggest_buckets",
 ]
