@@ -30,7 +30,9 @@ from .state import state_of
 
 logger = logging.get_logger(__name__)
 
-CACHE_KWARGS = ("cache", "past_key_values")  # `cache` from transformers 5.24 on, `past_key_values` before
+# Where `generate` and the forward take the cache: `cache` from transformers 5.24 on; before, `past_key_values`, or
+# `cache_params` for a model whose class name contains "mamba" (upstream's `_prepare_cache_for_generation`).
+CACHE_KWARGS = ("cache", "past_key_values", "cache_params")
 # A static cache's length is a multiple of this (or of `prefill_pad_to_multiple_of`): sizes kernels like.
 CACHE_ALIGNMENT = 64
 # The first cache of a policy without a largest bucket: a few thousand slots serve most chat prompts without a growth
@@ -77,7 +79,7 @@ def pinned_cache_length(policy: BucketPolicy, needed: int) -> int:
 
 
 def passed_cache(model_kwargs: dict):
-    """The cache passed to (or returned by) `generate`, when it is a cache object."""
+    """The cache passed to (or returned by) `generate`, or to a forward, when it is a cache object."""
     cache = next((model_kwargs[key] for key in CACHE_KWARGS if model_kwargs.get(key) is not None), None)
     return cache if hasattr(cache, "get_seq_length") else None
 
