@@ -13,9 +13,13 @@ import unittest
 from pathlib import Path
 from unittest import mock
 
+import torch
+
 import prefill_buckets
 from prefill_buckets import benchmark as bench
+from prefill_buckets.benchmark import worker
 from prefill_buckets.cli import main
+from prefill_buckets.testing_utils import tiny_llama
 
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -126,6 +130,74 @@ class BenchQuickTest(unittest.TestCase):
         for call in results["pow2"]["record"]["calls"]:
             self.assertEqual(len(call["tokens"]), report["max_new_tokens"])
             self.assertEqual(call["forwards"], report["max_new_tokens"])
+
+
+class BenchBatchedTest(unittest.TestCase):
+    """The batch and continuous-batching strategies' worker, in this process, on the tiny model without compiling."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.TemporaryDirectory()
+        cls.model_dir = os.path.join(cls.tmp.name, "tiny")
+        tiny_llama().save_pretrained(cls.model_dir)
+        cls.workload_path = os.path.join(cls.tmp.name, "workload.json")
+        # Lengths across pages of the paged cache (256 tokens) and across pow2 buckets.
+        workload = [
+            {
+                "name": f"p{n}",
+                "length": n,
+                "ids": torch.randint(3, 128, (n,), generator=torch.Generator().manual_seed(n)).tolist(),
+            }
+            for n in (5, 300, 40, 17)
+        ]
+        Path(cls.workload_path).write_text(json.dumps(workload))
+        cls.workload = workload
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.tmp.cleanup()
+
+    def run_strategy(self, name: str) -> dict:
+        spec = {
+            "strategy": name,
+            "phase": "run",
+            "model": self.model_dir,
+            "device": "cpu",
+            "dtype": "float32",
+            "workload": self.workload_path,
+            "max_new_tokens": 6,
+            "progress": False,
+        }
+        return worker.run_worker(spec)
+
+    def test_batch_and_continuous_tokens_equal_one_prompt_at_a_time(self):
+        eager = self.run_strategy("eager")
+        reference = {c["name"]: c["tokens"] for c in eager["calls"]}
+        lengths = [item["length"] for item in self.workload]
+        for name in ("batch-eager", "cb-eager"):
+            with self.subTest(name):
+                record = self.run_strategy(name)
+                self.assertTrue(record["warm_tokens_equal_cold"])
+                self.assertEqual(record["graphs"], 0)
+                summary = bench.summarize(record, bench.STRATEGIES[name], reference, lengths)
+                self.assertTrue(summary["tokens_equal_eager"], summary["mismatched_prompts"])
+                self.assertEqual(summary["compile_free_calls"], len(self.workload))
+                self.assertGreater(summary["tokens_per_second"], 0)
+                for call in record["calls"]:
+                    self.assertEqual(len(call["tokens"]), 6)
+                    self.assertGreater(call["ttft_seconds"], 0)
+        # Every row of a batch is padded to the longest prompt (300); continuous batching's padding is not counted.
+        batch = self.run_strategy("batch-eager")
+        self.assertEqual(batch["pad_tokens"], 4 * 300 - sum(lengths))
+        self.assertIsNone(bench.summarize(record, bench.STRATEGIES["cb-eager"], reference, lengths)["pad_tokens"])
+
+    def test_a_wrong_token_is_reported(self):
+        record = self.run_strategy("cb-eager")
+        reference = {c["name"]: c["tokens"] for c in record["calls"]}
+        reference["p40"] = [0] * 6
+        summary = bench.summarize(record, bench.STRATEGIES["cb-eager"], reference, [5, 300, 40, 17])
+        self.assertFalse(summary["tokens_equal_eager"])
+        self.assertEqual(summary["mismatched_prompts"], ["p40"])
 
 
 class BenchOutOfTheCoreTest(unittest.TestCase):

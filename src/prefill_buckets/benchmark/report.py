@@ -38,10 +38,23 @@ def summarize(record: dict, strategy: Strategy, reference: dict | None, lengths:
     decode = [c["decode_seconds_per_token"] for c in warm if c["decode_seconds_per_token"] is not None]
     policy = bucket_policy(strategy)
     waste = padding_waste(lengths, policy) if policy is not None else None
+    if waste is not None:
+        pad_tokens, padded_lengths = waste.padded_tokens, list(waste.padded_lengths)
+    else:  # a batch counts its own padding; continuous batching's depends on its steps, and is not counted
+        pad_tokens, padded_lengths = record.get("pad_tokens", 0 if strategy.kind == "generate" else None), None
     mismatches = None
     if reference is not None:
         mismatches = [c["name"] for c in calls if reference.get(c["name"]) != c["tokens"]]
+        if record.get("warm_tokens_equal_cold") is False:
+            mismatches.append("(the warm pass differs from the cold one)")
     exact_fallbacks = record["graph_breaks"] == 0
+    # Throughput once compiled: new tokens over the seconds of the calls that compiled nothing (a batch: its warm pass).
+    if "warm_seconds" in record:
+        seconds = record["warm_seconds"] if warm else None
+    else:
+        seconds = sum(c.get("seconds") or 0.0 for c in warm) if warm else None
+    new_tokens = sum(len(c["tokens"]) for c in warm)
+    counts_fallbacks = strategy.compiled and strategy.kind != "continuous"  # its hooks don't see compiled forwards
     return {
         "graphs": record["graphs"],
         "fxgraph_cache_hits": record["fxgraph_cache_hits"],
@@ -52,12 +65,14 @@ def summarize(record: dict, strategy: Strategy, reference: dict | None, lengths:
         "ttft_p90_ms": _ms(percentile(ttft, 0.9)),
         "decode_median_ms_per_token": _ms(statistics.median(decode) if decode else None),
         "decode_p90_ms_per_token": _ms(percentile(decode, 0.9)),
-        "pad_tokens": waste.padded_tokens if waste else 0,
-        "pad_overhead": waste.padded_tokens / waste.real_tokens if waste else 0.0,
-        "padded_lengths": list(waste.padded_lengths) if waste else None,
-        "eager_fallbacks": (record["forwards"] - record["compiled_calls"]) if strategy.compiled else None,
+        "tokens_per_second": new_tokens / seconds if seconds else None,
+        "pad_tokens": pad_tokens,
+        "pad_overhead": None if pad_tokens is None else pad_tokens / sum(lengths),
+        "padded_lengths": padded_lengths,
+        "eager_fallbacks": (record["forwards"] - record["compiled_calls"]) if counts_fallbacks else None,
         "eager_fallbacks_exact": exact_fallbacks,
         "graph_breaks": record["graph_breaks"],
+        "recompile_limit_hits": record.get("recompile_limit_hits", 0),
         "tokens_equal_eager": None if mismatches is None else not mismatches,
         "mismatched_prompts": mismatches,
     }
@@ -70,7 +85,8 @@ def _ms(seconds: float | None) -> float | None:
 def format_table(results: list[dict]) -> str:
     header = (
         f"{'strategy':<16} {'graphs':>6} {'cached':>6} {'total s':>8} {'prep s':>7} {'warm':>5} "
-        f"{'TTFT ms med/p90':>16} {'decode ms/tok med/p90':>22} {'pad':>6} {'fallbacks':>9} {'tokens==eager':>13}"
+        f"{'TTFT ms med/p90':>16} {'decode ms/tok med/p90':>22} {'tok/s':>6} {'pad':>6} {'fallbacks':>9} "
+        f"{'tokens==eager':>13}"
     )
     lines = [header, "-" * len(header)]
     for result in results:
@@ -84,28 +100,35 @@ def format_table(results: list[dict]) -> str:
             return "-" if a is None else f"{a:.0f}/{b:.0f}" if a >= 100 else f"{a:.1f}/{b:.1f}"
 
         fallbacks = "-" if s["eager_fallbacks"] is None else str(s["eager_fallbacks"])
+        if s["eager_fallbacks"] is None and s.get("recompile_limit_hits"):
+            fallbacks = f"limit x{s['recompile_limit_hits']}"
         if s["eager_fallbacks"] is not None and not s["eager_fallbacks_exact"]:
             fallbacks = "?"
         equal = "ref" if name == "eager" else {True: "yes", False: "NO", None: "-"}[s["tokens_equal_eager"]]
         if s["tokens_equal_eager"] is False:
             equal += f" ({len(s['mismatched_prompts'])})"
         prep = "-" if s["prep_seconds"] is None else f"{s['prep_seconds']:.1f}"
+        rate = "-" if s.get("tokens_per_second") is None else f"{s['tokens_per_second']:.1f}"
+        pad = "-" if s["pad_overhead"] is None else f"{s['pad_overhead']:.1%}"
         lines.append(
             f"{name:<16} {s['graphs']:>6} {s['fxgraph_cache_hits']:>6} {s['total_seconds']:>8.1f} {prep:>7} "
             f"{s['compile_free_calls']:>5} {pair(s['ttft_median_ms'], s['ttft_p90_ms']):>16} "
-            f"{pair(s['decode_median_ms_per_token'], s['decode_p90_ms_per_token']):>22} {s['pad_overhead']:>6.1%} "
+            f"{pair(s['decode_median_ms_per_token'], s['decode_p90_ms_per_token']):>22} {rate:>6} {pad:>6} "
             f"{fallbacks:>9} {equal:>13}"
         )
     return "\n".join(lines)
 
 
 TABLE_NOTES = """\
-graphs: graphs compiled (GraphCounter around inductor); cached: of those, served from inductor's FX graph cache.
-total s: the whole workload, compiles included (pow2-warm: loading the saved cache and precompile() included);
-prep s: the earlier process that compiled and saved that cache. warm: calls that compiled nothing; TTFT and decode
-are the median/p90 over those. TTFT: generate() call to first new token. pad: pad tokens per real prompt token.
-fallbacks: forwards that ran no compiled graph (eager past the recompile limit). tokens==eager: every prompt's new
-tokens equal the eager run's."""
+graphs: graphs compiled (GraphCounter around inductor; cb-*: dynamo's count, every backend); cached: of those, served
+from inductor's FX graph cache. total s: the whole workload, compiles included (pow2-warm: loading the saved cache and
+precompile() included); prep s: the earlier process that compiled and saved that cache. warm: calls that compiled
+nothing; TTFT and decode are the median/p90 over those. TTFT: generate() call to first new token. tok/s: new tokens
+per second of those calls. batch-* and cb-* hand every prompt over at once and run the workload twice: total s is the
+first (cold) pass; warm, TTFT, decode and tok/s come from the second (cb-*: TTFT from a request's creation, its wait
+included). pad: pad tokens per real prompt token (cb-*: not counted). fallbacks: forwards that ran no compiled graph
+(eager past the recompile limit; cb-*: not counted, "limit xN": N functions hit dynamo's recompile limit and run their
+new shapes eagerly). tokens==eager: every prompt's new tokens equal the eager run's."""
 
 
 def plot(results: list[dict], path: Path, title: str) -> None:

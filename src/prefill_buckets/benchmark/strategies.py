@@ -22,6 +22,10 @@ class Strategy:
     warm: bool = False  # precompile from a compile cache saved by a separate, earlier process
     pin_cache: bool = False  # `max_cache_len` for the workload's longest prompt, as a server would set it
     shuffled: bool = False  # the prompts in a seeded random order, not the file's
+    # "generate": one `generate` call per prompt; "batch": every prompt in one `generate` call; "continuous":
+    # transformers' continuous batching, `model.generate_batch` (see `batched.py`).
+    kind: str = "generate"
+    cb_config: dict = field(default_factory=dict)  # `ContinuousBatchingConfig` fields of a "continuous" strategy
 
 
 STRATEGIES = {
@@ -57,6 +61,46 @@ STRATEGIES = {
             fields={"prefill_buckets": "pow2"},
             warm=True,
         ),
+        Strategy(
+            "batch-eager",
+            "every prompt in one generate() call (left-padded to the longest), no compile, static cache",
+            compiled=False,
+            kind="batch",
+        ),
+        Strategy(
+            "batch-pow2",
+            'every prompt in one generate() call: prefill_buckets="pow2", prefill_batch_buckets="pow2", '
+            "precompile() for the batch's shape, then the call; dynamic=False",
+            fields={"prefill_buckets": "pow2", "prefill_batch_buckets": "pow2"},
+            kind="batch",
+        ),
+        Strategy(
+            "cb-eager",
+            "continuous batching: model.generate_batch(every prompt), paged cache sized for the workload, no compile",
+            compiled=False,
+            kind="continuous",
+        ),
+        Strategy(
+            "cb-level1",
+            "continuous batching, default_compile_level=1 (varlen path: mode=default, dynamic=True; the decode fast "
+            "path is CUDA/XPU only)",
+            kind="continuous",
+            cb_config={"default_compile_level": 1},
+        ),
+        Strategy(
+            "cb-level3",
+            "continuous batching, default_compile_level=3 (varlen path: mode=max-autotune-no-cudagraphs, "
+            "dynamic=False)",
+            kind="continuous",
+            cb_config={"default_compile_level": 3},
+        ),
+        Strategy(
+            "cb-static",
+            "continuous batching, varlen_compile_config=CompileConfig(dynamic=False, fullgraph=False, mode=default): "
+            "static shapes, queries padded to q_padding_interval_size (64)",
+            kind="continuous",
+            cb_config={"varlen_compile_config": {"dynamic": False, "fullgraph": False, "mode": "default"}},
+        ),
     )
 }
 
@@ -67,12 +111,16 @@ STRATEGIES = {
 # default took 21 minutes there, so they run with `--full` or `--strategies`.
 DEFAULT_STRATEGIES = ("eager", "dynamic-auto", "pow2-default", "chunked")
 QUICK_STRATEGIES = ("eager", "pow2")
+# Batch against batch: continuous batching and bucketed generate with every prompt in one call (`--full` runs them).
+BATCH_STRATEGIES = ("batch-eager", "batch-pow2", "cb-eager", "cb-level1", "cb-static")
 
 
 def bucket_policy(strategy: Strategy) -> BucketPolicy | None:
     """The strategy's prompt-length policy (what `padding_waste` measures), or None for an unbucketed one."""
     if not strategy.fields:
         return None
+    if strategy.kind != "generate":
+        return None  # a batch is padded to its longest prompt's bucket, and continuous batching packs the prompts
     return BucketPolicy(
         buckets=strategy.fields.get("prefill_buckets"),
         pad_to_multiple_of=strategy.fields.get("prefill_pad_to_multiple_of"),

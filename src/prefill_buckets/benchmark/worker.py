@@ -8,6 +8,7 @@ over the run the graphs, compiled calls, forwards, graph breaks and inductor cac
 
 import copy
 import json
+import logging
 import sys
 import time
 
@@ -18,6 +19,7 @@ from .. import load_compile_cache, precompile, save_compile_cache
 from ..buckets import round_up
 from ..compilation import GraphCounter
 from ..testing_utils import TokenClock
+from .batched import run_batched
 from .strategies import CHUNK, SHUFFLE_SEED, STRATEGIES, bucket_policy
 from .workload import shuffled
 
@@ -36,16 +38,19 @@ def load_model(spec: dict):
 
 
 def greedy_config(model, new_tokens: int, **overrides):
-    """The model's generation config, greedy, with exactly `new_tokens` new tokens per prompt and a pad token."""
+    """
+    The model's generation config, greedy, with exactly `new_tokens` new tokens per prompt and a pad token.
+
+    No eos token (on the model's configs too, which `generate` falls back to): every strategy decodes the same number
+    of steps. `min_new_tokens` would do that for `generate`, but continuous batching drops its logits processor, so
+    its requests would stop at eos where `generate` goes on.
+    """
     config = copy.deepcopy(model.generation_config)
-    config.update(
-        max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens,  # eos can't end a call early: every strategy decodes the same number of steps
-        do_sample=False,
-        **overrides,
-    )
+    config.update(max_new_tokens=new_tokens, do_sample=False, **overrides)
+    eos = config.eos_token_id if config.eos_token_id is not None else model.config.eos_token_id
     if config.pad_token_id is None:
-        config.pad_token_id = config.eos_token_id if isinstance(config.eos_token_id, int) else 0
+        config.pad_token_id = eos if isinstance(eos, int) else 0
+    config.eos_token_id = model.generation_config.eos_token_id = model.config.eos_token_id = None
     return config
 
 
@@ -62,11 +67,28 @@ def run_counters(counter: GraphCounter, forwards: int) -> dict:
         "fxgraph_cache_hits": inductor_counter("fxgraph_cache_hit"),
         "fxgraph_cache_misses": inductor_counter("fxgraph_cache_miss"),
         "recompile_limit": torch._dynamo.config.recompile_limit,
+        "recompile_limit_hits": RECOMPILE_LIMIT_HITS.count,
     }
 
 
+class RecompileLimitHits(logging.Handler):
+    """Counts dynamo's "hit config.recompile_limit" warnings: a function that hit it runs its new shapes eagerly."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.count = 0
+
+    def emit(self, record):
+        if "hit config.recompile_limit" in record.getMessage():
+            self.count += 1
+
+
+RECOMPILE_LIMIT_HITS = RecompileLimitHits()
+
+
 def start_process(spec: dict) -> None:
-    """A clean compile state, and no progress bars unless asked."""
+    """A clean compile state, a count of recompile-limit hits, and no progress bars unless asked."""
+    logging.getLogger("torch._dynamo.convert_frame").addHandler(RECOMPILE_LIMIT_HITS)
     if not spec["progress"]:
         from transformers.utils import logging as hf_logging
 
@@ -89,9 +111,12 @@ def run_worker(spec: dict) -> dict:
         workload = shuffled(workload, SHUFFLE_SEED)
     new_tokens = spec["max_new_tokens"]
 
-    config = greedy_config(
-        model, new_tokens, cache_implementation="static", prefill_chunk_size=strategy.prefill_chunk_size
-    )
+    if strategy.kind == "continuous":  # `generate_batch` uses its own paged cache
+        config = greedy_config(model, new_tokens)
+    else:
+        config = greedy_config(
+            model, new_tokens, cache_implementation="static", prefill_chunk_size=strategy.prefill_chunk_size
+        )
     max_length = max(item["length"] for item in workload)
     min_length = min(item["length"] for item in workload)
     fields = dict(strategy.fields)
@@ -105,7 +130,7 @@ def run_worker(spec: dict) -> dict:
     forwards = [0]
     model.register_forward_pre_hook(lambda module, args: forwards.__setitem__(0, forwards[0] + 1))
     counter = GraphCounter("inductor")
-    if strategy.compiled:
+    if strategy.compiled and strategy.kind != "continuous":  # continuous batching compiles its own step function
         model.forward = torch.compile(model.forward, backend=counter, dynamic=strategy.dynamic)
     run = (lambda *a, **k: bucketed_generate(model, *a, **k)) if strategy.fields else model.generate
 
@@ -117,6 +142,11 @@ def run_worker(spec: dict) -> dict:
         "load_seconds": load_seconds,
         "torch_threads": torch.get_num_threads(),
     }
+    if strategy.kind != "generate":
+        record.update(run_batched(strategy, spec, model, workload, config, counter, run, synchronize, progress))
+        graphs = record["graphs"]
+        record.update(run_counters(counter, forwards[0]), graphs=graphs)
+        return record
     begin = time.perf_counter()
     if strategy.warm:
         if spec["phase"] == "run":
