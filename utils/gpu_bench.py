@@ -28,8 +28,8 @@ from torch._dynamo.backends.registry import register_backend
 from transformers import CompileConfig, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 import prefill_buckets
-from prefill_buckets.bench import tiny_llama
 from prefill_buckets.compilation import GraphCounter
+from prefill_buckets.testing_utils import tiny_llama
 
 
 def build_model(quick: bool, device: str) -> LlamaForCausalLM:
@@ -113,9 +113,11 @@ def main() -> None:
     buckets = [16, 32, 64] if args.quick else [128, 256, 512, 1024, 2048]
     rng = random.Random(0)
     lengths = [rng.randint(16, max_length) for _ in range(count)]
-    prompts = [torch.randint(3, 256, (1, n), generator=torch.Generator().manual_seed(n)).to(device) for n in lengths]
-
     model = build_model(args.quick, device)
+    vocab_size = min(256, model.config.vocab_size)
+    prompts = [
+        torch.randint(3, vocab_size, (1, n), generator=torch.Generator().manual_seed(n)).to(device) for n in lengths
+    ]
     eager_config = GenerationConfig(
         max_new_tokens=args.max_new_tokens, min_new_tokens=args.max_new_tokens, do_sample=False
     )

@@ -28,8 +28,8 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     import prefill_buckets
-    from prefill_buckets.bench import smollm2_folder
     from prefill_buckets.compilation import GraphCounter
+    from prefill_buckets.testing_utils import TokenClock, smollm2_folder
 
     model = AutoModelForCausalLM.from_pretrained(smollm2_folder(), dtype=torch.float32).eval()
     counter = GraphCounter("inductor")
@@ -45,27 +45,15 @@ def main() -> None:
         pad_token_id=0,
     )
 
-    class Timestamps:
-        def __init__(self):
-            self.times = []
-
-        def put(self, value):
-            self.times.append(time.perf_counter())
-
-        def end(self):
-            pass
-
     def decode_ms_per_token(kind: str) -> float:
-        streamer = Timestamps()
+        streamer = TokenClock()
         if kind == "upstream":
             model.generate(input_ids, generation_config=config, streamer=streamer)
         else:
             prefill_buckets.generate(
                 model, input_ids, generation_config=config, streamer=streamer, prefill_buckets=[args.bucket]
             )
-        # The streamer gets the prompt, then each new token: the decode steps run between the first and the last.
-        first, last = streamer.times[1], streamer.times[-1]
-        return (last - first) / (len(streamer.times) - 2) * 1000
+        return streamer.decode_seconds_per_token() * 1000  # the decode steps: first new token to the last
 
     kinds = ("upstream", "bucketed")
     for kind in kinds:

@@ -12,7 +12,6 @@ the median time to first token is compared: the steady-state cost of the padding
 import argparse
 import os
 import statistics
-import time
 
 
 def main() -> None:
@@ -27,8 +26,8 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     import prefill_buckets
-    from prefill_buckets.bench import smollm2_folder
     from prefill_buckets.buckets import round_up
+    from prefill_buckets.testing_utils import TokenClock, smollm2_folder
 
     model = AutoModelForCausalLM.from_pretrained(smollm2_folder(), dtype=torch.float32).eval()
     model.forward = torch.compile(model.forward, dynamic=False)
@@ -44,19 +43,8 @@ def main() -> None:
         pad_token_id=0,
     )
 
-    class FirstToken:
-        def __init__(self):
-            self.start = time.perf_counter()
-            self.times = []
-
-        def put(self, value):
-            self.times.append(time.perf_counter())
-
-        def end(self):
-            pass
-
     def ttft_ms(input_ids, padded: bool) -> float:
-        streamer = FirstToken()
+        streamer = TokenClock()
         if padded:
             prefill_buckets.generate(
                 model,
@@ -67,7 +55,7 @@ def main() -> None:
             )
         else:
             model.generate(input_ids, generation_config=config, streamer=streamer)
-        return (streamer.times[1] - streamer.start) * 1000  # times[0]: the prompt; times[1]: the first new token
+        return streamer.first_token_seconds() * 1000
 
     generator = torch.Generator().manual_seed(0)
     print(f"static cache {cache_length} slots, {args.rounds} rounds, median time to first token")

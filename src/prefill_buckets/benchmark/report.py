@@ -1,0 +1,224 @@
+"""The benchmark's report: per-strategy figures from the workers' records, the table, the plot, the machine."""
+
+import os
+import platform
+import statistics
+from pathlib import Path
+
+import torch
+
+from ..buckets import padding_waste
+from .strategies import STRATEGIES, Strategy, bucket_policy
+
+
+# OpenMP threads that wait for work spin by default. On a CPU shared with other jobs a spinning thread holds a core
+# that the thread it waits for needs: measured on 2 busy cores, one SmolLM2 decode step took 6.6 s eagerly with
+# spinning and 0.1 s without. Every strategy's process gets the same setting; an `OMP_WAIT_POLICY` already in the
+# environment wins (set it to ACTIVE to measure the default).
+DEFAULT_OMP_WAIT_POLICY = "PASSIVE"
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def summarize(record: dict, strategy: Strategy, reference: dict | None, lengths: list[int]) -> dict:
+    """The table's figures for one strategy record."""
+    if "error" in record:
+        return {"error": record["error"]}
+    calls = record["calls"]
+    warm = [c for c in calls if c["graphs"] == 0]
+    ttft = [c["ttft_seconds"] for c in warm if c["ttft_seconds"] is not None]
+    decode = [c["decode_seconds_per_token"] for c in warm if c["decode_seconds_per_token"] is not None]
+    policy = bucket_policy(strategy)
+    waste = padding_waste(lengths, policy) if policy is not None else None
+    if waste is not None:
+        pad_tokens, padded_lengths = waste.padded_tokens, list(waste.padded_lengths)
+    else:  # a batch counts its own padding; continuous batching's depends on its steps, and is not counted
+        pad_tokens, padded_lengths = record.get("pad_tokens", 0 if strategy.kind == "generate" else None), None
+    mismatches = None
+    if reference is not None:
+        mismatches = [c["name"] for c in calls if reference.get(c["name"]) != c["tokens"]]
+        if record.get("warm_tokens_equal_cold") is False:
+            mismatches.append("(the warm pass differs from the cold one)")
+    exact_fallbacks = record["graph_breaks"] == 0
+    # Throughput once compiled: new tokens over the seconds of the calls that compiled nothing (a batch: its warm pass).
+    if "warm_seconds" in record:
+        seconds = record["warm_seconds"] if warm else None
+    else:
+        seconds = sum(c.get("seconds") or 0.0 for c in warm) if warm else None
+    new_tokens = sum(len(c["tokens"]) for c in warm)
+    counts_fallbacks = strategy.compiled and strategy.kind != "continuous"  # its hooks don't see compiled forwards
+    return {
+        "graphs": record["graphs"],
+        "fxgraph_cache_hits": record["fxgraph_cache_hits"],
+        "total_seconds": record["total_seconds"],
+        "prep_seconds": record.get("prep_seconds"),
+        "compile_free_calls": len(warm),
+        "ttft_median_ms": _ms(statistics.median(ttft) if ttft else None),
+        "ttft_p90_ms": _ms(percentile(ttft, 0.9)),
+        "decode_median_ms_per_token": _ms(statistics.median(decode) if decode else None),
+        "decode_p90_ms_per_token": _ms(percentile(decode, 0.9)),
+        "tokens_per_second": new_tokens / seconds if seconds else None,
+        "pad_tokens": pad_tokens,
+        "pad_overhead": None if pad_tokens is None else pad_tokens / sum(lengths),
+        "padded_lengths": padded_lengths,
+        "eager_fallbacks": (record["forwards"] - record["compiled_calls"]) if counts_fallbacks else None,
+        "eager_fallbacks_exact": exact_fallbacks,
+        "graph_breaks": record["graph_breaks"],
+        "recompile_limit_hits": record.get("recompile_limit_hits", 0),
+        "tokens_equal_eager": None if mismatches is None else not mismatches,
+        "mismatched_prompts": mismatches,
+    }
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1000.0
+
+
+def format_table(results: list[dict]) -> str:
+    header = (
+        f"{'strategy':<16} {'graphs':>6} {'cached':>6} {'total s':>8} {'prep s':>7} {'warm':>5} "
+        f"{'TTFT ms med/p90':>16} {'decode ms/tok med/p90':>22} {'tok/s':>6} {'pad':>6} {'fallbacks':>9} "
+        f"{'tokens==eager':>13}"
+    )
+    lines = [header, "-" * len(header)]
+    for result in results:
+        s = result["summary"]
+        name = result["strategy"]
+        if "error" in s:
+            lines.append(f"{name:<16} FAILED: {s['error']}")
+            continue
+
+        def pair(a, b):
+            return "-" if a is None else f"{a:.0f}/{b:.0f}" if a >= 100 else f"{a:.1f}/{b:.1f}"
+
+        fallbacks = "-" if s["eager_fallbacks"] is None else str(s["eager_fallbacks"])
+        if s["eager_fallbacks"] is None and s.get("recompile_limit_hits"):
+            fallbacks = f"limit x{s['recompile_limit_hits']}"
+        if s["eager_fallbacks"] is not None and not s["eager_fallbacks_exact"]:
+            fallbacks = "?"
+        equal = "ref" if name == "eager" else {True: "yes", False: "NO", None: "-"}[s["tokens_equal_eager"]]
+        if s["tokens_equal_eager"] is False:
+            equal += f" ({len(s['mismatched_prompts'])})"
+        prep = "-" if s["prep_seconds"] is None else f"{s['prep_seconds']:.1f}"
+        rate = "-" if s.get("tokens_per_second") is None else f"{s['tokens_per_second']:.1f}"
+        pad = "-" if s["pad_overhead"] is None else f"{s['pad_overhead']:.1%}"
+        lines.append(
+            f"{name:<16} {s['graphs']:>6} {s['fxgraph_cache_hits']:>6} {s['total_seconds']:>8.1f} {prep:>7} "
+            f"{s['compile_free_calls']:>5} {pair(s['ttft_median_ms'], s['ttft_p90_ms']):>16} "
+            f"{pair(s['decode_median_ms_per_token'], s['decode_p90_ms_per_token']):>22} {rate:>6} {pad:>6} "
+            f"{fallbacks:>9} {equal:>13}"
+        )
+    return "\n".join(lines)
+
+
+TABLE_NOTES = """\
+graphs: graphs compiled (GraphCounter around inductor; cb-*: dynamo's count, every backend); cached: of those, served
+from inductor's FX graph cache. total s: the whole workload, compiles included (pow2-warm: loading the saved cache and
+precompile() included); prep s: the earlier process that compiled and saved that cache. warm: calls that compiled
+nothing; TTFT and decode are the median/p90 over those. TTFT: generate() call to first new token. tok/s: new tokens
+per second of those calls. batch-* and cb-* hand every prompt over at once and run the workload twice: total s is the
+first (cold) pass; warm, TTFT, decode and tok/s come from the second (cb-*: TTFT from a request's creation, its wait
+included). pad: pad tokens per real prompt token (cb-*: not counted). fallbacks: forwards that ran no compiled graph
+(eager past the recompile limit; cb-*: not counted, "limit xN": N functions hit dynamo's recompile limit and run their
+new shapes eagerly). tokens==eager: every prompt's new tokens equal the eager run's."""
+
+
+def plot(results: list[dict], path: Path, title: str) -> None:
+    """Four panels: graphs compiled per call and over the workload, call latency, and warm time to first token."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator, NullLocator, ScalarFormatter
+
+    fig, axes = plt.subplots(2, 2, figsize=(14, 9))
+    (ax_graphs, ax_cumulative), (ax_wall, ax_ttft) = axes
+    markers = "os^vDP*Xph"
+    compiled_results = [r for r in results if r["record"].get("calls") and STRATEGIES[r["strategy"]].compiled]
+    for i, result in enumerate(results):
+        calls = result["record"].get("calls")
+        if not calls:
+            continue
+        name, marker, color = result["strategy"], markers[i % len(markers)], f"C{i}"
+        lengths = [c["length"] for c in calls]
+        graphs = [c["graphs"] for c in calls]
+        if STRATEGIES[name].compiled:
+            # Graphs compiled before the first prompt (`precompile`) are drawn at x = 0.
+            before = result["record"]["graphs"] - sum(graphs)
+            totals = [before + sum(graphs[: k + 1]) for k in range(len(graphs))]
+            ax_cumulative.step(range(len(calls) + 1), [before, *totals], where="post", color=color, label=name)
+            offset = 0.06 * (compiled_results.index(result) - (len(compiled_results) - 1) / 2)
+            ax_graphs.scatter(lengths, [g + offset for g in graphs], marker=marker, color=color, label=name)
+        ax_wall.scatter(
+            lengths,
+            [c["seconds"] for c in calls],
+            marker=marker,
+            facecolors=["none" if g else color for g in graphs],
+            edgecolors=color,
+            label=name,
+        )
+        warm = sorted((c["length"], c["ttft_seconds"] * 1000) for c in calls if not c["graphs"] and c["ttft_seconds"])
+        if warm:
+            ax_ttft.plot(*zip(*warm), marker=marker, color=color, label=name, markersize=4)
+    ax_graphs.set(xlabel="prompt length (tokens)", ylabel="graphs compiled by the call")
+    ax_graphs.set_title("Graphs each call compiled, by prompt length")
+    ax_graphs.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax_cumulative.set(xlabel="prompts served, in arrival order (0: before the first)", ylabel="graphs compiled so far")
+    ax_cumulative.set_title("Graphs compiled over the workload")
+    for ax in (ax_cumulative,):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax_wall.set(yscale="log", xlabel="prompt length (tokens)", ylabel="generate() wall time (s)")
+    ax_wall.set_title("Call latency (hollow: the call compiled)")
+    ax_ttft.set(xlabel="prompt length (tokens)", ylabel="time to first token (ms)")
+    ax_ttft.set_title("Time to first token, calls that compiled nothing")
+    all_lengths = sorted({c["length"] for r in results for c in r["record"].get("calls") or ()})
+    if len(all_lengths) > 8 and all_lengths:
+        ticks = [1 << k for k in range(all_lengths[-1].bit_length() + 1) if all_lengths[0] <= 2 * (1 << k)]
+    else:
+        ticks = all_lengths  # a few lengths: label each
+    for ax in axes.flat:
+        if ax is not ax_cumulative:
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(ticks)
+            ax.xaxis.set_major_formatter(ScalarFormatter())
+            ax.xaxis.set_minor_locator(NullLocator())
+        ax.grid(True, alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def machine_info(device: str) -> dict:
+    import transformers
+
+    from .. import __version__
+
+    info = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "prefill_buckets": __version__,
+        "device": device,
+    }
+    info["omp_wait_policy"] = os.environ.get("OMP_WAIT_POLICY", DEFAULT_OMP_WAIT_POLICY)
+    if hasattr(os, "getloadavg"):
+        info["load_average_start"] = os.getloadavg()
+    if device.startswith("cuda") and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    return info

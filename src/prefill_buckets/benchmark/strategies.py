@@ -1,0 +1,127 @@
+"""The benchmark's strategies: the ways to run the workload, and which of them each kind of run uses."""
+
+from dataclasses import dataclass, field
+
+from ..buckets import BucketPolicy
+
+
+CHUNK = 128  # chunk size (and padding multiple) of the `chunked` strategy
+SHUFFLE_SEED = 0  # the order of a `shuffled` strategy's prompts: the same in every run
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way to run the workload."""
+
+    name: str
+    summary: str
+    compiled: bool = True
+    dynamic: bool | None = False  # `torch.compile(model.forward, dynamic=...)`
+    fields: dict = field(default_factory=dict)  # prefill-buckets fields; empty: plain upstream `generate`
+    prefill_chunk_size: int | None = None
+    warm: bool = False  # precompile from a compile cache saved by a separate, earlier process
+    pin_cache: bool = False  # `max_cache_len` for the workload's longest prompt, as a server would set it
+    shuffled: bool = False  # the prompts in a seeded random order, not the file's
+    # "generate": one `generate` call per prompt; "batch": every prompt in one `generate` call; "continuous":
+    # transformers' continuous batching, `model.generate_batch` (see `batched.py`).
+    kind: str = "generate"
+    cb_config: dict = field(default_factory=dict)  # `ContinuousBatchingConfig` fields of a "continuous" strategy
+
+
+STRATEGIES = {
+    s.name: s
+    for s in (
+        Strategy("eager", "no compile, static cache (the reference tokens)", compiled=False),
+        Strategy("upstream-static", "torch.compile(model.forward, dynamic=False), static cache, no padding"),
+        Strategy("dynamic-auto", "torch.compile(model.forward, dynamic=None): automatic dynamic shapes", dynamic=None),
+        Strategy("dynamic-true", "torch.compile(model.forward, dynamic=True)", dynamic=True),
+        Strategy(
+            "pow2-default",
+            'the simplest config: prefill_buckets="pow2", dynamic=False, no max_cache_len, no precompile, the prompts '
+            f"in a shuffled order (seed {SHUFFLE_SEED})",
+            fields={"prefill_buckets": "pow2"},
+            shuffled=True,
+        ),
+        Strategy("pow2", 'prefill_buckets="pow2", dynamic=False', fields={"prefill_buckets": "pow2"}),
+        Strategy(
+            "multiple-of-64", "prefill_pad_to_multiple_of=64, dynamic=False", fields={"prefill_pad_to_multiple_of": 64}
+        ),
+        Strategy(
+            "chunked",
+            f"prefill_pad_to_multiple_of={CHUNK}, prefill_chunk_size={CHUNK}, max_cache_len for the longest prompt, "
+            "dynamic=False",
+            fields={"prefill_pad_to_multiple_of": CHUNK},
+            prefill_chunk_size=CHUNK,
+            pin_cache=True,
+        ),
+        Strategy(
+            "pow2-warm",
+            'prefill_buckets="pow2" (the powers of two the prompts reach) + precompile(), from a compile cache '
+            "saved by an earlier process",
+            fields={"prefill_buckets": "pow2"},
+            warm=True,
+        ),
+        Strategy(
+            "batch-eager",
+            "every prompt in one generate() call (left-padded to the longest), no compile, static cache",
+            compiled=False,
+            kind="batch",
+        ),
+        Strategy(
+            "batch-pow2",
+            'every prompt in one generate() call: prefill_buckets="pow2", prefill_batch_buckets="pow2", '
+            "precompile() for the batch's shape, then the call; dynamic=False",
+            fields={"prefill_buckets": "pow2", "prefill_batch_buckets": "pow2"},
+            kind="batch",
+        ),
+        Strategy(
+            "cb-eager",
+            "continuous batching: model.generate_batch(every prompt), paged cache sized for the workload, no compile",
+            compiled=False,
+            kind="continuous",
+        ),
+        Strategy(
+            "cb-level1",
+            "continuous batching, default_compile_level=1 (varlen path: mode=default, dynamic=True; the decode fast "
+            "path is CUDA/XPU only)",
+            kind="continuous",
+            cb_config={"default_compile_level": 1},
+        ),
+        Strategy(
+            "cb-level3",
+            "continuous batching, default_compile_level=3 (varlen path: mode=max-autotune-no-cudagraphs, "
+            "dynamic=False)",
+            kind="continuous",
+            cb_config={"default_compile_level": 3},
+        ),
+        Strategy(
+            "cb-static",
+            "continuous batching, varlen_compile_config=CompileConfig(dynamic=False, fullgraph=False, mode=default): "
+            "static shapes, queries padded to q_padding_interval_size (64)",
+            kind="continuous",
+            cb_config={"varlen_compile_config": {"dynamic": False, "fullgraph": False, "mode": "default"}},
+        ),
+    )
+}
+
+# The default run: the strongest upstream recipe on CPU (automatic dynamic shapes), the simplest bucketed config and
+# the bounded chunked recipe. Compiling dominates its time: one inductor graph of SmolLM2 takes 30-130 s on a shared
+# 2-core CPU. `upstream-static` (which stops compiling at the recompile limit and runs the rest eagerly) and
+# `pow2-warm` (whose saved cache costs a second, compiling process) are the two that cost the most; with them the
+# default took 21 minutes there, so they run with `--full` or `--strategies`.
+DEFAULT_STRATEGIES = ("eager", "dynamic-auto", "pow2-default", "chunked")
+QUICK_STRATEGIES = ("eager", "pow2")
+# Batch against batch: continuous batching and bucketed generate with every prompt in one call (`--full` runs them).
+BATCH_STRATEGIES = ("batch-eager", "batch-pow2", "cb-eager", "cb-level1", "cb-static")
+
+
+def bucket_policy(strategy: Strategy) -> BucketPolicy | None:
+    """The strategy's prompt-length policy (what `padding_waste` measures), or None for an unbucketed one."""
+    if not strategy.fields:
+        return None
+    if strategy.kind != "generate":
+        return None  # a batch is padded to its longest prompt's bucket, and continuous batching packs the prompts
+    return BucketPolicy(
+        buckets=strategy.fields.get("prefill_buckets"),
+        pad_to_multiple_of=strategy.fields.get("prefill_pad_to_multiple_of"),
+    )

@@ -1,0 +1,221 @@
+"""
+One strategy of the benchmark, in its own process: `python -m prefill_buckets.benchmark.worker SPEC.json`.
+
+The driver (`command.py`) writes the spec (strategy, model folder, workload file, new tokens) and reads back the
+record this writes: per call its tokens, wall time, graphs compiled, time to first token and decode time per token;
+over the run the graphs, compiled calls, forwards, graph breaks and inductor cache hits.
+"""
+
+import copy
+import json
+import logging
+import sys
+import time
+
+import torch
+
+from .. import generate as bucketed_generate
+from .. import load_compile_cache, precompile, save_compile_cache
+from ..buckets import round_up
+from ..compilation import GraphCounter
+from ..testing_utils import TokenClock
+from .batched import run_batched
+from .strategies import CHUNK, SHUFFLE_SEED, STRATEGIES, bucket_policy
+from .workload import shuffled
+
+
+def inductor_counter(name: str) -> int:
+    return int(torch._dynamo.utils.counters["inductor"][name])
+
+
+def load_model(spec: dict):
+    """The spec's model on its device in eval mode, and the seconds loading took."""
+    from transformers import AutoModelForCausalLM
+
+    start = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=getattr(torch, spec["dtype"]))
+    return model.to(torch.device(spec["device"])).eval(), time.perf_counter() - start
+
+
+def greedy_config(model, new_tokens: int, **overrides):
+    """
+    The model's generation config, greedy, with exactly `new_tokens` new tokens per prompt and a pad token.
+
+    No eos token (on the model's configs too, which `generate` falls back to): every strategy decodes the same number
+    of steps. `min_new_tokens` would do that for `generate`, but continuous batching drops its logits processor, so
+    its requests would stop at eos where `generate` goes on.
+    """
+    config = copy.deepcopy(model.generation_config)
+    config.update(max_new_tokens=new_tokens, do_sample=False, **overrides)
+    eos = config.eos_token_id if config.eos_token_id is not None else model.config.eos_token_id
+    if config.pad_token_id is None:
+        config.pad_token_id = eos if isinstance(eos, int) else 0
+    config.eos_token_id = model.generation_config.eos_token_id = model.config.eos_token_id = None
+    return config
+
+
+def run_counters(counter: GraphCounter, forwards: int) -> dict:
+    """What the process compiled and ran, for the record."""
+    graph_breaks = torch._dynamo.utils.counters["graph_break"]
+    return {
+        "graphs": counter.graphs,
+        "compiled_calls": counter.calls,
+        "forwards": forwards,
+        "graph_breaks": int(sum(graph_breaks.values())),
+        "graph_break_reasons": sorted(graph_breaks)[:10],
+        "unique_graphs": int(torch._dynamo.utils.counters["stats"]["unique_graphs"]),
+        "fxgraph_cache_hits": inductor_counter("fxgraph_cache_hit"),
+        "fxgraph_cache_misses": inductor_counter("fxgraph_cache_miss"),
+        "recompile_limit": torch._dynamo.config.recompile_limit,
+        "recompile_limit_hits": RECOMPILE_LIMIT_HITS.count,
+    }
+
+
+class RecompileLimitHits(logging.Handler):
+    """Counts dynamo's "hit config.recompile_limit" warnings: a function that hit it runs its new shapes eagerly."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.count = 0
+
+    def emit(self, record):
+        if "hit config.recompile_limit" in record.getMessage():
+            self.count += 1
+
+
+RECOMPILE_LIMIT_HITS = RecompileLimitHits()
+
+
+def start_process(spec: dict) -> None:
+    """A clean compile state, a count of recompile-limit hits, and no progress bars unless asked."""
+    logging.getLogger("torch._dynamo.convert_frame").addHandler(RECOMPILE_LIMIT_HITS)
+    if not spec["progress"]:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+
+
+def run_worker(spec: dict) -> dict:
+    """Runs one strategy (or, with `phase == "prepare"`, builds the compile cache of a warm one); returns its record."""
+    strategy = STRATEGIES[spec["strategy"]]
+    device = torch.device(spec["device"])
+    synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    progress = spec["progress"]
+    start_process(spec)
+    model, load_seconds = load_model(spec)
+    with open(spec["workload"], encoding="utf-8") as f:
+        workload = json.load(f)
+    if strategy.shuffled:
+        workload = shuffled(workload, SHUFFLE_SEED)
+    new_tokens = spec["max_new_tokens"]
+
+    if strategy.kind == "continuous":  # `generate_batch` uses its own paged cache
+        config = greedy_config(model, new_tokens)
+    else:
+        config = greedy_config(
+            model, new_tokens, cache_implementation="static", prefill_chunk_size=strategy.prefill_chunk_size
+        )
+    max_length = max(item["length"] for item in workload)
+    min_length = min(item["length"] for item in workload)
+    fields = dict(strategy.fields)
+    for name, value in fields.items():
+        setattr(config, name, value)  # read by `prefill_buckets.generate` and `precompile`
+    if strategy.pin_cache:
+        # One cache shape for the whole workload: the longest padded prompt and its new tokens.
+        longest = bucket_policy(strategy).bucket(max_length)
+        config.max_cache_len = round_up(longest + new_tokens - 1, CHUNK)
+
+    forwards = [0]
+    model.register_forward_pre_hook(lambda module, args: forwards.__setitem__(0, forwards[0] + 1))
+    counter = GraphCounter("inductor")
+    if strategy.compiled and strategy.kind != "continuous":  # continuous batching compiles its own step function
+        model.forward = torch.compile(model.forward, backend=counter, dynamic=strategy.dynamic)
+    run = (lambda *a, **k: bucketed_generate(model, *a, **k)) if strategy.fields else model.generate
+
+    record = {
+        "strategy": strategy.name,
+        "phase": spec["phase"],
+        "fields": fields,
+        "prefill_chunk_size": strategy.prefill_chunk_size,
+        "load_seconds": load_seconds,
+        "torch_threads": torch.get_num_threads(),
+    }
+    if strategy.kind != "generate":
+        record.update(run_batched(strategy, spec, model, workload, config, counter, run, synchronize, progress))
+        graphs = record["graphs"]
+        record.update(run_counters(counter, forwards[0]), graphs=graphs)
+        return record
+    begin = time.perf_counter()
+    if strategy.warm:
+        if spec["phase"] == "run":
+            record["cache_loaded"] = load_compile_cache(spec["cache_file"])
+        # From the bucket of the shortest prompt: the buckets of 1 to 8 tokens, which no chat-templated prompt
+        # reaches, would cost about a minute of compiling each on a 2-core CPU.
+        shapes = precompile(
+            model, config, max_prompt_length=max_length, min_prompt_length=min_length, progress=progress
+        )
+        record["precompile"] = [
+            {
+                "prompt_length": s.prompt_length,
+                "cache_length": s.cache_length,
+                "graphs": s.graphs,
+                "seconds": s.seconds,
+            }
+            for s in shapes
+        ]
+        record["precompile_seconds"] = time.perf_counter() - begin
+        if spec["phase"] == "prepare":
+            record["cache_bytes"] = save_compile_cache(spec["cache_file"])
+    if spec["phase"] == "run":
+        record["calls"] = run_workload(workload, model, run, config, counter, forwards, synchronize, progress, spec)
+    record["total_seconds"] = time.perf_counter() - begin
+    record.update(run_counters(counter, forwards[0]))
+    return record
+
+
+def run_workload(workload, model, run, config, counter, forwards, synchronize, progress, spec) -> list[dict]:
+    """One `generate` call per prompt, in the workload's order; a record per call."""
+    from tqdm.auto import tqdm
+
+    calls = []
+    bar = tqdm(workload, desc=spec["strategy"], unit="prompt", disable=not progress, dynamic_ncols=True)
+    for item in bar:
+        input_ids = torch.tensor([item["ids"]], dtype=torch.long, device=model.device)
+        clock = TokenClock(synchronize)
+        graphs, compiled_calls, forward_count = counter.graphs, counter.calls, forwards[0]
+        synchronize()
+        start = time.perf_counter()
+        output = run(input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config, streamer=clock)
+        synchronize()
+        end = time.perf_counter()
+        calls.append(
+            {
+                "name": item["name"],
+                "length": item["length"],
+                "seconds": end - start,
+                "ttft_seconds": clock.first_token_seconds(since=start),
+                "decode_seconds_per_token": clock.decode_seconds_per_token(),
+                "graphs": counter.graphs - graphs,
+                "compiled_calls": counter.calls - compiled_calls,
+                "forwards": forwards[0] - forward_count,
+                "tokens": output[0, input_ids.shape[1] :].tolist(),
+            }
+        )
+        bar.set_postfix_str(f"{item['length']} tokens, {counter.graphs} graphs")
+    return calls
+
+
+def main(argv: list[str]) -> int:
+    (spec_path,) = argv
+    with open(spec_path, encoding="utf-8") as f:
+        spec = json.load(f)
+    record = run_worker(spec)
+    with open(spec["result"], "w", encoding="utf-8") as f:
+        json.dump(record, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
