@@ -141,7 +141,13 @@ def _unsupported_reason(model, arguments: dict, model_kwargs: dict) -> str | Non
     if arguments.get("custom_generate") is not None:
         return "`custom_generate` replaces the generation loop."
     if model_kwargs.get("cache_implementation") == "paged":
-        return "`cache_implementation='paged'` switches to continuous batching, which schedules its own shapes."
+        return (
+            "`cache_implementation='paged'` switches to continuous batching, which pads by its own intervals when it "
+            "compiles or captures CUDA graphs: each step's query tokens to a multiple of "
+            "`ContinuousBatchingConfig.q_padding_interval_size` (64 by default) and its cache reads to "
+            "`kv_padding_interval_size`. Set those on the `ContinuousBatchingConfig` instead, or drop "
+            "`cache_implementation='paged'` to use the buckets."
+        )
     cache = passed_cache(model_kwargs)
     cached_tokens = cache_seq_length(cache) if cache is not None else 0
     if cached_tokens is None:

@@ -4,6 +4,7 @@
 import logging as std_logging
 import threading
 import unittest
+from unittest import mock
 
 import torch
 from parameterized import parameterized
@@ -169,6 +170,24 @@ class GenerationModesTest(RobustnessTestBase):
         self.assertSameIds(actual, expected)
         self.assertEqual(seen, [5])  # the loop got the prompt as passed
         self.assertIn("`custom_generate` replaces the generation loop", logs.out)
+
+    def test_paged_cache_runs_unbucketed_and_names_the_intervals(self):
+        # Continuous batching pads by its own intervals: the call goes to upstream untouched, and the warning names
+        # the setting to use instead. Upstream's continuous batching itself is not run (slow to set up on CPU).
+        received = []
+        input_ids = random_ids(1, 5)
+        with mock.patch(
+            "prefill_buckets.generation.UPSTREAM_GENERATE", lambda model, **kwargs: received.append(kwargs)
+        ):
+            clear_warning_once()
+            with CaptureLogger(package_logger) as logs:
+                prefill_buckets.generate(
+                    self.model, input_ids, cache_implementation="paged", max_new_tokens=3, prefill_buckets=[8]
+                )
+        self.assertEqual(len(received), 1)
+        self.assertIs(received[0]["inputs"], input_ids)  # not padded
+        self.assertIn("q_padding_interval_size", logs.out)
+        self.assertIn("kv_padding_interval_size", logs.out)
 
 
 # More decoder families than test_equivalence.py: other attention layouts, MoE, recurrent and hybrid caches. Built
