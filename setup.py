@@ -65,7 +65,7 @@ setup(
     package_data={"prefill_buckets": ["data/*.json"]},
     python_requires=">=3.10.0",
     install_requires=[
-        "transformers>=5.17.0,<5.25",
+        "transformers>=5.17.0",  # no upper bound: `_compat.check_upstream` checks newer releases at run time
         "torch>=2.7",
     ],
     extras_require=extras,

@@ -5,8 +5,9 @@ release that renames or reshapes one of them must fail loudly, never run with a 
 `_prepare_generated_length` hook, for instance, would shift `max_length` by the padding). `check_upstream` verifies
 them all; `enable()` and the first bucketed call on each model class run it.
 
-The versions this release is tested on are `TESTED_TRANSFORMERS`. On another version the check still runs, and the
-first bucketed call logs which version it is, once.
+The versions this release is tested on are `TESTED_TRANSFORMERS` (CI runs both ends). setup.py sets no upper bound,
+so pip never downgrades a newer transformers: on a version outside the range the check still runs, and the first
+bucketed call also runs `selftest.self_test` (a tiny model, bucketed against unpadded) and logs which version it is.
 """
 
 import inspect
@@ -103,14 +104,18 @@ def check_upstream(model_class: type = _GenerativeModel) -> None:
             "prefill bucket fields (and call `prefill_buckets.disable()`) to use this version without them."
         )
     with _checked_lock:
-        if not _checked and not _is_tested_range():
-            logger.warning(
-                f"prefill_buckets is tested on transformers {TESTED_TRANSFORMERS[0]} to {TESTED_TRANSFORMERS[-1]}, "
-                f"and this is {transformers.__version__}. Every private step it hooks is present with the parameters "
-                "it expects, but its output is not verified on this version: compare a few outputs against an "
-                "unbucketed call."
-            )
+        first = not _checked
         _checked.add(model_class)
+    if first and not _is_tested_range():
+        logger.warning(
+            f"prefill_buckets is tested on transformers {TESTED_TRANSFORMERS[0]} to {TESTED_TRANSFORMERS[-1]}, and "
+            f"this is {transformers.__version__}. Every private step it hooks is present with the parameters it "
+            "reads, and its self-test (a tiny model, bucketed against unpadded) passes on this version; compare a few "
+            "of your own outputs against an unbucketed call."
+        )
+        from .selftest import self_test  # runs bucketed calls, which come back here: `_checked` is already set
+
+        self_test()
 
 
 def _is_tested_range() -> bool:

@@ -3,14 +3,18 @@
 
 import threading
 import unittest
+from unittest import mock
 
 import torch
 from transformers import GenerationConfig, LlamaForCausalLM
 from transformers.generation.streamers import BaseStreamer
+from transformers.testing_utils import CaptureLogger
+from transformers.utils import logging
 
 import prefill_buckets
 from prefill_buckets import _compat
 from prefill_buckets.compilation import GraphCounter
+from prefill_buckets.selftest import self_test
 
 from .tiny_models import tiny_llama, tiny_llama_config
 
@@ -129,3 +133,33 @@ class SharedWrapperThreadsTest(unittest.TestCase):
             )
             self.assertTrue(torch.equal(outputs[name], expected), name)
         self.assertIsNone(model._compiled_call_impl)  # the last call out removed the wrapper's compiled call
+
+
+class UntestedVersionTest(unittest.TestCase):
+    def setUp(self):
+        # As on a transformers release outside the tested range, in a fresh process: nothing checked yet.
+        checked = set(_compat._checked)
+        _compat._checked.clear()
+        self.addCleanup(lambda: (_compat._checked.clear(), _compat._checked.update(checked)))
+        patcher = mock.patch.object(_compat, "_is_tested_range", return_value=False)
+        patcher.start()
+        self.addCleanup(patcher.stop)
+
+    def test_self_test_passes_here(self):
+        self_test()
+
+    def test_first_bucketed_call_warns_and_self_tests(self):
+        model = tiny_llama()
+        with mock.patch("prefill_buckets.selftest.self_test", wraps=self_test) as spy:
+            with CaptureLogger(logging.get_logger("prefill_buckets")) as logs:
+                out = prefill_buckets.generate(model, random_ids(5), max_new_tokens=2, prefill_buckets=[8])
+                prefill_buckets.generate(model, random_ids(6), max_new_tokens=2, prefill_buckets=[8])
+        self.assertEqual(out.shape, (1, 7))
+        self.assertEqual(spy.call_count, 1)  # once per process
+        self.assertIn("prefill_buckets is tested on transformers", logs.out)
+
+    def test_a_changed_step_fails_loudly(self):
+        # As if a release changed what a hooked step means: here, the padding is no longer stripped.
+        with mock.patch("prefill_buckets.generation.strip_output", lambda output, plan: output):
+            with self.assertRaisesRegex(RuntimeError, "self-test failed on transformers"):
+                prefill_buckets.generate(tiny_llama(), random_ids(5), max_new_tokens=2, prefill_buckets=[8])

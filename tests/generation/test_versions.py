@@ -46,3 +46,16 @@ class TestedVersionsTest(unittest.TestCase):
 
     def test_same_torch_in_both(self):
         self.assertEqual(pinned("oldest.txt", "torch"), pinned("dev.txt", "torch"))
+
+    def test_tested_versions_are_the_pins(self):
+        # The range `_compat.check_upstream` calls tested (and warns outside of) is the range CI tests.
+        from prefill_buckets import _compat
+
+        self.assertEqual(
+            tuple(Version(v) for v in _compat.TESTED_TRANSFORMERS),
+            (pinned("oldest.txt", "transformers"), pinned("dev.txt", "transformers")),
+        )
+
+    def test_no_upper_bound(self):
+        # pip must never downgrade a user's newer transformers to install this package.
+        self.assertEqual([spec for spec in claimed_transformers() if spec.operator in ("<", "<=", "==", "~=")], [])

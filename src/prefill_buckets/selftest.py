@@ -1,0 +1,72 @@
+"""`self_test`: bucketed `generate` against upstream's unpadded `generate` on the installed transformers, in a second.
+
+`_compat.check_upstream` runs it once per process on a transformers version outside the tested range, so that a
+release which changed what a hooked step means fails loudly at the first bucketed call instead of running wrong.
+"""
+
+import torch
+import transformers
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+from . import _compat
+
+
+# Prompts of one row and of two rows (the second left-padded by its user), through the padding of a bucket.
+_BATCHES = ((5,), (7, 3))
+_BUCKETS = [8, 16]
+_NEW_TOKENS = 3
+
+
+def self_test() -> None:
+    """
+    Raises `RuntimeError` when bucketed [`generate`] does not return upstream's tokens on this transformers version.
+
+    A tiny random Llama (fp32, CPU) generates greedily from prompts of one and two rows, with a dynamic and a static
+    cache, unpadded through upstream `generate` and bucketed to `[8, 16]`; the sequences must be equal, and as long as
+    upstream's (so `max_new_tokens` means the same). Runs in about a second.
+    """
+    from .generation import generate  # here, not at the top: `generation` imports `_compat`, which calls this
+
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config).eval()
+        generator = torch.Generator().manual_seed(0)
+        for lengths in _BATCHES:
+            width = max(lengths)
+            input_ids = torch.randint(3, config.vocab_size, (len(lengths), width), generator=generator)
+            attention_mask = torch.ones_like(input_ids)
+            for row, length in enumerate(lengths):
+                input_ids[row, : width - length] = config.pad_token_id
+                attention_mask[row, : width - length] = 0
+            for cache_implementation in (None, "static"):
+                generation_config = GenerationConfig(
+                    max_new_tokens=_NEW_TOKENS,
+                    min_new_tokens=_NEW_TOKENS,
+                    do_sample=False,
+                    cache_implementation=cache_implementation,
+                    pad_token_id=config.pad_token_id,
+                    eos_token_id=config.eos_token_id,
+                )
+                kwargs = {"attention_mask": attention_mask, "generation_config": generation_config}
+                expected = _compat.UPSTREAM_GENERATE(model, input_ids, **kwargs)
+                got = generate(model, input_ids, prefill_buckets=_BUCKETS, **kwargs)
+                if got.shape != expected.shape or not torch.equal(got, expected):
+                    raise RuntimeError(
+                        f"prefill_buckets' self-test failed on transformers {transformers.__version__}: a bucketed "
+                        f"`generate` (prompt lengths {list(lengths)}, cache {cache_implementation or 'dynamic'}) "
+                        f"returned {got.tolist()} where upstream returned {expected.tolist()}. This version changed "
+                        f"a step the package hooks. Install a tested version (transformers "
+                        f"{' to '.join(_compat.TESTED_TRANSFORMERS)}), or unset the prefill bucket fields."
+                    )
