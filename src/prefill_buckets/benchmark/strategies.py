@@ -48,6 +48,13 @@ STRATEGIES = {
         ),
         Strategy(
             "chunked",
+            f"prefill_pad_to_multiple_of={CHUNK}, prefill_chunk_size={CHUNK}, no max_cache_len (bounded by default: "
+            "one cache for the workload), dynamic=False",
+            fields={"prefill_pad_to_multiple_of": CHUNK},
+            prefill_chunk_size=CHUNK,
+        ),
+        Strategy(
+            "chunked-pinned",
             f"prefill_pad_to_multiple_of={CHUNK}, prefill_chunk_size={CHUNK}, max_cache_len for the longest prompt, "
             "dynamic=False",
             fields={"prefill_pad_to_multiple_of": CHUNK},
