@@ -1,6 +1,12 @@
 """Per-token decode time of upstream `generate` and of a bucketed call, side by side in one process.
 
     python utils/measure_decode_overhead.py [--rounds 4] [--prompt-length 100] [--bucket 128]
+    python utils/measure_decode_overhead.py --cache-lengths 1024 2048 4096 8192
+
+With `--cache-lengths`, it measures upstream's decode time against the static cache's length instead (each length
+pinned with `max_cache_len` in turn): a static cache's decode step attends over every slot, so a longer cache is
+slower decode, and more memory. That is the price of sizing the cache for the longest prompt up front (the guide's
+"Cache sizing").
 
 SmolLM2-135M-Instruct (converted once by `python -m prefill_buckets bench`, see its `--help`), `model.forward`
 compiled with inductor (`dynamic=False`), a static cache pinned at 1088 slots. One prompt runs through upstream
@@ -21,6 +27,7 @@ def main() -> None:
     parser.add_argument("--prompt-length", type=int, default=100)
     parser.add_argument("--bucket", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=24)
+    parser.add_argument("--cache-lengths", type=int, nargs="+", help="compare these pinned cache lengths instead")
     args = parser.parse_args()
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the benchmark: spinning threads distort a shared CPU
 
@@ -45,17 +52,19 @@ def main() -> None:
         pad_token_id=0,
     )
 
-    def decode_ms_per_token(kind: str) -> float:
+    def decode_ms_per_token(kind) -> float:
         streamer = TokenClock()
-        if kind == "upstream":
-            model.generate(input_ids, generation_config=config, streamer=streamer)
-        else:
+        if kind == "bucketed":
             prefill_buckets.generate(
                 model, input_ids, generation_config=config, streamer=streamer, prefill_buckets=[args.bucket]
             )
+        else:  # "upstream", or a cache length
+            cache_length = config.max_cache_len if kind == "upstream" else kind
+            model.generate(input_ids, generation_config=config, streamer=streamer, max_cache_len=cache_length)
         return streamer.decode_seconds_per_token() * 1000  # the decode steps: first new token to the last
 
-    kinds = ("upstream", "bucketed")
+    kinds = tuple(args.cache_lengths) if args.cache_lengths else ("upstream", "bucketed")
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(kinds))
     for kind in kinds:
         start = time.perf_counter()
         decode_ms_per_token(kind)
@@ -66,8 +75,20 @@ def main() -> None:
             results[kind].append(decode_ms_per_token(kind))
     medians = {kind: statistics.median(values) for kind, values in results.items()}
     for kind in kinds:
-        print(f"{kind:9s} decode ms/token: {', '.join(f'{v:.1f}' for v in results[kind])}  median {medians[kind]:.1f}")
-    print(f"bucketed / upstream: {medians['bucketed'] / medians['upstream']:.3f}; graphs: {counter.graphs}")
+        print(
+            f"{kind!s:9s} decode ms/token: {', '.join(f'{v:.1f}' for v in results[kind])}  median {medians[kind]:.1f}"
+        )
+    if not args.cache_lengths:
+        print(f"bucketed / upstream: {medians['bucketed'] / medians['upstream']:.3f}; graphs: {counter.graphs}")
+        return
+    text = model.config
+    bytes_per_slot = 2 * text.num_hidden_layers * text.num_key_value_heads * text.head_dim * model.dtype.itemsize
+    print(f"\n| cache slots | decode ms/token (median of {args.rounds}) | vs {kinds[0]} | cache MB per row |")
+    print("| --- | --- | --- | --- |")
+    for kind in kinds:
+        print(
+            f"| {kind} | {medians[kind]:.1f} | {medians[kind] / medians[kinds[0]]:.2f}x | {kind * bytes_per_slot / 1e6:.0f} |"
+        )
 
 
 if __name__ == "__main__":
