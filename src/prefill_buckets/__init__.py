@@ -3,10 +3,11 @@
 __version__ = "0.1.0"
 
 from .buckets import BucketPolicy, WasteReport, padding_waste, suggest_buckets
+from .compile_cache import load_compile_cache, save_compile_cache
 from .config import PREFILL_BATCH_BUCKETS, PREFILL_BUCKETS, PREFILL_PAD_TO_MULTIPLE_OF
 from .generation import generate
 from .patch import disable, enable, is_enabled
-from .warmup import CompiledShape, load_compile_cache, precompile, save_compile_cache
+from .warmup import CompiledShape, precompile
 
 
 __all__ = [

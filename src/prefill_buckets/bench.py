@@ -284,8 +284,9 @@ def run_worker(spec: dict) -> dict:
     from transformers import AutoModelForCausalLM
 
     from .compilation import GraphCounter
+    from .compile_cache import load_compile_cache, save_compile_cache
     from .generation import generate as bucketed_generate
-    from .warmup import load_compile_cache, precompile, save_compile_cache
+    from .warmup import precompile
 
     strategy = STRATEGIES[spec["strategy"]]
     device = torch.device(spec["device"])

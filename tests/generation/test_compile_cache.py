@@ -17,12 +17,12 @@ from transformers.testing_utils import CaptureLogger
 from transformers.utils import logging
 
 import prefill_buckets
-from prefill_buckets import warmup
+from prefill_buckets import compile_cache
 
 
 ARTIFACTS = b"\x95bu\xf6 torch cache artifacts"
 KERNEL = os.path.join("ab", "cabkernel.main.so")
-logger = logging.get_logger("prefill_buckets.warmup")
+logger = logging.get_logger("prefill_buckets.compile_cache")
 
 
 class CompileCacheTest(unittest.TestCase):
@@ -114,7 +114,7 @@ class CompileCacheTest(unittest.TestCase):
         self.build_kernel()
         prefill_buckets.save_compile_cache(self.path)
         warm = self.use_cache_dir("warm")
-        with mock.patch.object(warmup, "_cpu_fingerprint", return_value="another cpu"):
+        with mock.patch.object(compile_cache, "_cpu_fingerprint", return_value="another cpu"):
             with CaptureLogger(logger) as captured:
                 self.assertTrue(prefill_buckets.load_compile_cache(self.path))
         self.assertIn("other CPU features", captured.out)
