@@ -3,7 +3,7 @@
 __version__ = "0.1.0"
 
 from .buckets import BucketPolicy, WasteReport, padding_waste, suggest_buckets
-from .compile_cache import load_compile_cache, save_compile_cache
+from .compile_cache import CompileCacheFile, load_compile_cache, save_compile_cache
 from .config import PREFILL_BATCH_BUCKETS, PREFILL_BUCKETS, PREFILL_PAD_TO_MULTIPLE_OF
 from .generation import generate
 from .patch import disable, enable, is_enabled
@@ -15,6 +15,7 @@ __all__ = [
     "PREFILL_BUCKETS",
     "PREFILL_PAD_TO_MULTIPLE_OF",
     "BucketPolicy",
+    "CompileCacheFile",
     "CompiledShape",
     "WasteReport",
     "disable",
