@@ -186,7 +186,8 @@ def main() -> int:
     figures["prompts"] = len(workload)
     figures["total_s"] = time.perf_counter() - START
     if launch == "cold":
-        figures["cache_bytes"] = prefill_buckets.save_compile_cache(rank_path(cache_path))
+        saved = prefill_buckets.save_compile_cache(rank_path(cache_path))
+        figures["cache_bytes"] = saved.size if saved is not None else 0
 
     # After the launch's clock: the reference.
     reference = None

@@ -3,11 +3,12 @@
 __version__ = "0.1.0"
 
 from .buckets import BucketPolicy, WasteReport, padding_waste, suggest_buckets
+from .compile_cache import CompileCacheFile, load_compile_cache, save_compile_cache
 from .config import PREFILL_BATCH_BUCKETS, PREFILL_BUCKETS, PREFILL_PAD_TO_MULTIPLE_OF
 from .custom_generate import save_custom_generate
 from .generation import generate
 from .patch import disable, enable, is_enabled
-from .warmup import CompiledShape, load_compile_cache, precompile, save_compile_cache
+from .warmup import CompiledShape, precompile
 
 
 __all__ = [
@@ -15,6 +16,7 @@ __all__ = [
     "PREFILL_BUCKETS",
     "PREFILL_PAD_TO_MULTIPLE_OF",
     "BucketPolicy",
+    "CompileCacheFile",
     "CompiledShape",
     "WasteReport",
     "disable",

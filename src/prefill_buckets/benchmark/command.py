@@ -122,7 +122,7 @@ def run_strategy(name: str, base_spec: dict, workdir: Path) -> dict:
         f"{prep['total_seconds']:.1f} s",
         flush=True,
     )
-    record = spawn(spec, workdir, name)
+    record = spawn(dict(spec, cache_sha256=prep["cache_sha256"]), workdir, name)
     if "error" not in record:
         record["prep_seconds"] = prep.get("total_seconds")
         record["prepare"] = prep

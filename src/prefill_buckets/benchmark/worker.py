@@ -150,7 +150,8 @@ def run_worker(spec: dict) -> dict:
     begin = time.perf_counter()
     if strategy.warm:
         if spec["phase"] == "run":
-            record["cache_loaded"] = load_compile_cache(spec["cache_file"])
+            # As a replica of a fleet does: the file with the hash its preparing process published.
+            record["cache_loaded"] = load_compile_cache(spec["cache_file"], sha256=spec.get("cache_sha256"))
         # From the bucket of the shortest prompt: the buckets of 1 to 8 tokens, which no chat-templated prompt
         # reaches, would cost about a minute of compiling each on a 2-core CPU.
         shapes = precompile(
@@ -167,7 +168,9 @@ def run_worker(spec: dict) -> dict:
         ]
         record["precompile_seconds"] = time.perf_counter() - begin
         if spec["phase"] == "prepare":
-            record["cache_bytes"] = save_compile_cache(spec["cache_file"])
+            saved = save_compile_cache(spec["cache_file"])
+            record["cache_bytes"] = saved.size if saved is not None else 0
+            record["cache_sha256"] = saved.sha256 if saved is not None else None
     if spec["phase"] == "run":
         record["calls"] = run_workload(workload, model, run, config, counter, forwards, synchronize, progress, spec)
     record["total_seconds"] = time.perf_counter() - begin
