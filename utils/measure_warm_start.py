@@ -64,7 +64,10 @@ def child(mode: str, artifacts: str, max_prompt_length: int, compile_with: str, 
                 "frames_traced": counters["frames"]["total"],
                 "dynamo_graphs_traced": counters["stats"]["unique_graphs"],
                 "dynamo_ops_captured": counters["stats"]["calls_captured"],
-                "inductor_compiled": counters["inductor"]["fxgraph_cache_miss"],
+                # Graphs compiled: AOTAutograd cache misses (`aot_compile` bypasses inductor's FX graph cache) plus
+                # FX graph cache misses (`model.compile()`, whose AOTAutograd entries the file also carries).
+                "inductor_compiled": counters["aot_autograd"]["autograd_cache_miss"]
+                + counters["inductor"]["fxgraph_cache_miss"],
                 "aot_autograd_compiled": counters["aot_autograd"]["total"],
                 "tokens": tokens,
             }
@@ -92,8 +95,10 @@ def main() -> None:
             cmd += ["--max-prompt-length", str(args.max_prompt_length)]
             if mode == "warm":
                 cmd += ["--sha256", results["cold"]["sha256"]]  # as a replica gets it, with the file
-            out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
-            results[mode] = json.loads(out.strip().splitlines()[-1])
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            if done.returncode:
+                sys.exit(f"The {mode} process failed:\n{done.stderr[-5000:]}")
+            results[mode] = json.loads(done.stdout.strip().splitlines()[-1])
     cold, warm = results["cold"], results["warm"]
     print(f"compile: {args.compile}, pow2 buckets up to {args.max_prompt_length}, cache loaded warm: {warm['loaded']}")
     header = (

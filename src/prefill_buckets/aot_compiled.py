@@ -125,17 +125,8 @@ class AOTForward:
             for entry in entries
         ]
 
-    def _external_data(self) -> dict[str, object]:
-        """The wrapped functions of the model's `forward` decorators: pickled by reference to this process's."""
-        external, function, depth = {}, type(self.model).forward, 0
-        while hasattr(function, "__wrapped__"):
-            function = function.__wrapped__
-            external[f"forward.__wrapped__.{depth}"] = function
-            depth += 1
-        return external
-
     def _take_staged(self) -> None:
-        """Loads the graphs a compile cache file staged for this model's fingerprint."""
+        """Takes the graphs that `load_compile_cache` loaded for this model's fingerprint."""
         first_look = not self.looked_for_staged
         self.looked_for_staged = True
         entries = _staged.pop(self.fingerprint, [])
@@ -144,28 +135,15 @@ class AOTForward:
                 f"The compiled forwards of the compile cache {', '.join(_staged_from)} are for another model (its "
                 "class, config, parameters, dtype or device differ): this model compiles its own graphs."
             )
-        external = self._external_data()
-        module = importlib.import_module(self.eager.__func__.__module__)
-        for meta, data in entries:
-            aliases = {alias: importlib.import_module(name) for alias, name in meta["modules"].items()}
-            try:
-                function = torch.compiler.load_compiled_function(
-                    io.BytesIO(data), f_globals={**vars(module), **aliases}, external_data=external
-                )
-            except Exception as error:  # one graph torch can't load: it is compiled again when its shape comes
-                logger.warning(
-                    f"A compiled forward of the compile cache could not be loaded ({type(error).__name__}: {error}); "
-                    "its input shape compiles again."
-                )
-                continue
-            function.disable_guard_check()
+        for meta, function in entries:
             self.functions.setdefault(meta["key"], []).append((function, None))
 
     def serialized(self) -> list[tuple[dict, bytes]]:
         """The functions this process compiled, for `save_compile_cache`: (metadata, bytes) each."""
         saved = []
-        external = self._external_data()
-        globals_ = self.eager.__func__.__globals__
+        model_class = type(self.model)
+        external = _external_data(model_class)
+        globals_ = model_class.forward.__globals__  # the outermost decorator's: dynamo traces that function
         for functions in self.functions.values():
             for function, meta in functions:
                 if meta is None:
@@ -182,7 +160,8 @@ class AOTForward:
                 # which torch doesn't save (it asks for `f_globals` at load): save the module names.
                 refs = function._artifacts.runtime_env.external_refs
                 modules = {ref: globals_[ref].__name__ for ref in refs if inspect.ismodule(globals_.get(ref))}
-                saved.append(({**meta, "fingerprint": self.fingerprint, "modules": modules}, data))
+                forward = f"{model_class.__module__}:{model_class.__qualname__}"
+                saved.append(({**meta, "fingerprint": self.fingerprint, "forward": forward, "modules": modules}, data))
         return saved
 
 
@@ -216,9 +195,43 @@ def compiled_functions() -> list[tuple[dict, bytes]]:
     return [entry for forward in list(_live) for entry in forward.serialized()]
 
 
-def stage(entries: list[tuple[dict, bytes]], source: str) -> None:
-    """Keeps compiled functions read from the file `source` until an `AOTForward` of their model takes them."""
+def stage(entries: list[tuple[dict, bytes]], source: str) -> int:
+    """
+    Loads compiled functions read from the file `source`, and keeps them until an `AOTForward` of their model takes
+    them. Returns how many loaded; one that torch can't load is skipped with a warning (its shape compiles again).
+    """
+    loaded = 0
     for meta, data in entries:
-        _staged.setdefault(meta["fingerprint"], []).append((meta, data))
+        try:
+            module_name, qualname = meta["forward"].split(":")
+            model_class = importlib.import_module(module_name)
+            for name in qualname.split("."):
+                model_class = getattr(model_class, name)
+            aliases = {alias: importlib.import_module(name) for alias, name in meta["modules"].items()}
+            function = torch.compiler.load_compiled_function(
+                io.BytesIO(data),
+                f_globals={**model_class.forward.__globals__, **aliases},
+                external_data=_external_data(model_class),
+            )
+        except Exception as error:
+            logger.warning(
+                f"A compiled forward of the compile cache {source} could not be loaded ({type(error).__name__}: "
+                f"{error}); its input shape compiles again."
+            )
+            continue
+        function.disable_guard_check()  # `AOTForward.__call__` checks them before it calls
+        _staged.setdefault(meta["fingerprint"], []).append((meta, function))
+        loaded += 1
     if entries:
         _staged_from.append(source)
+    return loaded
+
+
+def _external_data(model_class: type) -> dict[str, object]:
+    """The functions the decorators of `model_class.forward` wrap: pickled as references to this process's."""
+    external, function, depth = {}, model_class.forward, 0
+    while hasattr(function, "__wrapped__"):
+        function = function.__wrapped__
+        external[f"forward.__wrapped__.{depth}"] = function
+        depth += 1
+    return external

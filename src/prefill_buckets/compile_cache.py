@@ -181,10 +181,10 @@ def load_compile_cache(path: str | os.PathLike, sha256: str | None = None, max_b
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     restored = _restore_kernels(kernels, cache_dir())
-    aot_compiled.stage(forwards, os.fspath(path))
+    staged = aot_compiled.stage(forwards, os.fspath(path))
     logger.info(
         f"load_compile_cache: torch's artifacts loaded, C++ kernels copied: {restored} of {len(kernels)}, compiled "
-        f"forwards: {len(forwards)}"
+        f"forwards loaded: {staged} of {len(forwards)}"
     )
     return True
 
@@ -290,7 +290,7 @@ def _check_manifest(raw: bytes) -> dict:
 
 def _check_forwards(forwards) -> set[str]:
     """Refuses a malformed list of compiled forwards in the manifest; returns the entry names it lists."""
-    text = {"file", "fingerprint", "key"}
+    text = {"file", "fingerprint", "key", "forward"}
     if not isinstance(forwards, list) or not all(
         isinstance(meta, dict)
         and all(isinstance(meta.get(field), str) for field in text)

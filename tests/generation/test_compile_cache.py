@@ -348,7 +348,12 @@ class CompiledForwardsTest(unittest.TestCase):
     """The graphs of `aot_forward` in the archive: saved with their metadata, staged at load, checked like the rest."""
 
     FORWARD = (
-        {"key": "[0]", "fingerprint": "f" * 32, "modules": {"___module_collections_1_c0": "collections"}},
+        {
+            "key": "[0]",
+            "fingerprint": "f" * 32,
+            "forward": "m:C",
+            "modules": {"___module_collections_1_c0": "collections"},
+        },
         b"fn",
     )
 
@@ -361,9 +366,8 @@ class CompiledForwardsTest(unittest.TestCase):
         mock.patch.object(torch.compiler, "save_cache_artifacts", return_value=None).start()  # another backend
         self.load = mock.patch.object(torch.compiler, "load_cache_artifacts", return_value=object()).start()
         mock.patch.object(aot_compiled, "compiled_functions", return_value=[self.FORWARD]).start()
+        self.stage = mock.patch.object(aot_compiled, "stage", return_value=1).start()
         self.addCleanup(mock.patch.stopall)
-        self.addCleanup(aot_compiled._staged.clear)
-        self.addCleanup(aot_compiled._staged_from.clear)
         self.saved = prefill_buckets.save_compile_cache(self.path)
 
     def manifest(self) -> dict:
@@ -384,7 +388,7 @@ class CompiledForwardsTest(unittest.TestCase):
         with CaptureLogger(logger) as captured:
             self.assertFalse(prefill_buckets.load_compile_cache(self.path))
         self.assertIn(reason, captured.out)
-        self.assertEqual(aot_compiled._staged, {})
+        self.stage.assert_not_called()
 
     def test_saved_and_staged(self):
         self.assertIsNotNone(self.saved)  # no inductor artifacts, but a compiled forward: saved
@@ -392,8 +396,7 @@ class CompiledForwardsTest(unittest.TestCase):
         self.assertEqual(meta, [{**self.FORWARD[0], "file": "aot_forwards/0.bin"}])
         self.assertTrue(prefill_buckets.load_compile_cache(self.path))
         self.load.assert_not_called()  # no torch artifacts to load
-        self.assertEqual(aot_compiled._staged, {"f" * 32: [(meta[0], b"fn")]})
-        self.assertEqual(aot_compiled._staged_from, [self.path])
+        self.stage.assert_called_once_with([(meta[0], b"fn")], self.path)
 
     def test_malformed_list(self):
         manifest = self.manifest()
