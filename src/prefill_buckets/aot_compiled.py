@@ -126,7 +126,10 @@ class AOTForward:
         ]
 
     def _take_staged(self) -> None:
-        """Takes the graphs that `load_compile_cache` loaded for this model's fingerprint."""
+        """
+        Loads the graphs of a compile cache file staged for this model's fingerprint. Torch rebuilds a graph's guards
+        as it loads it, reading state that only exists inside a forward call: so it loads them here, in the first.
+        """
         first_look = not self.looked_for_staged
         self.looked_for_staged = True
         entries = _staged.pop(self.fingerprint, [])
@@ -135,7 +138,22 @@ class AOTForward:
                 f"The compiled forwards of the compile cache {', '.join(_staged_from)} are for another model (its "
                 "class, config, parameters, dtype or device differ): this model compiles its own graphs."
             )
-        for meta, function in entries:
+        model_class = type(self.model)
+        for meta, data in entries:
+            try:
+                aliases = {alias: importlib.import_module(name) for alias, name in meta["modules"].items()}
+                function = torch.compiler.load_compiled_function(
+                    io.BytesIO(data),
+                    f_globals={**model_class.forward.__globals__, **aliases},
+                    external_data=_external_data(model_class),
+                )
+            except Exception as error:
+                logger.warning(
+                    f"A compiled forward of the compile cache {meta['source']} could not be loaded "
+                    f"({type(error).__name__}: {error}); its input shape compiles again."
+                )
+                continue
+            function.disable_guard_check()  # `__call__` checks them before it calls
             self.functions.setdefault(meta["key"], []).append((function, None))
 
     def serialized(self) -> list[tuple[dict, bytes]]:
@@ -195,36 +213,12 @@ def compiled_functions() -> list[tuple[dict, bytes]]:
     return [entry for forward in list(_live) for entry in forward.serialized()]
 
 
-def stage(entries: list[tuple[dict, bytes]], source: str) -> int:
-    """
-    Loads compiled functions read from the file `source`, and keeps them until an `AOTForward` of their model takes
-    them. Returns how many loaded; one that torch can't load is skipped with a warning (its shape compiles again).
-    """
-    loaded = 0
+def stage(entries: list[tuple[dict, bytes]], source: str) -> None:
+    """Keeps compiled functions read from the file `source` until an `AOTForward` of their model loads them."""
     for meta, data in entries:
-        try:
-            module_name, qualname = meta["forward"].split(":")
-            model_class = importlib.import_module(module_name)
-            for name in qualname.split("."):
-                model_class = getattr(model_class, name)
-            aliases = {alias: importlib.import_module(name) for alias, name in meta["modules"].items()}
-            function = torch.compiler.load_compiled_function(
-                io.BytesIO(data),
-                f_globals={**model_class.forward.__globals__, **aliases},
-                external_data=_external_data(model_class),
-            )
-        except Exception as error:
-            logger.warning(
-                f"A compiled forward of the compile cache {source} could not be loaded ({type(error).__name__}: "
-                f"{error}); its input shape compiles again."
-            )
-            continue
-        function.disable_guard_check()  # `AOTForward.__call__` checks them before it calls
-        _staged.setdefault(meta["fingerprint"], []).append((meta, function))
-        loaded += 1
+        _staged.setdefault(meta["fingerprint"], []).append(({**meta, "source": source}, data))
     if entries:
         _staged_from.append(source)
-    return loaded
 
 
 def _external_data(model_class: type) -> dict[str, object]:

@@ -181,10 +181,10 @@ def load_compile_cache(path: str | os.PathLike, sha256: str | None = None, max_b
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     restored = _restore_kernels(kernels, cache_dir())
-    staged = aot_compiled.stage(forwards, os.fspath(path))
+    aot_compiled.stage(forwards, os.fspath(path))
     logger.info(
         f"load_compile_cache: torch's artifacts loaded, C++ kernels copied: {restored} of {len(kernels)}, compiled "
-        f"forwards loaded: {staged} of {len(forwards)}"
+        f"forwards: {len(forwards)} (loaded by `aot_forward`)"
     )
     return True
 

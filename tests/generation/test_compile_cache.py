@@ -366,7 +366,7 @@ class CompiledForwardsTest(unittest.TestCase):
         mock.patch.object(torch.compiler, "save_cache_artifacts", return_value=None).start()  # another backend
         self.load = mock.patch.object(torch.compiler, "load_cache_artifacts", return_value=object()).start()
         mock.patch.object(aot_compiled, "compiled_functions", return_value=[self.FORWARD]).start()
-        self.stage = mock.patch.object(aot_compiled, "stage", return_value=1).start()
+        self.stage = mock.patch.object(aot_compiled, "stage").start()
         self.addCleanup(mock.patch.stopall)
         self.saved = prefill_buckets.save_compile_cache(self.path)
 
