@@ -80,6 +80,7 @@ class AOTForward:
         # By input key: the compiled functions, each with what saving it needs (`None` once loaded from a file).
         self.functions: dict[str, list[tuple[object, dict | None]]] = {}
         self.looked_for_staged = False
+        self.pending: dict[str, list[tuple[dict, bytes]]] = {}  # staged graphs by input key, loaded when one comes
         _live.add(self)
 
     def __reduce__(self):
@@ -91,6 +92,8 @@ class AOTForward:
         if _staged or not self.looked_for_staged:
             self._take_staged()
         key = _input_key(args, kwargs)
+        if key in self.pending:
+            self._load(self.pending.pop(key))
         for function, _ in self.functions.get(key, ()):
             if function.guard_check(self.model, *args, **kwargs):
                 return function(self.model, *args, **kwargs)
@@ -126,10 +129,7 @@ class AOTForward:
         ]
 
     def _take_staged(self) -> None:
-        """
-        Loads the graphs of a compile cache file staged for this model's fingerprint. Torch rebuilds a graph's guards
-        as it loads it, reading state that only exists inside a forward call: so it loads them here, in the first.
-        """
+        """Takes the graphs of a compile cache file staged for this model's fingerprint, to load by input key."""
         first_look = not self.looked_for_staged
         self.looked_for_staged = True
         entries = _staged.pop(self.fingerprint, [])
@@ -138,6 +138,14 @@ class AOTForward:
                 f"The compiled forwards of the compile cache {', '.join(_staged_from)} are for another model (its "
                 "class, config, parameters, dtype or device differ): this model compiles its own graphs."
             )
+        for meta, data in entries:
+            self.pending.setdefault(meta["key"], []).append((meta, data))
+
+    def _load(self, entries: list[tuple[dict, bytes]]) -> None:
+        """
+        Loads staged graphs, in the first call with their input key: torch rebuilds a graph's guards as it loads it,
+        reading state that only exists inside a forward call, and each graph costs only the shape that needs it.
+        """
         model_class = type(self.model)
         for meta, data in entries:
             try:
@@ -154,18 +162,22 @@ class AOTForward:
                 )
                 continue
             function.disable_guard_check()  # `__call__` checks them before it calls
-            self.functions.setdefault(meta["key"], []).append((function, None))
+            self.functions.setdefault(meta["key"], []).append((function, {"loaded": (meta, data)}))
 
     def serialized(self) -> list[tuple[dict, bytes]]:
-        """The functions this process compiled, for `save_compile_cache`: (metadata, bytes) each."""
-        saved = []
+        """
+        The functions of this forward, for `save_compile_cache`: (metadata, bytes) each. Those loaded from a file, or
+        staged and not loaded yet, are saved as they were read, so a warm process's file holds them too.
+        """
+        saved = [_as_read(*entry) for entries in self.pending.values() for entry in entries]
         model_class = type(self.model)
         external = _external_data(model_class)
         globals_ = model_class.forward.__globals__  # the outermost decorator's: dynamo traces that function
         for functions in self.functions.values():
             for function, meta in functions:
-                if meta is None:
-                    continue  # loaded from a file: saved by that file
+                if "loaded" in meta:
+                    saved.append(_as_read(*meta["loaded"]))
+                    continue
                 try:
                     data = type(function).serialize(function, external).serialized_data
                 except Exception as error:  # an object in the graph's state that can't be pickled
@@ -181,6 +193,10 @@ class AOTForward:
                 forward = f"{model_class.__module__}:{model_class.__qualname__}"
                 saved.append(({**meta, "fingerprint": self.fingerprint, "forward": forward, "modules": modules}, data))
         return saved
+
+
+def _as_read(meta: dict, data: bytes) -> tuple[dict, bytes]:
+    return {name: value for name, value in meta.items() if name != "source"}, data
 
 
 def _no_forward() -> None:

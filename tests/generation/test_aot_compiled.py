@@ -91,6 +91,13 @@ class AOTForwardTest(unittest.TestCase):
         self.assertEqual(counters["stats"]["unique_graphs"], 0)
         self.assertEqual(counters["aot_autograd"]["total"], 0)
 
+        # The warm process saves the graphs it loaded: a third process starts as warm from its file.
+        prefill_buckets.save_compile_cache(self.path)
+        self.new_process()
+        self.assertTrue(prefill_buckets.load_compile_cache(self.path))
+        self.assertEqual(self.run_prompts(self.compiled_model()), tokens)
+        self.assertEqual(traced(), 0, dict(counters["stats"]))
+
     def test_another_model_compiles_its_own(self):
         self.run_prompts(self.compiled_model())
         prefill_buckets.save_compile_cache(self.path)
