@@ -1,11 +1,17 @@
 """Cold vs warm start of `precompile`, side by side: each in a fresh process with an empty inductor cache.
 
-    python utils/measure_warm_start.py [--max-prompt-length 64]
+    python utils/measure_warm_start.py [--max-prompt-length 64] [--compile aot_forward|model.compile]
 
-1. cold: compiles every graph of a pow2 bucket config with inductor, then saves the artifacts with
-   `prefill_buckets.save_compile_cache`;
-2. warm: a new process, a new empty inductor cache directory, `load_compile_cache`, then the same `precompile`.
-Prints both times, their ratio, and the graphs each compiled (dynamo still traces every graph when warm).
+1. cold: compiles every graph of a pow2 bucket config with inductor, then saves the compile cache with
+   `prefill_buckets.save_compile_cache`, and publishes its SHA-256;
+2. warm: a new process (a replica), a new empty inductor cache directory, `load_compile_cache` with that hash, then the
+   same `precompile`.
+Prints both times, their ratio, and, from torch's own counters (`torch._dynamo.utils.counters`), in each process: the
+frames dynamo traced through `torch.compile`'s frame hook, the graphs and ops dynamo traced by any path (`aot_compile`
+traces without the frame hook), the graphs inductor compiled (FX graph cache misses); and whether both generate the
+same tokens.
+`--compile aot_forward` (default) compiles with `prefill_buckets.aot_forward`, whose graphs the file carries whole;
+`--compile model.compile` with `model.compile(dynamic=False)`, where the warm process still traces every graph.
 """
 
 import argparse
@@ -17,33 +23,56 @@ import tempfile
 import time
 
 
-def child(mode: str, artifacts: str, max_prompt_length: int) -> None:
+def child(mode: str, artifacts: str, max_prompt_length: int, compile_with: str, sha256: str | None) -> None:
     start = time.perf_counter()
+    import torch
+    from torch._dynamo.utils import counters
     from transformers import GenerationConfig
 
     import prefill_buckets
     from prefill_buckets.testing_utils import tiny_llama
 
+    loaded, load_seconds = None, 0.0
     if mode == "warm":
-        prefill_buckets.load_compile_cache(artifacts)
+        begin = time.perf_counter()
+        loaded = prefill_buckets.load_compile_cache(artifacts, sha256=sha256)
+        load_seconds = time.perf_counter() - begin
     model = tiny_llama()
-    model.compile(dynamic=False)
+    if compile_with == "aot_forward":
+        model.forward = prefill_buckets.aot_forward(model)
+    else:
+        model.compile(dynamic=False)
     gc = GenerationConfig(cache_implementation="static", max_new_tokens=8, prefill_buckets="pow2")
     setup = time.perf_counter() - start
     shapes = prefill_buckets.precompile(model, gc, max_prompt_length=max_prompt_length, progress=False)
-    first_token = shapes[0].seconds
+    first_call = shapes[0].seconds
     compile_seconds = sum(s.seconds for s in shapes)
+    prompt = torch.arange(3, 3 + max_prompt_length - 5).view(1, -1) % 100 + 3
+    tokens = prefill_buckets.generate(model, prompt, generation_config=gc).tolist()
+    saved = None
     if mode == "cold":
-        prefill_buckets.save_compile_cache(artifacts)
+        saved = prefill_buckets.save_compile_cache(artifacts)
     print(
         json.dumps(
             {
                 "mode": mode,
+                "loaded": loaded,
+                "sha256": saved.sha256 if saved else None,
                 "import_and_setup_s": setup,
+                "load_s": load_seconds,
                 "precompile_s": compile_seconds,
-                "first_call_s": first_token,
+                "first_call_s": first_call,
                 "graphs": sum(s.graphs for s in shapes),
                 "buckets": len(shapes),
+                "frames_traced": counters["frames"]["total"],
+                "dynamo_graphs_traced": counters["stats"]["unique_graphs"],
+                "dynamo_ops_captured": counters["stats"]["calls_captured"],
+                # Graphs compiled: AOTAutograd cache misses (`aot_compile` bypasses inductor's FX graph cache) plus
+                # FX graph cache misses (`model.compile()`, whose AOTAutograd entries the file also carries).
+                "inductor_compiled": counters["aot_autograd"]["autograd_cache_miss"]
+                + counters["inductor"]["fxgraph_cache_miss"],
+                "aot_autograd_compiled": counters["aot_autograd"]["total"],
+                "tokens": tokens,
             }
         )
     )
@@ -52,28 +81,45 @@ def child(mode: str, artifacts: str, max_prompt_length: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-prompt-length", type=int, default=64)
+    parser.add_argument("--compile", choices=["aot_forward", "model.compile"], default="aot_forward")
     parser.add_argument("--child", choices=["cold", "warm"])
     parser.add_argument("--artifacts")
+    parser.add_argument("--sha256")
     args = parser.parse_args()
     if args.child:
-        child(args.child, args.artifacts, args.max_prompt_length)
+        child(args.child, args.artifacts, args.max_prompt_length, args.compile, args.sha256)
         return
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        artifacts = os.path.join(tmp, "artifacts.bin")
+        artifacts = os.path.join(tmp, "compile_cache.bin")
         for mode in ("cold", "warm"):
             env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(tmp, f"inductor-{mode}"))
-            cmd = [sys.executable, __file__, "--child", mode, "--artifacts", artifacts]
+            cmd = [sys.executable, __file__, "--child", mode, "--artifacts", artifacts, "--compile", args.compile]
             cmd += ["--max-prompt-length", str(args.max_prompt_length)]
-            out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
-            results[mode] = json.loads(out.strip().splitlines()[-1])
+            if mode == "warm":
+                cmd += ["--sha256", results["cold"]["sha256"]]  # as a replica gets it, with the file
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            if done.returncode:
+                sys.exit(f"The {mode} process failed:\n{done.stderr[-5000:]}")
+            results[mode] = json.loads(done.stdout.strip().splitlines()[-1])
     cold, warm = results["cold"], results["warm"]
-    print(f"{'':<10} {'graphs':>6} {'precompile s':>13} {'first call s':>13}")
+    print(f"compile: {args.compile}, pow2 buckets up to {args.max_prompt_length}, cache loaded warm: {warm['loaded']}")
+    columns = ("frames traced", "graphs traced", "ops captured", "graphs compiled", "load s", "precompile s")
+    print(" | ".join(("", *columns, "first call s", "start to first call s")))
     for row in (cold, warm):
-        print(f"{row['mode']:<10} {row['graphs']:>6} {row['precompile_s']:>13.1f} {row['first_call_s']:>13.1f}")
+        # From the process's start (imports, the load, the model) to the end of precompile's first call.
+        start_to_first = row["import_and_setup_s"] + row["first_call_s"]
+        print(
+            f"{row['mode']:<6} | {row['frames_traced']:>13} | {row['dynamo_graphs_traced']:>13} | "
+            f"{row['dynamo_ops_captured']:>12} | {row['inductor_compiled']:>15} | {row['load_s']:>6.2f} | "
+            f"{row['precompile_s']:>12.2f} | {row['first_call_s']:>12.2f} | {start_to_first:>21.2f}"
+        )
     print(
-        f"warm/cold precompile: {warm['precompile_s'] / cold['precompile_s']:.2f}x, "
-        f"first call {cold['first_call_s'] / warm['first_call_s']:.1f}x sooner warm"
+        f"warm/cold precompile: {warm['precompile_s'] / cold['precompile_s']:.3f}x, "
+        f"first call {cold['first_call_s'] / warm['first_call_s']:.1f}x sooner warm "
+        f"({(cold['import_and_setup_s'] + cold['first_call_s']) / (warm['import_and_setup_s'] + warm['first_call_s']):.1f}x "
+        "counted from the process's start), "
+        f"tokens equal: {warm['tokens'] == cold['tokens']}"
     )
 
 

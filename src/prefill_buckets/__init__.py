@@ -2,6 +2,7 @@
 
 __version__ = "0.1.0"
 
+from .aot_compiled import aot_forward
 from .buckets import BucketPolicy, WasteReport, padding_waste, suggest_buckets
 from .compile_cache import CompileCacheFile, load_compile_cache, save_compile_cache
 from .config import PREFILL_BATCH_BUCKETS, PREFILL_BUCKETS, PREFILL_PAD_TO_MULTIPLE_OF
@@ -19,6 +20,7 @@ __all__ = [
     "CompileCacheFile",
     "CompiledShape",
     "WasteReport",
+    "aot_forward",
     "disable",
     "enable",
     "generate",

@@ -16,15 +16,18 @@ import torch
 import transformers
 from transformers.utils import logging
 
+from . import aot_compiled
+
 
 logger = logging.get_logger(__name__)
 
-# `save_compile_cache` writes a zip archive: a manifest, torch's cache artifacts, and the C++ kernels under `_KERNELS`
-# at their paths relative to inductor's cache directory.
+# `save_compile_cache` writes a zip archive: a manifest, torch's cache artifacts, the C++ kernels under `_KERNELS` at
+# their paths relative to inductor's cache directory, and the graphs of `aot_forward`s under `_FORWARDS`.
 _ARCHIVE_FORMAT = 2  # 1: no transformers or Python version in the manifest
 _MANIFEST = "manifest.json"
 _ARTIFACTS = "torch_cache_artifacts.bin"
 _KERNELS = "inductor_kernels/"
+_FORWARDS = "aot_forwards/"
 _ZIP_MAGIC = b"PK\x03\x04"
 _MAX_BYTES = 4 * 2**30  # default limit on a file's size, and on what its entries expand to
 _MAX_ENTRIES = 100_000
@@ -81,21 +84,27 @@ def save_compile_cache(path: str | os.PathLike) -> CompileCacheFile | None:
         was compiled with inductor in this process. (Before, it returned the size, 0 when nothing was saved.)
     """
     saved = torch.compiler.save_cache_artifacts()
-    if saved is None:
+    forwards = aot_compiled.compiled_functions()
+    if saved is None and not forwards:
         logger.warning("Nothing compiled in this process can be saved (no inductor artifacts).")
         return None
-    artifacts, _ = saved
+    artifacts = saved[0] if saved is not None else b""  # none with a backend other than inductor
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     root = cache_dir()
     kernels = _kernels(root)
+    manifest = _environment() | {"format": _ARCHIVE_FORMAT, "aot_forwards": []}
+    for index, (meta, _) in enumerate(forwards):
+        manifest["aot_forwards"].append({**meta, "file": f"{_FORWARDS}{index}.bin"})
     path = os.fspath(path)
     descriptor, partial = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".", suffix=".tmp")
     try:
         with os.fdopen(descriptor, "w+b") as f:
             with zipfile.ZipFile(f, "w", compression=zipfile.ZIP_DEFLATED) as archive:
-                archive.writestr(_MANIFEST, json.dumps(_environment() | {"format": _ARCHIVE_FORMAT}))
+                archive.writestr(_MANIFEST, json.dumps(manifest))
                 archive.writestr(_ARTIFACTS, artifacts)
+                for meta, (_, data) in zip(manifest["aot_forwards"], forwards):
+                    archive.writestr(meta["file"], data)
                 for kernel in kernels:
                     archive.write(kernel, _KERNELS + Path(os.path.relpath(kernel, root)).as_posix())
             f.flush()
@@ -110,7 +119,10 @@ def save_compile_cache(path: str | os.PathLike) -> CompileCacheFile | None:
     except BaseException:
         os.unlink(partial)
         raise
-    logger.info(f"save_compile_cache: torch's artifacts ({len(artifacts)} bytes) and {len(kernels)} C++ kernels")
+    logger.info(
+        f"save_compile_cache: torch's artifacts ({len(artifacts)} bytes), {len(kernels)} C++ kernels, "
+        f"{len(forwards)} compiled forwards"
+    )
     return CompileCacheFile(path=path, size=size, sha256=digest.hexdigest(), kernels=len(kernels))
 
 
@@ -157,8 +169,8 @@ def load_compile_cache(path: str | os.PathLike, sha256: str | None = None, max_b
         raise ValueError(f"`max_bytes` must be a positive integer, but is {max_bytes!r}.")
     try:
         data = _read(path, sha256, max_bytes)
-        artifacts, kernels = _unpack(data, max_bytes)
-        if torch.compiler.load_cache_artifacts(artifacts) is None:  # torch installs nothing when it can't read them
+        artifacts, kernels, forwards = _unpack(data, max_bytes)
+        if artifacts and torch.compiler.load_cache_artifacts(artifacts) is None:  # then torch installs nothing
             raise _Refused("torch can't read the cache artifacts it holds")
     except _Refused as refused:
         logger.warning(
@@ -169,7 +181,11 @@ def load_compile_cache(path: str | os.PathLike, sha256: str | None = None, max_b
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     restored = _restore_kernels(kernels, cache_dir())
-    logger.info(f"load_compile_cache: torch's artifacts loaded, C++ kernels copied: {restored} of {len(kernels)}")
+    aot_compiled.stage(forwards, os.fspath(path))
+    logger.info(
+        f"load_compile_cache: torch's artifacts loaded, C++ kernels copied: {restored} of {len(kernels)}, compiled "
+        f"forwards: {len(forwards)} (loaded by `aot_forward`)"
+    )
     return True
 
 
@@ -199,10 +215,11 @@ def _read(path: str | os.PathLike, sha256: str | None, max_bytes: int) -> bytes:
     return data
 
 
-def _unpack(data: bytes, max_bytes: int) -> tuple[bytes, dict[str, bytes]]:
+def _unpack(data: bytes, max_bytes: int) -> tuple[bytes, dict[str, bytes], list[tuple[dict, bytes]]]:
     """
-    Checks the archive `data` whole and returns torch's artifacts and the kernels by relative path. Reading every
-    entry checks its CRC, so a corrupt entry is found before anything is installed.
+    Checks the archive `data` whole and returns torch's artifacts, the kernels by relative path, and the compiled
+    forwards with their metadata. Reading every entry checks its CRC, so a corrupt entry is found before anything is
+    installed.
     """
     try:
         with zipfile.ZipFile(io.BytesIO(data)) as archive:
@@ -217,21 +234,27 @@ def _unpack(data: bytes, max_bytes: int) -> tuple[bytes, dict[str, bytes]]:
                 raise _Refused(f"its entries expand to {expanded} bytes, more than `max_bytes={max_bytes}`")
             if _MANIFEST not in names or _ARTIFACTS not in names:
                 raise _Refused(f"it has no {_MANIFEST if _MANIFEST not in names else _ARTIFACTS}")
+            manifest = _check_manifest(archive.read(_MANIFEST))
+            forward_files = _check_forwards(manifest.get("aot_forwards"))
             kernels = {}
             for name in names:
                 if name.startswith(_KERNELS) and not name.endswith("/"):
                     kernels[_kernel_path(name)] = None
-                elif name not in (_MANIFEST, _ARTIFACTS):
+                elif name not in (_MANIFEST, _ARTIFACTS) and name not in forward_files:
                     raise _Refused(f"it holds an unexpected entry {name!r}")
-            _check_manifest(archive.read(_MANIFEST))
+            if not forward_files <= set(names):
+                raise _Refused(
+                    f"its manifest lists compiled forwards it doesn't hold: {sorted(forward_files - set(names))}"
+                )
             artifacts = archive.read(_ARTIFACTS)
             for relative in kernels:
                 kernels[relative] = archive.read(_KERNELS + relative)
+            forwards = [(meta, archive.read(meta["file"])) for meta in manifest["aot_forwards"]]
     except _Refused:
         raise
     except Exception as error:  # `BadZipFile`, `zlib.error`, `EOFError`, ...: a truncated or damaged archive
         raise _Refused(f"it is truncated or corrupt ({type(error).__name__}: {error})") from None
-    return artifacts, kernels
+    return artifacts, kernels, forwards
 
 
 def _kernel_path(name: str) -> str:
@@ -243,7 +266,7 @@ def _kernel_path(name: str) -> str:
     return relative
 
 
-def _check_manifest(raw: bytes) -> None:
+def _check_manifest(raw: bytes) -> dict:
     """Refuses a manifest of another format version, or written in another environment than this process's."""
     try:
         manifest = json.loads(raw)
@@ -262,6 +285,25 @@ def _check_manifest(raw: bytes) -> None:
             raise _Refused(
                 f"it is stale: written with {what} {manifest.get(key)!r}, and this process has {expected!r}"
             )
+    return manifest
+
+
+def _check_forwards(forwards) -> set[str]:
+    """Refuses a malformed list of compiled forwards in the manifest; returns the entry names it lists."""
+    text = {"file", "fingerprint", "key", "forward"}
+    if not isinstance(forwards, list) or not all(
+        isinstance(meta, dict)
+        and all(isinstance(meta.get(field), str) for field in text)
+        and meta["file"].startswith(_FORWARDS)
+        and isinstance(meta.get("modules"), dict)
+        and all(isinstance(k, str) and isinstance(v, str) for k, v in meta["modules"].items())
+        for meta in forwards
+    ):
+        raise _Refused(f"its {_MANIFEST} has a malformed list of compiled forwards")
+    files = {meta["file"] for meta in forwards}
+    if len(files) != len(forwards):
+        raise _Refused(f"its {_MANIFEST} lists a compiled forward twice")
+    return files
 
 
 def _environment() -> dict[str, str]:

@@ -21,6 +21,7 @@ from transformers.testing_utils import CaptureLogger
 from transformers.utils import logging
 
 import prefill_buckets
+from prefill_buckets import aot_compiled
 
 
 ARTIFACTS = b"\x95bu\xf6 torch cache artifacts"
@@ -341,3 +342,73 @@ class BadFileTest(unittest.TestCase):
             self.assertFalse(prefill_buckets.load_compile_cache(self.path))
         self.assertIn("torch can't read the cache artifacts it holds", captured.out)
         self.assertFalse(os.path.exists(self.warm))
+
+
+class CompiledForwardsTest(unittest.TestCase):
+    """The graphs of `aot_forward` in the archive: saved with their metadata, staged at load, checked like the rest."""
+
+    FORWARD = (
+        {
+            "key": "[0]",
+            "fingerprint": "f" * 32,
+            "forward": "m:C",
+            "modules": {"___module_collections_1_c0": "collections"},
+        },
+        b"fn",
+    )
+
+    def setUp(self):
+        tmp = tempfile.TemporaryDirectory()
+        self.addCleanup(tmp.cleanup)
+        self.tmp = tmp.name
+        self.path = os.path.join(self.tmp, "compile_cache.bin")
+        mock.patch.dict(os.environ, {"TORCHINDUCTOR_CACHE_DIR": os.path.join(self.tmp, "cold")}).start()
+        mock.patch.object(torch.compiler, "save_cache_artifacts", return_value=None).start()  # another backend
+        self.load = mock.patch.object(torch.compiler, "load_cache_artifacts", return_value=object()).start()
+        mock.patch.object(aot_compiled, "compiled_functions", return_value=[self.FORWARD]).start()
+        self.stage = mock.patch.object(aot_compiled, "stage").start()
+        self.addCleanup(mock.patch.stopall)
+        self.saved = prefill_buckets.save_compile_cache(self.path)
+
+    def manifest(self) -> dict:
+        with zipfile.ZipFile(self.path) as archive:
+            return json.loads(archive.read("manifest.json"))
+
+    def rewrite(self, manifest=None, add=None, drop=()) -> None:
+        with zipfile.ZipFile(self.path) as archive:
+            entries = {name: archive.read(name) for name in archive.namelist() if name not in drop}
+        if manifest is not None:
+            entries["manifest.json"] = json.dumps(manifest).encode()
+        entries.update(add or {})
+        with zipfile.ZipFile(self.path, "w") as archive:
+            for name, content in entries.items():
+                archive.writestr(name, content)
+
+    def assert_refused(self, reason: str) -> None:
+        with CaptureLogger(logger) as captured:
+            self.assertFalse(prefill_buckets.load_compile_cache(self.path))
+        self.assertIn(reason, captured.out)
+        self.stage.assert_not_called()
+
+    def test_saved_and_staged(self):
+        self.assertIsNotNone(self.saved)  # no inductor artifacts, but a compiled forward: saved
+        meta = self.manifest()["aot_forwards"]
+        self.assertEqual(meta, [{**self.FORWARD[0], "file": "aot_forwards/0.bin"}])
+        self.assertTrue(prefill_buckets.load_compile_cache(self.path))
+        self.load.assert_not_called()  # no torch artifacts to load
+        self.stage.assert_called_once_with([(meta[0], b"fn")], self.path)
+
+    def test_malformed_list(self):
+        manifest = self.manifest()
+        for bad in ("not a list", [{"file": "aot_forwards/0.bin"}], [{**manifest["aot_forwards"][0], "modules": [1]}]):
+            with self.subTest(bad=bad):
+                self.rewrite(manifest={**manifest, "aot_forwards": bad})
+                self.assert_refused("has a malformed list of compiled forwards")
+
+    def test_listed_but_missing(self):
+        self.rewrite(drop=["aot_forwards/0.bin"])
+        self.assert_refused("its manifest lists compiled forwards it doesn't hold: ['aot_forwards/0.bin']")
+
+    def test_not_listed(self):
+        self.rewrite(add={"aot_forwards/1.bin": b"fn"})
+        self.assert_refused("it holds an unexpected entry 'aot_forwards/1.bin'")

@@ -1,0 +1,247 @@
+"""A forward compiled ahead of time, one graph per input shape, that another process loads without tracing again."""
+
+import functools
+import hashlib
+import importlib
+import inspect
+import io
+import json
+import types
+import weakref
+
+import torch
+from transformers.utils import logging
+
+
+logger = logging.get_logger(__name__)
+
+# Compiled forwards read from a compile cache file by `stage`, by model fingerprint, until an `AOTForward` of a model
+# with that fingerprint takes them. `_staged_from` names the file, for the warning when none fits.
+_staged: dict[str, list[tuple[dict, bytes]]] = {}
+_staged_from: list[str] = []
+_live: "weakref.WeakSet[AOTForward]" = weakref.WeakSet()
+
+
+def aot_forward(model, backend: str = "inductor", options: dict | None = None) -> "AOTForward":
+    r"""
+    Compiles `model`'s forward ahead of time with inductor, one graph per input shape, in a form that
+    [`save_compile_cache`] saves whole: a process that loads the file with [`load_compile_cache`] runs these graphs
+    without tracing the model with dynamo or compiling anything. Use it in place of `torch.compile(model.forward)`:
+
+    ```python
+    model.forward = prefill_buckets.aot_forward(model)
+    ```
+
+    Each new input shape is compiled on its first call (`torch.compile(..., fullgraph=True, dynamic=False)`, through
+    `aot_compile`), so [`precompile`] compiles every bucket's graphs up front as with the other ways to compile. A
+    call is dispatched to the graph whose guards it passes. Those guards check the tensors (inputs, cache and
+    parameters: shape, dtype, device, strides), the Python values among the inputs and the model's attributes, and
+    torch's global state (grad mode, default dtype, ...). They don't check the identity of Python objects, module
+    globals or closures, which can't be saved; instead, the graphs are only reused for a model with the same class,
+    config, parameter names, shapes and dtypes and device (its fingerprint), and [`load_compile_cache`] refuses a
+    file of another torch, transformers or Python version.
+
+    Not supported: `mode="reduce-overhead"` (CUDA graphs), graph breaks (the forward must compile as one graph), and
+    dynamic shapes.
+
+    Args:
+        model ([`PreTrainedModel`]):
+            The model whose class `forward` is compiled. The model is an argument of the compiled graphs, not part of
+            them: the weights are read at each call.
+        backend (`str`, *optional*, defaults to `"inductor"`):
+            The `torch.compile` backend: inductor, or another whose graphs torch can save (`"aot_eager"`).
+        options (`dict`, *optional*):
+            The backend's options, as for `torch.compile(options=...)`.
+
+    Returns:
+        `AOTForward`: the compiled forward, to set as `model.forward`.
+    """
+    return AOTForward(model, backend, options)
+
+
+class AOTForward:
+    """A model's forward as a set of ahead-of-time compiled graphs, dispatched by their guards. See [`aot_forward`]."""
+
+    def __init__(self, model, backend: str = "inductor", options: dict | None = None):
+        if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+            raise ValueError("`aot_forward` takes the model itself, not the `torch.compile(model)` wrapper.")
+        if getattr(model, "_compiled_call_impl", None) is not None:
+            raise ValueError(
+                "`aot_forward` compiles the model's forward itself, but the model is compiled with `model.compile()`, "
+                "whose compiled call would trace it. Call `aot_forward` on a model that is not compiled."
+            )
+        self.model = model
+        self.backend = backend
+        self.eager = types.MethodType(type(model).forward, model)
+        functools.update_wrapper(self, self.eager)  # the forward's signature, which `generate` inspects
+        self._torchdynamo_orig_callable = self.eager  # reads as a compiled forward to `prefill_buckets`
+        self.fingerprint = model_fingerprint(model)
+        self.options = dict(options or {})
+        # By input key: the compiled functions, each with what saving it needs (`None` once loaded from a file).
+        self.functions: dict[str, list[tuple[object, dict | None]]] = {}
+        self.looked_for_staged = False
+        self.pending: dict[str, list[tuple[dict, bytes]]] = {}  # staged graphs by input key, loaded when one comes
+        _live.add(self)
+
+    def __reduce__(self):
+        # Dynamo pickles the model (an input of every graph) into a graph's guards, and this, as `model.forward`,
+        # with it: without the compiled functions, which can't be pickled and which no guard reads.
+        return _no_forward, ()
+
+    def __call__(self, *args, **kwargs):
+        if _staged or not self.looked_for_staged:
+            self._take_staged()
+        key = _input_key(args, kwargs)
+        if key in self.pending:
+            self._load(self.pending.pop(key))
+        for function, _ in self.functions.get(key, ()):
+            if function.guard_check(self.model, *args, **kwargs):
+                return function(self.model, *args, **kwargs)
+        function = self._compile(args, kwargs)
+        self.functions.setdefault(key, []).append((function, {"key": key}))
+        return function(self.model, *args, **kwargs)
+
+    def _compile(self, args: tuple, kwargs: dict):
+        options = {**self.options, "guard_filter_fn": self._keep_guard}  # a new dict: `torch.compile` pops from it
+        compiled = torch.compile(self.eager, backend=self.backend, fullgraph=True, dynamic=False, options=options)
+        function = compiled.aot_compile((args, kwargs))
+        function.disable_guard_check()  # `__call__` checks them before it calls
+        return function
+
+    def _keep_guard(self, entries) -> list[bool]:
+        """
+        The guards a saved graph keeps: none on globals, on the wrapper closures of the model's `forward` (their
+        functions can't be pickled by name), or of the kinds torch can't serialize (object identity and the like).
+        """
+        from torch._dynamo.guards import CheckFunctionManager
+
+        unsupported = set(CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES)
+        freevars = set(type(self.model).forward.__code__.co_freevars)
+        return [
+            not (
+                entry.is_global
+                or entry.guard_type in unsupported
+                or unsupported.intersection(entry.derived_guard_types)
+                or "__closure__" in entry.name
+                or entry.name.split(".")[0].split("[")[0] in freevars
+            )
+            for entry in entries
+        ]
+
+    def _take_staged(self) -> None:
+        """Takes the graphs of a compile cache file staged for this model's fingerprint, to load by input key."""
+        first_look = not self.looked_for_staged
+        self.looked_for_staged = True
+        entries = _staged.pop(self.fingerprint, [])
+        if first_look and not entries and _staged:
+            logger.warning(
+                f"The compiled forwards of the compile cache {', '.join(_staged_from)} are for another model (its "
+                "class, config, parameters, dtype or device differ): this model compiles its own graphs."
+            )
+        for meta, data in entries:
+            self.pending.setdefault(meta["key"], []).append((meta, data))
+
+    def _load(self, entries: list[tuple[dict, bytes]]) -> None:
+        """
+        Loads staged graphs, in the first call with their input key: torch rebuilds a graph's guards as it loads it,
+        reading state that only exists inside a forward call, and each graph costs only the shape that needs it.
+        """
+        model_class = type(self.model)
+        for meta, data in entries:
+            try:
+                aliases = {alias: importlib.import_module(name) for alias, name in meta["modules"].items()}
+                function = torch.compiler.load_compiled_function(
+                    io.BytesIO(data),
+                    f_globals={**model_class.forward.__globals__, **aliases},
+                    external_data=_external_data(model_class),
+                )
+            except Exception as error:
+                logger.warning(
+                    f"A compiled forward of the compile cache {meta['source']} could not be loaded "
+                    f"({type(error).__name__}: {error}); its input shape compiles again."
+                )
+                continue
+            function.disable_guard_check()  # `__call__` checks them before it calls
+            self.functions.setdefault(meta["key"], []).append((function, {"loaded": (meta, data)}))
+
+    def serialized(self) -> list[tuple[dict, bytes]]:
+        """
+        The functions of this forward, for `save_compile_cache`: (metadata, bytes) each. Those loaded from a file, or
+        staged and not loaded yet, are saved as they were read, so a warm process's file holds them too.
+        """
+        saved = [_as_read(*entry) for entries in self.pending.values() for entry in entries]
+        model_class = type(self.model)
+        external = _external_data(model_class)
+        globals_ = model_class.forward.__globals__  # the outermost decorator's: dynamo traces that function
+        for functions in self.functions.values():
+            for function, meta in functions:
+                if "loaded" in meta:
+                    saved.append(_as_read(*meta["loaded"]))
+                    continue
+                try:
+                    data = type(function).serialize(function, external).serialized_data
+                except Exception as error:  # an object in the graph's state that can't be pickled
+                    logger.warning(
+                        f"A compiled forward can't be saved ({type(error).__name__}: {error}); a process that loads "
+                        "the compile cache compiles its input shape again."
+                    )
+                    continue
+                # Dynamo's bytecode can load a module it installed in the forward's globals under a generated name,
+                # which torch doesn't save (it asks for `f_globals` at load): save the module names.
+                refs = function._artifacts.runtime_env.external_refs
+                modules = {ref: globals_[ref].__name__ for ref in refs if inspect.ismodule(globals_.get(ref))}
+                forward = f"{model_class.__module__}:{model_class.__qualname__}"
+                saved.append(({**meta, "fingerprint": self.fingerprint, "forward": forward, "modules": modules}, data))
+        return saved
+
+
+def _as_read(meta: dict, data: bytes) -> tuple[dict, bytes]:
+    return {name: value for name, value in meta.items() if name != "source"}, data
+
+
+def _no_forward() -> None:
+    """What an `AOTForward` is unpickled as, in the copy of a model that a graph's guards hold."""
+
+
+def model_fingerprint(model) -> str:
+    """What a compiled graph of `model` depends on besides the code: class, config, parameters, dtypes, device."""
+    config = {k: v for k, v in model.config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
+    tensors = [
+        (name, list(t.shape), str(t.dtype), t.device.type) for name, t in model.state_dict(keep_vars=True).items()
+    ]
+    description = [f"{type(model).__module__}.{type(model).__qualname__}", config, tensors]
+    return hashlib.sha256(json.dumps(description, sort_keys=True, default=repr).encode()).hexdigest()[:32]
+
+
+def _input_key(args: tuple, kwargs: dict) -> str:
+    """A cheap key of a call's inputs (tensor shapes and dtypes, other types): the graphs that may fit it."""
+    parts = [len(args)]
+    for name, value in sorted(kwargs.items()):
+        if isinstance(value, torch.Tensor):
+            parts.append((name, tuple(value.shape), str(value.dtype)))
+        else:
+            parts.append((name, type(value).__name__))
+    return repr(parts)
+
+
+def compiled_functions() -> list[tuple[dict, bytes]]:
+    """Every function the `AOTForward`s of this process compiled, for `save_compile_cache`."""
+    return [entry for forward in list(_live) for entry in forward.serialized()]
+
+
+def stage(entries: list[tuple[dict, bytes]], source: str) -> None:
+    """Keeps compiled functions read from the file `source` until an `AOTForward` of their model loads them."""
+    for meta, data in entries:
+        _staged.setdefault(meta["fingerprint"], []).append(({**meta, "source": source}, data))
+    if entries:
+        _staged_from.append(source)
+
+
+def _external_data(model_class: type) -> dict[str, object]:
+    """The functions the decorators of `model_class.forward` wrap: pickled as references to this process's."""
+    external, function, depth = {}, model_class.forward, 0
+    while hasattr(function, "__wrapped__"):
+        function = function.__wrapped__
+        external[f"forward.__wrapped__.{depth}"] = function
+        depth += 1
+    return external

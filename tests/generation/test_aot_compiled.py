@@ -1,0 +1,213 @@
+# `aot_forward`: graphs compiled ahead of time that a compile cache file carries whole, so that a process that loads
+# it traces nothing and compiles nothing.
+#
+# The fast tests compile with `aot_eager` (torch saves its graphs like inductor's, without generating code) and play
+# the second process in this one: a new model object, dynamo reset, torch's counters cleared. The @slow test runs
+# two real processes with inductor.
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+import unittest
+
+import torch
+from torch._dynamo.utils import counters
+from transformers import GenerationConfig
+from transformers.testing_utils import CaptureLogger, slow
+from transformers.utils import logging
+
+import prefill_buckets
+from prefill_buckets import aot_compiled
+
+from .tiny_models import tiny_llama
+
+
+logger = logging.get_logger("prefill_buckets.aot_compiled")
+CONFIG = {"cache_implementation": "static", "max_new_tokens": 3, "min_new_tokens": 3, "prefill_buckets": [4, 8]}
+PROMPTS = [torch.tensor([[5, 6, 7]]), torch.tensor([[9, 8, 7, 6, 5, 4, 3]])]
+
+
+def traced() -> int:
+    """What dynamo traced in this process, by any path: ops captured (`aot_compile` doesn't count frames)."""
+    return counters["stats"]["calls_captured"] + counters["frames"]["total"]
+
+
+class AOTForwardTest(unittest.TestCase):
+    def setUp(self):
+        tmp = tempfile.TemporaryDirectory()
+        self.addCleanup(tmp.cleanup)
+        self.path = os.path.join(tmp.name, "compile_cache.bin")
+        torch._dynamo.reset()
+        counters.clear()
+        self.addCleanup(torch._dynamo.reset)
+        aot_compiled._live.clear()  # each test plays a new process: no compiled forwards of others to save
+        self.addCleanup(aot_compiled._live.clear)
+        self.addCleanup(aot_compiled._staged.clear)
+        self.addCleanup(aot_compiled._staged_from.clear)
+
+    def compiled_model(self, **overrides):
+        model = tiny_llama(**overrides)
+        model.forward = prefill_buckets.aot_forward(model, backend="aot_eager")
+        return model
+
+    def run_prompts(self, model) -> list[list[int]]:
+        config = GenerationConfig(**CONFIG)
+        prefill_buckets.precompile(model, config, progress=False)
+        return [prefill_buckets.generate(model, prompt, generation_config=config).tolist() for prompt in PROMPTS]
+
+    def expected(self, **overrides) -> list[list[int]]:
+        """The tokens of the same prompts, uncompiled and unpadded."""
+        model = tiny_llama(**overrides)
+        config = GenerationConfig(**{k: v for k, v in CONFIG.items() if k != "prefill_buckets"})
+        return [model.generate(prompt, generation_config=config).tolist() for prompt in PROMPTS]
+
+    def new_process(self) -> None:
+        """What a new process starts without: dynamo's compiled code, torch's counters, the compiled forwards."""
+        torch._dynamo.reset()
+        counters.clear()
+        aot_compiled._live.clear()
+
+    def test_warm_start_traces_nothing(self):
+        tokens = self.run_prompts(self.compiled_model())
+        self.assertEqual(tokens, self.expected())
+        self.assertGreater(traced(), 0)  # the positive control: the cold process traced its graphs
+        graphs = counters["stats"]["unique_graphs"]
+        self.assertEqual(graphs, 3)  # prefill 8, prefill 4, decode
+        saved = prefill_buckets.save_compile_cache(self.path)
+        with open(self.path, "rb") as f:
+            import zipfile
+
+            manifest = json.loads(zipfile.ZipFile(f).read("manifest.json"))
+        self.assertEqual(len(manifest["aot_forwards"]), graphs)
+
+        self.new_process()
+        self.assertTrue(prefill_buckets.load_compile_cache(self.path, sha256=saved.sha256))
+        model = self.compiled_model()
+        self.assertEqual(self.run_prompts(model), tokens)
+        self.assertEqual(traced(), 0, dict(counters["stats"]))
+        self.assertEqual(counters["stats"]["unique_graphs"], 0)
+        self.assertEqual(counters["aot_autograd"]["total"], 0)
+
+        # The warm process saves the graphs it loaded: a third process starts as warm from its file.
+        prefill_buckets.save_compile_cache(self.path)
+        self.new_process()
+        self.assertTrue(prefill_buckets.load_compile_cache(self.path))
+        self.assertEqual(self.run_prompts(self.compiled_model()), tokens)
+        self.assertEqual(traced(), 0, dict(counters["stats"]))
+
+    def test_another_model_compiles_its_own(self):
+        self.run_prompts(self.compiled_model())
+        prefill_buckets.save_compile_cache(self.path)
+
+        self.new_process()
+        self.assertTrue(prefill_buckets.load_compile_cache(self.path))
+        other = {"rope_theta": 500.0}  # same shapes: only the fingerprint tells the graphs apart
+        model = self.compiled_model(**other)
+        with CaptureLogger(logger) as captured:
+            tokens = self.run_prompts(model)
+        self.assertIn("are for another model", captured.out)
+        self.assertEqual(captured.out.count("are for another model"), 1)
+        self.assertEqual(counters["stats"]["unique_graphs"], 3)
+        self.assertEqual(tokens, self.expected(**other))
+
+    def test_new_shape_after_warm_start_compiles(self):
+        self.run_prompts(self.compiled_model())
+        prefill_buckets.save_compile_cache(self.path)
+        self.new_process()
+        prefill_buckets.load_compile_cache(self.path)
+        model = self.compiled_model()
+        self.run_prompts(model)
+        self.assertEqual(traced(), 0)
+        # A prompt past the buckets: a shape the file doesn't hold is compiled, and exact.
+        config = GenerationConfig(**CONFIG)
+        prompt = torch.arange(3, 15).view(1, -1)
+        output = prefill_buckets.generate(model, prompt, generation_config=config)
+        self.assertGreater(traced(), 0)
+        reference = tiny_llama().generate(
+            prompt, generation_config=GenerationConfig(**{k: v for k, v in CONFIG.items() if k != "prefill_buckets"})
+        )
+        self.assertEqual(output.tolist(), reference.tolist())
+
+    def test_compiled_model_raises(self):
+        model = tiny_llama()
+        with self.assertRaisesRegex(ValueError, "not the `torch.compile\\(model\\)` wrapper"):
+            prefill_buckets.aot_forward(torch.compile(model))
+        model.compile()
+        with self.assertRaisesRegex(ValueError, "the model is compiled with `model.compile\\(\\)`"):
+            prefill_buckets.aot_forward(model)
+
+    def test_fingerprint(self):
+        base = aot_compiled.model_fingerprint(tiny_llama())
+        self.assertEqual(aot_compiled.model_fingerprint(tiny_llama(seed=1)), base)  # weights are inputs, not part
+        self.assertNotEqual(aot_compiled.model_fingerprint(tiny_llama(rope_theta=500.0)), base)
+        self.assertNotEqual(aot_compiled.model_fingerprint(tiny_llama().to(torch.bfloat16)), base)
+        self.assertNotEqual(aot_compiled.model_fingerprint(tiny_llama(hidden_size=64)), base)
+
+
+_PROCESS = textwrap.dedent(
+    """
+    import json, sys, torch
+    from torch._dynamo.utils import counters
+    from transformers import GenerationConfig
+    import prefill_buckets
+    sys.path.insert(0, {tests!r})
+    from tiny_models import tiny_llama
+
+    path, load, overrides = sys.argv[1], sys.argv[2] == "load", json.loads(sys.argv[3])
+    loaded = prefill_buckets.load_compile_cache(path) if load else None
+    model = tiny_llama(**overrides)
+    model.forward = prefill_buckets.aot_forward(model)
+    config = GenerationConfig(cache_implementation="static", max_new_tokens=3, min_new_tokens=3, prefill_buckets=[8])
+    prefill_buckets.precompile(model, config, progress=False)
+    tokens = prefill_buckets.generate(model, torch.tensor([[5, 6, 7, 8, 9]]), generation_config=config).tolist()
+    reference = tiny_llama(**overrides).generate(
+        torch.tensor([[5, 6, 7, 8, 9]]),
+        generation_config=GenerationConfig(cache_implementation="static", max_new_tokens=3, min_new_tokens=3),
+    ).tolist()
+    if not load:
+        prefill_buckets.save_compile_cache(path)
+    print(json.dumps(dict(
+        loaded=loaded, tokens=tokens, reference=reference,
+        traced=counters["frames"]["total"] + counters["stats"]["calls_captured"],
+        compiled=counters["aot_autograd"]["autograd_cache_miss"] + counters["inductor"]["fxgraph_cache_miss"],
+        graphs=counters["stats"]["unique_graphs"],
+    )))
+    """
+)
+
+
+@slow
+class AOTForwardProcessTest(unittest.TestCase):
+    """Two processes with real inductor: the first compiles and saves, the second loads and compiles nothing."""
+
+    def run_process(self, tmp: str, name: str, load: bool, overrides: dict) -> dict:
+        script = _PROCESS.format(tests=os.path.dirname(__file__))
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(tmp, f"inductor-{name}"))
+        command = [sys.executable, "-c", script, os.path.join(tmp, "cache.bin"), "load" if load else "save"]
+        result = subprocess.run(
+            command + [json.dumps(overrides)], env=env, capture_output=True, text=True, timeout=1500
+        )
+        self.assertEqual(result.returncode, 0, result.stderr[-3000:])
+        return json.loads(result.stdout.strip().splitlines()[-1]), result.stderr
+
+    def test_second_process_compiles_and_traces_nothing(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            cold, _ = self.run_process(tmp, "cold", load=False, overrides={})
+            self.assertEqual(cold["tokens"], cold["reference"])
+            self.assertGreater(cold["traced"], 0)  # the positive control
+            self.assertGreater(cold["compiled"], 0)
+
+            warm, _ = self.run_process(tmp, "warm", load=True, overrides={})
+            self.assertTrue(warm["loaded"])
+            self.assertEqual((warm["traced"], warm["compiled"], warm["graphs"]), (0, 0, 0))
+            self.assertEqual(warm["tokens"], cold["tokens"])
+
+            # Another model config, same shapes: the graphs are refused, compiled cold, exact.
+            other, stderr = self.run_process(tmp, "other", load=True, overrides={"rope_theta": 500.0})
+            self.assertIn("are for another model", stderr)
+            self.assertGreater(other["traced"], 0)
+            self.assertGreater(other["compiled"], 0)
+            self.assertEqual(other["tokens"], other["reference"])
