@@ -211,3 +211,35 @@ def set_compiled_call_impl(module, function) -> None:
 def eager_callable(compiled):
     """The original function of a `torch.compile`d function, or `None` when `compiled` is not one."""
     return getattr(compiled, "_torchdynamo_orig_callable", None)
+
+
+# ---- torch's ahead-of-time compile (`aot_compiled.py`), experimental in torch 2.13 ------------------------------
+
+
+def aot_compile(compiled, args: tuple, kwargs: dict):
+    """`compiled.aot_compile((args, kwargs))`: one serializable graph for these inputs, its guards left to the caller."""
+    function = compiled.aot_compile((args, kwargs))
+    skip_guard_check(function)
+    return function
+
+
+def skip_guard_check(function) -> None:
+    """Makes an ahead-of-time compiled function skip its own guard check (its caller checks `guard_check` first)."""
+    function.disable_guard_check()
+
+
+def unserializable_guard_types() -> set[str]:
+    """The guard types torch can't save with an ahead-of-time compiled function (object identity and the like)."""
+    from torch._dynamo.guards import CheckFunctionManager
+
+    return set(CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES)
+
+
+def serialize_compiled(function, external_data: dict) -> bytes:
+    """The bytes `torch.compiler.load_compiled_function` reads back."""
+    return type(function).serialize(function, external_data).serialized_data
+
+
+def external_refs(function) -> set[str]:
+    """The global names an ahead-of-time compiled function's bytecode reads, which torch does not save."""
+    return function._artifacts.runtime_env.external_refs

@@ -12,6 +12,8 @@ import weakref
 import torch
 from transformers.utils import logging
 
+from . import _compat
+
 
 logger = logging.get_logger(__name__)
 
@@ -63,9 +65,9 @@ class AOTForward:
     """A model's forward as a set of ahead-of-time compiled graphs, dispatched by their guards. See [`aot_forward`]."""
 
     def __init__(self, model, backend: str = "inductor", options: dict | None = None):
-        if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        if _compat.is_compiled_wrapper(model):
             raise ValueError("`aot_forward` takes the model itself, not the `torch.compile(model)` wrapper.")
-        if getattr(model, "_compiled_call_impl", None) is not None:
+        if _compat.compiled_call_impl(model) is not None:
             raise ValueError(
                 "`aot_forward` compiles the model's forward itself, but the model is compiled with `model.compile()`, "
                 "whose compiled call would trace it. Call `aot_forward` on a model that is not compiled."
@@ -104,18 +106,14 @@ class AOTForward:
     def _compile(self, args: tuple, kwargs: dict):
         options = {**self.options, "guard_filter_fn": self._keep_guard}  # a new dict: `torch.compile` pops from it
         compiled = torch.compile(self.eager, backend=self.backend, fullgraph=True, dynamic=False, options=options)
-        function = compiled.aot_compile((args, kwargs))
-        function.disable_guard_check()  # `__call__` checks them before it calls
-        return function
+        return _compat.aot_compile(compiled, args, kwargs)
 
     def _keep_guard(self, entries) -> list[bool]:
         """
         The guards a saved graph keeps: none on globals, on the wrapper closures of the model's `forward` (their
         functions can't be pickled by name), or of the kinds torch can't serialize (object identity and the like).
         """
-        from torch._dynamo.guards import CheckFunctionManager
-
-        unsupported = set(CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES)
+        unsupported = _compat.unserializable_guard_types()
         freevars = set(type(self.model).forward.__code__.co_freevars)
         return [
             not (
@@ -161,7 +159,7 @@ class AOTForward:
                     f"({type(error).__name__}: {error}); its input shape compiles again."
                 )
                 continue
-            function.disable_guard_check()  # `__call__` checks them before it calls
+            _compat.skip_guard_check(function)
             self.functions.setdefault(meta["key"], []).append((function, {"loaded": (meta, data)}))
 
     def serialized(self) -> list[tuple[dict, bytes]]:
@@ -179,7 +177,7 @@ class AOTForward:
                     saved.append(_as_read(*meta["loaded"]))
                     continue
                 try:
-                    data = type(function).serialize(function, external).serialized_data
+                    data = _compat.serialize_compiled(function, external)
                 except Exception as error:  # an object in the graph's state that can't be pickled
                     logger.warning(
                         f"A compiled forward can't be saved ({type(error).__name__}: {error}); a process that loads "
@@ -188,7 +186,7 @@ class AOTForward:
                     continue
                 # Dynamo's bytecode can load a module it installed in the forward's globals under a generated name,
                 # which torch doesn't save (it asks for `f_globals` at load): save the module names.
-                refs = function._artifacts.runtime_env.external_refs
+                refs = _compat.external_refs(function)
                 modules = {ref: globals_[ref].__name__ for ref in refs if inspect.ismodule(globals_.get(ref))}
                 forward = f"{model_class.__module__}:{model_class.__qualname__}"
                 saved.append(({**meta, "fingerprint": self.fingerprint, "forward": forward, "modules": modules}, data))
