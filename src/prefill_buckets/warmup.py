@@ -89,8 +89,10 @@ def precompile(
 
         graphs = len(batch_sizes) * (prefill buckets from min_prompt_length to max_prompt_length + 1)
 
-    counting the buckets of `min_prompt_length` and `max_prompt_length` themselves (one fewer per batch size when 1 is
-    one of these buckets: a 1-token prefill into the allocated cache is the decode graph). A later prompt shorter than
+    counting the buckets of `min_prompt_length` and `max_prompt_length` themselves (on the left, one fewer per batch
+    size when 1 is one of these buckets: a 1-token prefill into the allocated cache is the decode graph). The warm-up
+    calls take the padding side later calls with this config take (`prefill_padding_side`; see the guide's "Padding
+    side"), so they compile that side's graphs; a later call that takes the other side compiles its own. A later prompt shorter than
     `min_prompt_length`, in a bucket below, compiles its prefill graph when it comes. As in `generate`, a bucket past
     the model's `max_position_embeddings` is capped there, and prompts longer than that are not padded (each length
     compiles its own graph), so none is warmed up.
