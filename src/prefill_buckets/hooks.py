@@ -323,7 +323,7 @@ def _get_compiled_call(plan, original, *args, **kwargs):
 
 @_hook
 def _prefill(plan, original, input_ids, generation_config, model_kwargs, *args, **kwargs):
-    if plan.side != "right":
+    if plan.side != "right" or plan.bucket == 1:  # a 1-token bucket has no padding: upstream's prefill, decode's graph
         return original(input_ids, generation_config, model_kwargs, *args, **kwargs)
     model = plan.model
     cache_key, cache = next((key, model_kwargs[key]) for key in CACHE_KWARGS if model_kwargs.get(key) is not None)

@@ -75,6 +75,16 @@ def capped_bucket(settings: CallSettings, prompt_length: int) -> int:
     return padded_length
 
 
+def warn_past_largest_bucket(settings: CallSettings, prompt_length: int, padded_length: int) -> None:
+    """Warns (once) when a prompt is longer than the largest listed bucket: each such length is a new graph."""
+    if settings.policy.exceeds_buckets(prompt_length):
+        logger.warning_once(
+            f"A prompt of {prompt_length} tokens is longer than the largest of `{PREFILL_BUCKETS}` "
+            f"({settings.policy.largest_bucket}), so it is padded to {padded_length}. Each such length compiles a new "
+            f"graph: add a larger bucket, or set `{PREFILL_PAD_TO_MULTIPLE_OF}` to choose the length for long prompts."
+        )
+
+
 def check_ids_in_vocabulary(settings: CallSettings, input_ids: torch.Tensor) -> None:
     """Raises `ValueError` for an id the embedding can't look up (an index error on CPU, a device assert on CUDA)."""
     vocab_size = settings.vocab_size
@@ -187,12 +197,8 @@ def pad_inputs(model, settings: CallSettings, arguments: dict, model_kwargs: dic
         padded_length = prompt_length + added_positions
     else:
         padded_length = capped_bucket(settings, prompt_length)
-    if continued is None and settings.policy.exceeds_buckets(prompt_length):
-        logger.warning_once(
-            f"A prompt of {prompt_length} tokens is longer than the largest of `{PREFILL_BUCKETS}` "
-            f"({settings.policy.largest_bucket}), so it is padded to {padded_length}. Each such length compiles a new "
-            f"graph: add a larger bucket, or set `{PREFILL_PAD_TO_MULTIPLE_OF}` to choose the length for long prompts."
-        )
+    if continued is None:
+        warn_past_largest_bucket(settings, prompt_length, padded_length)
     added_positions = padded_length - prompt_length
     fill_token_id = settings.fill_token_id
     if input_ids is not None and input_ids.numel() > 0:
@@ -272,6 +278,7 @@ def plan_right(model, settings: CallSettings, arguments: dict, model_kwargs: dic
         check_ids_in_vocabulary(settings, input_ids)
     prompt = inputs_embeds if inputs_embeds is not None else input_ids
     prompt_length, batch_size = prompt.shape[1], prompt.shape[0]
+    warn_past_largest_bucket(settings, prompt_length - side.past_length, side.bucket)
     plan = Plan(
         model,
         settings,
