@@ -338,7 +338,7 @@ class RightPaddingGraphsTest(unittest.TestCase):
 
     @unittest.skipIf(
         _compat.TRANSFORMERS_VERSION.release < (5, 24),
-        "transformers 5.17 still builds the mask in the right-padded prefill graph (exact, not mask-free): unfinished",
+        "transformers 5.17 never skips the SDPA mask while compiling (`is_tracing`): upstream's exact prefill is masked too",
     )
     def test_prefill_runs_causal_sdpa_without_a_mask(self):
         sdpa_calls = []
