@@ -10,13 +10,14 @@ so pip never downgrades a newer transformers: on a version outside the range the
 bucketed call also runs `selftest.self_test` (a tiny model, bucketed against unpadded) and logs which version it is.
 """
 
+import contextlib
 import inspect
 import threading
 
 import torch
 import transformers
 from packaging import version
-from transformers import PreTrainedModel, masking_utils
+from transformers import PreTrainedModel, StaticCache, masking_utils
 from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS
 from transformers.generation.utils import GenerationMixin
 from transformers.utils import logging
@@ -60,6 +61,8 @@ HOOK_TARGETS: dict[str, tuple[str, ...]] = {
     "_get_stopping_criteria": ("generation_config", "stopping_criteria"),
     "_get_candidate_generator": ("generation_config",),
     "get_compiled_call": ("compile_config",),
+    # Right padding (`padding_side.py`) replaces the prefill forward.
+    "_prefill": ("input_ids", "generation_config", "model_kwargs"),
 }
 # Other private methods called on the model.
 CALLED_METHODS = ("_valid_auto_compile_criteria",)
@@ -92,6 +95,8 @@ def check_upstream(model_class: type = _GenerativeModel) -> None:
     for name in CALLED_METHODS:
         if not callable(getattr(model_class, name, None)):
             problems.append(f"`{model_class.__name__}.{name}` does not exist")
+    if not callable(getattr(StaticCache, "get_query_offset", None)):
+        problems.append("`transformers.StaticCache.get_query_offset` does not exist")
     if not callable(getattr(masking_utils, "_ignore_causal_mask_sdpa", None)):
         problems.append("`transformers.masking_utils._ignore_causal_mask_sdpa` does not exist")
     if not hasattr(torch._dynamo.config, "recompile_limit"):
@@ -175,6 +180,60 @@ def device_mesh(model):
 
 def is_static_cache(cache) -> bool:
     return type(cache).__name__ == "StaticCache"
+
+
+# The static cache layers right padding can rewind (`padding_side.py`): attention layers whose length is a counter.
+RIGHT_PADDED_LAYERS = ("StaticLayer", "StaticSlidingWindowLayer")
+
+
+def lazy_static_cache(model, max_cache_len: int):
+    """The static cache `generate` would make for `model`, lazily initialized (no tensors are allocated)."""
+    return StaticCache(config=model.config, max_cache_len=max_cache_len)
+
+
+def static_cache_slots(cache) -> int:
+    """The slots of a static cache's longest layer."""
+    return max(layer.max_cache_len for layer in cache.layers)
+
+
+def sliding_window_slots(layer) -> int | None:
+    """The slots of a sliding-window layer's ring buffer (`min(window, cache length)`), or `None` for another layer."""
+    return layer.max_cache_len if hasattr(layer, "cumulative_length_int") else None
+
+
+def set_static_cache_length(cache, length: int) -> None:
+    """
+    Every layer of a static cache now holds `length` tokens (the slots written after them are pads that the next
+    tokens overwrite before any query sees them). In place: the compiled graphs read the length's static address.
+    """
+    for layer in cache.layers:
+        if not hasattr(layer, "cumulative_length"):
+            raise RuntimeError(
+                f"prefill_buckets can't set the length of a `{type(layer).__name__}` cache layer on transformers "
+                f"{transformers.__version__}: it has no `cumulative_length`. Set `prefill_padding_side='left'`."
+            )
+        if hasattr(layer, "cumulative_length_int"):  # a sliding-window ring buffer keeps a python count too
+            layer.cumulative_length_int = length
+        layer.cumulative_length.fill_(length)
+
+
+def _empty_query_offset(layer_idx: int = 0) -> int:
+    return 0
+
+
+@contextlib.contextmanager
+def reports_empty(cache):
+    """
+    While an empty, early-initialized static cache is prefilled, it reports its query offset as the int 0, as a lazily
+    initialized cache does. It reports a 0-d tensor otherwise, which a compiled mask function can't read as 0: it then
+    builds a 4D mask in the graph, where upstream's unpadded prefill runs SDPA with `is_causal` and no mask. One
+    module-level function, so dynamo sees the same object on every call (no recompile).
+    """
+    cache.__dict__["get_query_offset"] = _empty_query_offset
+    try:
+        yield
+    finally:
+        cache.__dict__.pop("get_query_offset", None)
 
 
 def is_prompt_lookup(candidate_generator) -> bool:

@@ -1,4 +1,4 @@
-"""The two `GenerationConfig` fields this project adds: names, defaults, documentation and validation.
+"""The `GenerationConfig` fields this project adds: names, defaults, documentation and validation.
 
 Kept free of any patching: `patch.py` installs these into transformers' `GenerationConfig`, and the functional
 `generate` reads them from any config or keyword arguments.
@@ -12,7 +12,11 @@ from .buckets import BUCKET_POLICIES, BucketPolicy
 PREFILL_PAD_TO_MULTIPLE_OF = "prefill_pad_to_multiple_of"
 PREFILL_BUCKETS = "prefill_buckets"
 PREFILL_BATCH_BUCKETS = "prefill_batch_buckets"
-FIELDS = (PREFILL_PAD_TO_MULTIPLE_OF, PREFILL_BUCKETS, PREFILL_BATCH_BUCKETS)
+PREFILL_PADDING_SIDE = "prefill_padding_side"
+FIELDS = (PREFILL_PAD_TO_MULTIPLE_OF, PREFILL_BUCKETS, PREFILL_BATCH_BUCKETS, PREFILL_PADDING_SIDE)
+# The fields that pad: when none is set, a call is upstream `generate` (the padding side alone pads nothing).
+BUCKET_FIELDS = (PREFILL_PAD_TO_MULTIPLE_OF, PREFILL_BUCKETS, PREFILL_BATCH_BUCKETS)
+PADDING_SIDES = ("auto", "left", "right")
 
 # The docstring entries, in `GenerationConfig`'s own style. `patch.enable()` appends them to its docstring.
 FIELD_DOCS = """
@@ -38,6 +42,13 @@ FIELD_DOCS = """
             applied with beam search, whose rows are not independent. With `do_sample=True` the dummy rows take
             their share of the random stream, so seeded samples differ from an unpadded run (as they would in a
             batch of another size); greedy outputs are unchanged.
+        prefill_padding_side (`str`, *optional*, defaults to `"auto"`):
+            Which side of the prompt the bucket's pad tokens go, like the tokenizer's `padding_side`. `"right"`: after
+            the prompt, with no attention mask (prefill runs causal attention as for an unpadded prompt, the first
+            token comes from the logits at the prompt's last position, and decode overwrites the pad slots).
+            `"left"`: in front of the prompt, masked. `"auto"` (or `None`): right where that is exact (a static cache,
+            rows of one length, attention layers only, sdpa or eager attention; see the guide's "Padding side"),
+            left elsewhere. An explicit `"right"` where it is not exact logs why and pads on the left.
 """
 
 
@@ -76,23 +87,42 @@ def validate_prefill_buckets(value: Any, field: str = PREFILL_BUCKETS) -> None:
         raise ValueError(f"`{field}` must be {valid}, but {value!r} is not strictly increasing.")
 
 
+def validate_prefill_padding_side(value: Any) -> None:
+    """Raises `ValueError` unless `value` is `None` or one of `PADDING_SIDES`."""
+    if value is not None and value not in PADDING_SIDES:
+        raise ValueError(f"`{PREFILL_PADDING_SIDE}` must be one of {PADDING_SIDES} or None, but is {value!r}.")
+
+
+def padding_side_from_fields(prefill_padding_side: Any = None, **_) -> str:
+    """The validated padding side: `"auto"`, `"left"` or `"right"` (`None` is `"auto"`)."""
+    validate_prefill_padding_side(prefill_padding_side)
+    return prefill_padding_side or "auto"
+
+
 def validate_fields(
-    prefill_pad_to_multiple_of: Any = None, prefill_buckets: Any = None, prefill_batch_buckets: Any = None
+    prefill_pad_to_multiple_of: Any = None,
+    prefill_buckets: Any = None,
+    prefill_batch_buckets: Any = None,
+    prefill_padding_side: Any = None,
 ) -> None:
     """Validates the fields; raises `ValueError` naming the field, the value and what is valid."""
+    validate_prefill_padding_side(prefill_padding_side)
     validate_prefill_pad_to_multiple_of(prefill_pad_to_multiple_of)
     validate_prefill_buckets(prefill_buckets)
     validate_prefill_buckets(prefill_batch_buckets, field=PREFILL_BATCH_BUCKETS)
 
 
 def policy_from_fields(
-    prefill_pad_to_multiple_of: Any = None, prefill_buckets: Any = None, prefill_batch_buckets: Any = None
+    prefill_pad_to_multiple_of: Any = None,
+    prefill_buckets: Any = None,
+    prefill_batch_buckets: Any = None,
+    prefill_padding_side: Any = None,
 ) -> BucketPolicy | None:
     """
     The validated `BucketPolicy` for the prompt length, or `None` when no field is set (plain upstream generate).
     With only `prefill_batch_buckets` set, prompt lengths are kept (an alignment of 1).
     """
-    validate_fields(prefill_pad_to_multiple_of, prefill_buckets, prefill_batch_buckets)
+    validate_fields(prefill_pad_to_multiple_of, prefill_buckets, prefill_batch_buckets, prefill_padding_side)
     if prefill_pad_to_multiple_of is None and prefill_buckets is None:
         return None if prefill_batch_buckets is None else BucketPolicy(pad_to_multiple_of=1)
     return BucketPolicy(buckets=prefill_buckets, pad_to_multiple_of=prefill_pad_to_multiple_of)

@@ -3,8 +3,9 @@
 Upstream `generate` does all the real work. The data flow of one bucketed call:
 
 1. `settings.resolve_settings`: the bucket fields and the generation values padding depends on, resolved once.
-2. `inputs.pad_inputs` / `inputs.pad_rows`: the prompt padded to its bucket, the batch to its batch bucket; a `Plan`
-   says what was added.
+2. `padding_side.choose_side`: right or left padding for this call, and why (the one rule).
+   `inputs.pad_inputs` / `inputs.pad_rows`: the prompt padded to its bucket, the batch to its batch bucket; a `Plan`
+   says what was added. On the right (`inputs.plan_right`) the prompt stays unpadded: the `_prefill` hook pads it.
 3. `hooks.bucketed_call`: upstream `generate` runs on the padded inputs, with the steps that must see through the
    padding hooked on the model instance for the duration of the call.
 4. `output.strip_output`: the added columns and rows come off what the user gets back.
@@ -23,11 +24,12 @@ from . import _compat
 from .buckets import BucketPolicy
 from .cache import cache_seq_length, continued_padding, is_marked, mark_padding, passed_cache
 from .compilation import compiled_forward, compiled_wrapper_forward
-from .config import FIELDS, PREFILL_BUCKETS, PREFILL_PAD_TO_MULTIPLE_OF
+from .config import BUCKET_FIELDS, FIELDS, PREFILL_BUCKETS, PREFILL_PAD_TO_MULTIPLE_OF
 from .distributed import check_same_inputs_across_ranks
 from .hooks import active_plan, bucketed_call
-from .inputs import check_pad_token_id, pad_inputs, pad_rows
+from .inputs import check_pad_token_id, pad_inputs, pad_rows, plan_right
 from .output import strip_output
+from .padding_side import choose_side
 from .settings import CallSettings, resolve_settings
 from .state import state_of
 
@@ -42,10 +44,11 @@ def generate(model, *args, **kwargs):
     [`~generation.GenerationMixin.generate`] with bucketed prefill, without patching transformers.
 
     Takes exactly the arguments of `model.generate`, plus the fields `prefill_pad_to_multiple_of`,
-    `prefill_buckets` and `prefill_batch_buckets` (as keyword arguments or on `generation_config`). When none is set,
-    this is upstream `generate`, unchanged. When one is set, the prompt is left-padded to its bucket with masked pad
-    tokens (and the batch, with `prefill_batch_buckets`, to its bucket with dummy rows), upstream `generate` runs on
-    the padded inputs, and the padding is stripped again: the returned sequences have the shape and ids of an
+    `prefill_buckets`, `prefill_batch_buckets` and `prefill_padding_side` (as keyword arguments or on `generation_config`). When none is set,
+    this is upstream `generate`, unchanged. When one is set, the prompt is padded to its bucket (and the batch, with
+    `prefill_batch_buckets`, to its bucket with dummy rows): on the right, with no mask, where that is exact
+    (`prefill_padding_side`, see `padding_side.py`), else on the left with masked pad tokens; upstream `generate`
+    runs, and the padding is stripped again: the returned sequences have the shape and ids of an
     unpadded run, and `max_new_tokens`, `max_length` and `min_length` mean what they mean without padding.
 
     Args:
@@ -100,13 +103,20 @@ def generate(model, *args, **kwargs):
 
     _compat.check_upstream(type(model))
     skip_reason = _unsupported_reason(model, arguments, model_kwargs)
+    side = choose_side(model, settings, arguments, model_kwargs) if skip_reason is None else None
+    if skip_reason is None and side.side == "left":
+        skip_reason = _unpadded_cache_reason(model_kwargs)
     if skip_reason is not None:
         logger.warning_once(
-            f"The prefill bucket fields ({', '.join(f'`{f}`' for f in FIELDS)}) are ignored for this call: {skip_reason}"
+            f"The prefill bucket fields ({', '.join(f'`{f}`' for f in BUCKET_FIELDS)}) are ignored for this call: "
+            f"{skip_reason}"
         )
         return UPSTREAM_GENERATE(model, **arguments, **model_kwargs)
 
-    plan, arguments, model_kwargs = pad_inputs(model, settings, arguments, model_kwargs)
+    if side.side == "right":
+        plan, arguments, model_kwargs = plan_right(model, settings, arguments, model_kwargs, side)
+    else:
+        plan, arguments, model_kwargs = pad_inputs(model, settings, arguments, model_kwargs)
     if settings.batch_policy is not None and continues is None:  # a cache's rows are fixed when it is filled
         plan, arguments, model_kwargs = pad_rows(plan, arguments, model_kwargs)
     model_kwargs.update(check_pad_token_id(plan, arguments))
@@ -121,7 +131,8 @@ def generate(model, *args, **kwargs):
     with compiled_wrapper, bucketed_call(plan):
         output = UPSTREAM_GENERATE(model, **arguments, **model_kwargs)
     for cache in (passed_cache(model_kwargs), passed_cache(output) if isinstance(output, ModelOutput) else None):
-        if cache is not None:
+        # A right-padded call leaves an unpadded cache, unless dummy rows fill it: a later call must bring them.
+        if cache is not None and (plan.side == "left" or plan.padded_batch > plan.batch_size):
             mark_padding(cache, plan.added_positions, plan.padded_batch)
     return strip_output(output, plan)
 
@@ -134,7 +145,7 @@ def _unsupported_reason(model, arguments: dict, model_kwargs: dict) -> str | Non
     """Why this call runs unpadded, or raises for the cases padding can't serve; `None` when it can be bucketed."""
     if model.config.is_encoder_decoder:
         raise ValueError(
-            f"The prefill bucket fields ({', '.join(f'`{f}`' for f in FIELDS)}) support decoder-only models, but "
+            f"The prefill bucket fields ({', '.join(f'`{f}`' for f in BUCKET_FIELDS)}) support decoder-only models, but "
             f"{type(model).__name__} is an encoder-decoder model. Its prompt goes to the encoder: pad it there with "
             "the tokenizer's `pad_to_multiple_of` (any side, with the attention mask), and unset the fields."
         )
@@ -155,13 +166,19 @@ def _unsupported_reason(model, arguments: dict, model_kwargs: dict) -> str | Non
             "the cache passed in has only recurrent (linear-attention) layers, which don't tell how many tokens they "
             "hold, so the prompt can't be lined up with them. Let `generate` create the cache."
         )
-    if cached_tokens > 0 and not is_marked(cache):
+    if "attention_mask" not in inspect.signature(model.forward).parameters:
+        return f"{type(model).__name__}.forward takes no `attention_mask`, so padding could not be masked."
+    return None
+
+
+def _unpadded_cache_reason(model_kwargs: dict) -> str | None:
+    """Why a left-padded call runs unpadded: its cache holds tokens of an unpadded call (right padding continues it)."""
+    cache = passed_cache(model_kwargs)
+    if cache is not None and (cache_seq_length(cache) or 0) > 0 and not is_marked(cache):
         return (
             "the cache passed in already holds tokens from an unpadded call, so the prompt can't be padded in front "
             "of them. The call runs unpadded (exact output), and this prompt length may compile a new graph."
         )
-    if "attention_mask" not in inspect.signature(model.forward).parameters:
-        return f"{type(model).__name__}.forward takes no `attention_mask`, so padding could not be masked."
     return None
 
 

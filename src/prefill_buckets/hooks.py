@@ -14,6 +14,9 @@ through the padding.
 - `_get_logits_processor`, `_get_stopping_criteria`, `_get_candidate_generator`: what reads token content sees the
   ids without padding (`views.py`).
 - `get_compiled_call`: upstream's own compiled forward falls back to eager for a shape its backend fails on.
+- `_prefill`, on a right-padded call only (`padding_side.py`): one forward of the prompt padded after its end to the
+  bucket, with no mask, then the cache's length set to the prompt's. Upstream, which sees the unpadded prompt, does
+  everything else; the hooks above have nothing to undo (`added_id_columns == 0`).
 
 Every hook acts only for the model and the context whose plan is active (`bucketed_call`), so concurrent calls, on
 one model or several, don't see each other's plans.
@@ -121,8 +124,12 @@ def _prepare_cache_for_generation(
     # `generation_config` is upstream's private copy: what the user passed is untouched.
     sized_here = creates_static and generation_config.max_cache_len is None
     if sized_here:
+        # On the right the bucket is filled on top of the cached tokens: the new tokens' slots come after it, as on the
+        # left (more than the `max(bucket, prompt + new tokens)` the call needs, so both sides size caches alike).
+        new_slots = max_cache_length - plan.prompt_length
+        needed = plan.prompt_slots + new_slots if plan.side == "right" else max_cache_length
         generation_config.max_cache_len = static_cache_length(
-            model, plan.settings, max_cache_length, prompt_slots=plan.padded_length
+            model, plan.settings, needed, prompt_slots=plan.prompt_slots
         )
     if generation_config.compile_config is not None:
         # An explicit `compile_config` compiles on every device, CPU included (upstream: CUDA/XPU only).
@@ -135,7 +142,7 @@ def _prepare_cache_for_generation(
     cache_length = cache.get_max_length() if hasattr(cache, "get_max_length") else -1
     plan.static_cache_length = cache_length
     # What prefill runs on: the padded prompt, or, continuing from a cache, the tokens the cache lacks.
-    prefill = plan.padded_length - (cache_seq_length(cache) or 0)
+    prefill = plan.bucket if plan.side == "right" else plan.padded_length - (cache_seq_length(cache) or 0)
     auto_compile = _compat.valid_auto_compile(model, model_kwargs, generation_config)
     rows = batch_size * max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
     compiled = auto_compile or compiled_forward(model) is not None
@@ -143,6 +150,7 @@ def _prepare_cache_for_generation(
         early_initialize(model, cache, rows)
     if (
         auto_compile
+        and plan.side == "left"
         and generation_config.prefill_chunk_size is None
         and (_compat.CHUNKED_PREFILL_RESUMES or prefill == plan.padded_length)
     ):
@@ -167,6 +175,9 @@ def _prepare_cache_for_generation(
 
 @_hook
 def _prepare_inputs_for_generation(plan, original, input_ids, *args, **kwargs):
+    if plan.side == "right":  # decode as upstream decodes an unpadded prompt: its graph is shared with those calls
+        restore_recompile_limit(plan.recompile_limit)
+        return original(input_ids, *args, **kwargs)
     if kwargs.get("attention_mask") is None:
         # Upstream dropped an all-ones mask. Put it back, with the length upstream would have carried: the
         # tokens already in the cache plus the ones this forward adds.
@@ -310,7 +321,50 @@ def _get_compiled_call(plan, original, *args, **kwargs):
     return EagerFallback(model, compiled, model.__call__)
 
 
+@_hook
+def _prefill(plan, original, input_ids, generation_config, model_kwargs, *args, **kwargs):
+    if plan.side != "right" or plan.bucket == 1:  # a 1-token bucket has no padding: upstream's prefill, decode's graph
+        return original(input_ids, generation_config, model_kwargs, *args, **kwargs)
+    model = plan.model
+    cache_key, cache = next((key, model_kwargs[key]) for key in CACHE_KWARGS if model_kwargs.get(key) is not None)
+    rows = input_ids.shape[0] if input_ids.shape[1] else model_kwargs["inputs_embeds"].shape[0]
+    if not all(getattr(layer, "is_initialized", True) for layer in cache.layers):
+        early_initialize(model, cache, rows)  # outside the compiled forward: static addresses, as on the left
+    past = cache_seq_length(cache) or 0  # what a continued conversation holds; 0 for a fresh cache
+    inputs_embeds = model_kwargs.get("inputs_embeds")
+    if inputs_embeds is not None and past == 0:
+        new_tokens = inputs_embeds.shape[1]
+        fill = model.get_input_embeddings().weight[plan.settings.fill_token_id].detach().to(inputs_embeds.dtype)
+        padding = fill.expand(rows, plan.bucket - new_tokens, -1)
+        prompt = {"inputs_embeds": torch.cat([inputs_embeds, padding], dim=1)}  # [rows, bucket, hidden]
+    else:
+        new_ids = input_ids[:, past:]  # [rows, S]
+        new_tokens = new_ids.shape[1]
+        padding = new_ids.new_full((rows, plan.bucket - new_tokens), plan.settings.fill_token_id)
+        prompt = {"input_ids": torch.cat([new_ids, padding], dim=1)}  # [rows, bucket]
+    positions = past + torch.arange(plan.bucket, device=input_ids.device).expand(rows, -1)  # [rows, bucket]
+    last = torch.tensor([new_tokens - 1], device=input_ids.device)  # [1]: the prompt's last position, an input
+    if _compat.valid_auto_compile(model, model_kwargs, generation_config):
+        forward = model.get_compiled_call(generation_config.compile_config)  # as upstream decodes
+    else:
+        forward = model.__call__  # compiled in place, through the compiled wrapper, or eager
+    empty = _compat.reports_empty(cache) if past == 0 else contextlib.nullcontext()
+    with empty:
+        outputs = forward(
+            **prompt,
+            position_ids=positions,
+            attention_mask=None,
+            logits_to_keep=last,
+            use_cache=True,
+            return_dict=True,
+            **{cache_key: cache},
+        )
+    _compat.set_static_cache_length(cache, past + new_tokens)
+    return outputs
+
+
 HOOKS = {
+    "_prefill": _prefill,
     "_prepare_generated_length": _prepare_generated_length,
     "_prepare_cache_for_generation": _prepare_cache_for_generation,
     "prepare_inputs_for_generation": _prepare_inputs_for_generation,

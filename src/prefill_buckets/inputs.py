@@ -1,5 +1,7 @@
 """Padding a call's inputs: the prompt to its bucket (columns in front), and the batch to its batch bucket (rows).
 
+A right-padded call (`padding_side.py`) passes the prompt on unpadded (`plan_right`): the `_prefill` hook pads it.
+
 Pure input rewriting: the user's dicts and tensors are never modified, new ones are returned with a `Plan` that says
 what was added, which the hooks and `output.strip_output` read.
 """
@@ -40,6 +42,14 @@ class Plan:
     padded_rows: int = 1  # output rows generated, dummy rows of `prefill_batch_buckets` included
     recompile_limit: int | None = None  # torch's limit once the call's graphs are accounted for
     static_cache_length: int | None = None  # slots of the call's static cache, once it is made
+    side: str = "left"  # "right": upstream sees the unpadded prompt, the `_prefill` hook pads it after the prompt
+    bucket: int | None = None  # right: the length the new tokens are padded to
+    past_length: int = 0  # right: the tokens the cache held before the call
+
+    @property
+    def prompt_slots(self) -> int:
+        """The cache slots prefill fills: the padded prompt, or on the right the cached tokens plus the bucket."""
+        return self.past_length + self.bucket if self.side == "right" else self.padded_length
 
     @property
     def added_positions(self) -> int:
@@ -63,6 +73,16 @@ def capped_bucket(settings: CallSettings, prompt_length: int) -> int:
         )
         padded_length = capped
     return padded_length
+
+
+def warn_past_largest_bucket(settings: CallSettings, prompt_length: int, padded_length: int) -> None:
+    """Warns (once) when a prompt is longer than the largest listed bucket: each such length is a new graph."""
+    if settings.policy.exceeds_buckets(prompt_length):
+        logger.warning_once(
+            f"A prompt of {prompt_length} tokens is longer than the largest of `{PREFILL_BUCKETS}` "
+            f"({settings.policy.largest_bucket}), so it is padded to {padded_length}. Each such length compiles a new "
+            f"graph: add a larger bucket, or set `{PREFILL_PAD_TO_MULTIPLE_OF}` to choose the length for long prompts."
+        )
 
 
 def check_ids_in_vocabulary(settings: CallSettings, input_ids: torch.Tensor) -> None:
@@ -177,12 +197,8 @@ def pad_inputs(model, settings: CallSettings, arguments: dict, model_kwargs: dic
         padded_length = prompt_length + added_positions
     else:
         padded_length = capped_bucket(settings, prompt_length)
-    if continued is None and settings.policy.exceeds_buckets(prompt_length):
-        logger.warning_once(
-            f"A prompt of {prompt_length} tokens is longer than the largest of `{PREFILL_BUCKETS}` "
-            f"({settings.policy.largest_bucket}), so it is padded to {padded_length}. Each such length compiles a new "
-            f"graph: add a larger bucket, or set `{PREFILL_PAD_TO_MULTIPLE_OF}` to choose the length for long prompts."
-        )
+    if continued is None:
+        warn_past_largest_bucket(settings, prompt_length, padded_length)
     added_positions = padded_length - prompt_length
     fill_token_id = settings.fill_token_id
     if input_ids is not None and input_ids.numel() > 0:
@@ -243,13 +259,52 @@ def pad_inputs(model, settings: CallSettings, arguments: dict, model_kwargs: dic
     return plan, arguments, model_kwargs
 
 
+def plan_right(model, settings: CallSettings, arguments: dict, model_kwargs: dict, side) -> tuple:
+    """
+    The plan of a right-padded call (`side`, a `padding_side.PaddingSide`): the prompt goes to upstream unpadded,
+    and the `_prefill` hook pads it to `side.bucket`. Returns the plan and the call arguments.
+    """
+    model_kwargs = dict(model_kwargs)
+    input_ids = arguments.get("inputs")
+    input_ids = input_ids if input_ids is not None else model_kwargs.get("input_ids")
+    inputs_embeds = model_kwargs.get("inputs_embeds")
+    if input_ids is None and inputs_embeds is None:  # upstream would start from a lone BOS token: made here, as left
+        if settings.bos_token_id is None:
+            raise ValueError("`bos_token_id` has to be defined when no `input_ids` are provided.")
+        rows = next((v.shape[0] for v in model_kwargs.values() if isinstance(v, torch.Tensor)), 1)
+        input_ids = torch.full((rows, 1), settings.bos_token_id, dtype=torch.long, device=model.device)
+        model_kwargs["input_ids"] = input_ids
+    if inputs_embeds is None and input_ids.dtype in (torch.long, torch.int):
+        check_ids_in_vocabulary(settings, input_ids)
+    prompt = inputs_embeds if inputs_embeds is not None else input_ids
+    prompt_length, batch_size = prompt.shape[1], prompt.shape[0]
+    warn_past_largest_bucket(settings, prompt_length - side.past_length, side.bucket)
+    plan = Plan(
+        model,
+        settings,
+        prompt_length=prompt_length,
+        padded_length=prompt_length,
+        added_id_columns=0,
+        batch_size=batch_size,
+        padded_batch=batch_size,
+        side="right",
+        bucket=side.bucket,
+        past_length=side.past_length,
+    )
+    plan.rows = plan.padded_rows = batch_size * settings.rows_per_prompt
+    return plan, arguments, model_kwargs
+
+
 def pad_rows(plan: Plan, arguments: dict, model_kwargs: dict):
     """
     Appends dummy rows up to the batch bucket: one unmasked pad token each (a fully masked row would give NaNs), no
-    other inputs. A stopping criterion marks them finished from the first step, so they never keep generation going,
+    other inputs; on the right, a row of unmasked pad tokens as long as the prompt (all rows one length). A stopping criterion marks them finished from the first step, so they never keep generation going,
     and `output.strip_output` drops them.
     """
     model, settings = plan.model, plan.settings
+    if plan.side == "right" and arguments.get("inputs") is not None:
+        arguments = dict(arguments)
+        model_kwargs = dict(model_kwargs, input_ids=arguments.pop("inputs"))
     input_ids = model_kwargs.get("input_ids")
     prompt = model_kwargs["inputs_embeds"] if model_kwargs.get("inputs_embeds") is not None else input_ids
     batch_size = prompt.shape[0]
@@ -279,6 +334,10 @@ def pad_rows(plan: Plan, arguments: dict, model_kwargs: dict):
     model_kwargs = dict(model_kwargs)
     dummy_mask = torch.zeros(extra, length, dtype=torch.long, device=prompt.device)
     dummy_mask[:, -1] = 1
+    if plan.side == "right":
+        dummy_mask.fill_(1)
+        if model_kwargs.get("attention_mask") is None:  # else upstream could infer a mask from the pad tokens
+            model_kwargs["attention_mask"] = torch.ones(batch_size, length, dtype=torch.long, device=prompt.device)
     if input_ids is not None and input_ids.shape[1] > 0:
         dummy = torch.full((extra, input_ids.shape[1]), fill_token_id, dtype=input_ids.dtype, device=input_ids.device)
         model_kwargs["input_ids"] = torch.cat([input_ids, dummy])

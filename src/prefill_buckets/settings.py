@@ -11,7 +11,7 @@ import torch
 from transformers import GenerationConfig
 
 from .buckets import BucketPolicy
-from .config import FIELDS, batch_policy_from_fields, policy_from_fields
+from .config import FIELDS, batch_policy_from_fields, padding_side_from_fields, policy_from_fields
 
 
 _MISSING = object()
@@ -72,6 +72,14 @@ class CallSettings:
     stop_strings: str | list[str] | None
     vocab_size: int | None
     max_positions: int | None
+    # What decides the padding side (`padding_side.choose_side`).
+    padding_side: str = "auto"  # the `prefill_padding_side` asked for: "auto", "left" or "right"
+    prefill_chunk_size: int | None = None
+    max_cache_len: int | None = None
+    use_cache: bool = True
+    output_hidden_states: bool = False
+    output_attentions: bool = False
+    prompt_lookup_num_tokens: int | None = None
 
     @property
     def rows_per_prompt(self) -> int:
@@ -116,4 +124,11 @@ def resolve_settings(
         stop_strings=value("stop_strings"),
         vocab_size=vocabulary_size(model),
         max_positions=max_positions(model),
+        padding_side=padding_side_from_fields(**fields),
+        prefill_chunk_size=value("prefill_chunk_size"),
+        max_cache_len=value("max_cache_len"),
+        use_cache=value("use_cache") is not False,
+        output_hidden_states=bool(value("output_hidden_states")),
+        output_attentions=bool(value("output_attentions")),
+        prompt_lookup_num_tokens=value("prompt_lookup_num_tokens"),
     )

@@ -24,7 +24,7 @@ logger = logging.get_logger(__name__)
 
 @dataclass(frozen=True)
 class CompiledShape:
-    """One warm-up call of [`precompile`]: the shapes it compiled for, and what it cost."""
+    """One batch size and bucket of [`precompile`]: the shapes its warm-up calls compiled for, and what they cost."""
 
     batch_size: int
     prompt_length: int
@@ -72,9 +72,12 @@ def precompile(
 
         graphs = len(batch_sizes) * (prefill buckets from min_prompt_length to max_prompt_length + 1)
 
-    counting the buckets of `min_prompt_length` and `max_prompt_length` themselves (one fewer per batch size when 1 is
-    one of these buckets: a 1-token prefill into the allocated cache is the decode graph). A later prompt shorter than
-    `min_prompt_length`, in a bucket below, compiles its prefill graph when it comes. As in `generate`, a bucket past
+    counting the buckets of `min_prompt_length` and `max_prompt_length` themselves (on the left, one fewer per batch
+    size when 1 is one of these buckets: a 1-token prefill into the allocated cache is the decode graph). The warm-up
+    calls take the padding side later calls with this config take (`prefill_padding_side`, see the guide's "Padding
+    side"). With `"auto"`, a batch size above 1 is also warmed up with rows of different lengths, which take the left
+    side: one more prefill graph per bucket above 1 (decode shares its graph), so tokenizer-padded batches compile
+    nothing either. A later prompt shorter than `min_prompt_length`, in a bucket below, compiles its prefill graph when it comes. As in `generate`, a bucket past
     the model's `max_position_embeddings` is capped there, and prompts longer than that are not padded (each length
     compiles its own graph), so none is warmed up.
 
@@ -179,7 +182,9 @@ def precompile(
     generation_config.max_new_tokens = 2
     generation_config.min_new_tokens = 2
     generation_config.max_length = None
-    state_of(module).budget.make_room(len(set(batch_sizes)) * (len(lengths) + 1))
+    both_sides = [b for b in set(batch_sizes) if b > 1] if settings.padding_side == "auto" else []
+    left_graphs = len(both_sides) * len([length for length in lengths if length > 1])
+    state_of(module).budget.make_room(len(set(batch_sizes)) * (len(lengths) + 1) + left_graphs)
     token_id = 0
     device = module.device
     jobs = [(batch_size, length) for batch_size in sorted(set(batch_sizes), reverse=True) for length in lengths]
@@ -193,6 +198,11 @@ def precompile(
         graphs_before = _graphs_compiled()
         start = time.perf_counter()
         generate(wrapper, input_ids, attention_mask=attention_mask, generation_config=generation_config)
+        if batch_size > 1 and length > 1 and settings.padding_side == "auto":
+            # Batches usually come with rows of different lengths, which take the left side (its own prefill graph
+            # per bucket; decode shares the graph): warm that one too, with a last row one token shorter.
+            attention_mask[-1, 0] = 0
+            generate(wrapper, input_ids, attention_mask=attention_mask, generation_config=generation_config)
         cache_length = getattr(module, "_previous_max_cache_length", None)
         compiled.append(
             CompiledShape(

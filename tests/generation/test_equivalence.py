@@ -523,8 +523,9 @@ class GenerationOutputsTesterMixin(BucketedGenerationTestBase):
         self.assertSameOutput(bucketed, plain)
 
     def test_same_signature_in_a_bucket(self):
-        # An exact fit and a padded prompt reach the model (and its attention) with the same inputs and shapes.
-        for cache_implementation in (None, "static"):
+        # An exact fit and a padded prompt reach the model (and its attention) with the same inputs and shapes. On the
+        # left the prefill carries the mask; on the right (issue 12) it carries none.
+        for cache_implementation, side in ((None, "auto"), ("static", "left"), ("static", "right")):
             signatures = []
             for length in (8, 5):
                 with ForwardRecorder(self.model) as forwards, AttentionMaskRecorder(self.model) as masks:
@@ -532,6 +533,7 @@ class GenerationOutputsTesterMixin(BucketedGenerationTestBase):
                         self.model,
                         random_ids(1, length, seed=length),
                         prefill_buckets=[8],
+                        prefill_padding_side=side,
                         max_new_tokens=3,
                         do_sample=False,
                         cache_implementation=cache_implementation,
@@ -543,7 +545,10 @@ class GenerationOutputsTesterMixin(BucketedGenerationTestBase):
                     signature.append(tuple(masks.masks))
                 signatures.append(signature)
             self.assertEqual(signatures[0], signatures[1], cache_implementation)
-            self.assertIn("attention_mask", signatures[0][0][0], cache_implementation)
+            if side == "right":
+                self.assertNotIn("attention_mask", signatures[0][0][0], cache_implementation)
+            else:
+                self.assertIn("attention_mask", signatures[0][0][0], cache_implementation)
 
     def test_batch_mask_inferred_from_pad_token(self):
         # No attention_mask: upstream infers it from the pad tokens in the prompt, and so must the padded call.

@@ -1,0 +1,161 @@
+"""Which side a call's bucket padding goes: the one rule (`choose_side`), from the call's settings and arguments.
+
+Right padding puts the pad tokens after the prompt: prefill runs the prompt with no attention mask (causal SDPA, as
+upstream runs an unpadded prompt), the first new token comes from the logits at the prompt's last position, and
+decode starts at the prompt's length, overwriting the pad slots of the static cache one by one (the causal mask hides
+those not yet written). That is exact only where every row of the cache holds one length of real tokens and every
+layer can forget the pads. Where it is not, the call is left-padded (masked), as before. The cases, and why:
+
+| case | side | why |
+|---|---|---|
+| `prefill_padding_side="left"` | left | asked for |
+| assisted or prompt-lookup decoding | left | upstream runs the prompt together with the first candidates |
+| chunked prefill (`prefill_chunk_size`) | left | the user bounds the prefill's memory; one bucket-long forward ignores it |
+| no cache (`use_cache=False`) or a dynamic cache | left | a dynamic cache is not compiled: no graph to share |
+| `output_hidden_states`, `output_attentions` | left | per-position prefill outputs (the left path strips them) |
+| attention other than sdpa and eager | left | flash and flex attention with a static cache need the 2D mask |
+| a forward without `logits_to_keep` | left | it would compute logits for every pad position |
+| recurrent, convolutional or chunked-attention layers | left | the pads would run through their state |
+| a sliding window shorter than the cached tokens plus the bucket | left | the ring buffer would drop real tokens |
+| rows of different lengths (zeros in the mask, or pad tokens to infer one from) | left | one cache length for all rows |
+| a cache filled by a left-padded call | left | the prompt must line up with the padding in the cache |
+| `inputs_embeds` continuing from a cache, other per-token or multimodal inputs | left | not padded on the right |
+| pad positions past `max_position_embeddings` | left | the model has no such positions |
+| everything else: beam search, `num_return_sequences`, streamers, scores, lengths, a continued conversation, `inputs_embeds`, `prefill_batch_buckets` | right | exact (tested) |
+
+With `"auto"` (the default) the rule picks; an explicit `"right"` where the rule says left logs the reason, once, and
+pads on the left: never silently wrong.
+"""
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+from transformers.utils import logging
+
+from . import _compat
+from .cache import cache_seq_length, continued_padding, passed_cache
+from .config import PREFILL_PADDING_SIDE
+from .settings import CallSettings
+
+
+logger = logging.get_logger(__name__)
+
+# Model inputs the right-padded prefill knows: the prompt, its all-ones mask, and the cache.
+_RIGHT_INPUTS = ("input_ids", "inputs_embeds", "attention_mask", "cache", "past_key_values")
+
+
+@dataclass(frozen=True)
+class PaddingSide:
+    """The side of one call's padding, and why."""
+
+    side: str  # "left" or "right"
+    reason: str
+    bucket: int | None = None  # right: the bucket of the new tokens (the prompt, less what the cache holds)
+    past_length: int = 0  # right: the tokens the cache already holds
+
+
+def choose_side(model, settings: CallSettings, arguments: dict, model_kwargs: dict) -> PaddingSide:
+    """The padding side of a bucketed call (see the module docstring for the rule)."""
+    side = _rule(model, settings, arguments, model_kwargs)
+    if side.side == "left" and settings.padding_side == "right":
+        logger.warning_once(
+            f"`{PREFILL_PADDING_SIDE}='right'` is not exact for this call, so it is padded on the left: {side.reason}."
+        )
+    return side
+
+
+def _prompt(arguments: dict, model_kwargs: dict):
+    if model_kwargs.get("inputs_embeds") is not None:
+        return model_kwargs["inputs_embeds"]
+    prompt = arguments.get("inputs")
+    return prompt if prompt is not None else model_kwargs.get("input_ids")
+
+
+def _rule(model, settings: CallSettings, arguments: dict, model_kwargs: dict) -> PaddingSide:
+    def left(reason: str) -> PaddingSide:
+        return PaddingSide("left", reason)
+
+    if settings.padding_side == "left":
+        return left(f"`{PREFILL_PADDING_SIDE}='left'`")
+    if arguments.get("assistant_model") is not None or settings.prompt_lookup_num_tokens is not None:
+        return left("assisted and prompt-lookup decoding run the prompt together with the first candidates")
+    if settings.prefill_chunk_size is not None:
+        return left("chunked prefill (`prefill_chunk_size`) bounds each forward's length, and a bucket is one forward")
+    if not settings.use_cache:
+        return left("there is no cache (`use_cache=False`) to write the prompt into")
+    if settings.output_hidden_states or settings.output_attentions:
+        return left("`output_hidden_states` and `output_attentions` return the prefill's per-position outputs")
+    attention = getattr(model.config, "_attn_implementation", None)
+    if attention not in ("sdpa", "eager"):
+        return left(f"`{attention}` attention needs the attention mask with a static cache (right: sdpa and eager)")
+    if "logits_to_keep" not in inspect.signature(model.forward).parameters:
+        return left(f"`{type(model).__name__}.forward` takes no `logits_to_keep`: it would compute every pad's logits")
+    others = sorted(k for k, v in model_kwargs.items() if isinstance(v, torch.Tensor) and k not in _RIGHT_INPUTS)
+    if others:
+        return left(f"the input `{others[0]}` is not padded on the right")
+
+    prompt = _prompt(arguments, model_kwargs)
+    if prompt is None:  # upstream starts from one BOS token per row
+        prompt_length, rows = 1, next((v.shape[0] for v in model_kwargs.values() if isinstance(v, torch.Tensor)), 1)
+    elif prompt.ndim < 2 or prompt.shape[1] == 0:
+        return left("the prompt is not a [batch, length] tensor")  # the left path raises the error
+    else:
+        prompt_length, rows = prompt.shape[0:2][::-1]
+    cache = passed_cache(model_kwargs)
+    if cache is None:
+        if settings.cache_implementation not in _compat.ALL_STATIC_CACHE_IMPLEMENTATIONS or "offloaded" in str(
+            settings.cache_implementation
+        ):
+            return left("the cache is not a static cache (a dynamic cache is not compiled: no graph to share)")
+        past_length = 0
+    else:
+        if not _compat.is_static_cache(cache):
+            return left(f"the cache passed in is a `{type(cache).__name__}`, not a `StaticCache`")
+        past_length = cache_seq_length(cache) or 0
+        continued = continued_padding(model_kwargs)
+        if continued is not None and (continued[0] > 0 or continued[1] != rows):
+            return left("the cache holds a left-padded call's tokens, and the prompt must line up with them")
+        if past_length and model_kwargs.get("inputs_embeds") is not None:
+            return left("`inputs_embeds` continuing from a cache are not padded on the right")
+    new_tokens = prompt_length - past_length
+    if new_tokens < 1:
+        return left("the cache already holds the whole prompt")
+    bucket = settings.policy.bucket(new_tokens)
+    slots = past_length + bucket
+    if settings.max_positions is not None and slots > settings.max_positions:
+        return left(f"the pad positions would pass `max_position_embeddings={settings.max_positions}`")
+    layers_reason = _layers_reason(model, cache, slots)
+    if layers_reason is not None:
+        return left(layers_reason)
+    if cache is None and settings.max_cache_len is not None and settings.max_cache_len < slots:
+        return left(
+            f"`max_cache_len={settings.max_cache_len}` is shorter than the {slots} slots the padded prompt fills"
+        )
+    if cache is not None and _compat.static_cache_slots(cache) < slots:
+        return left(
+            f"the cache passed in has {_compat.static_cache_slots(cache)} slots, fewer than the {slots} needed"
+        )
+    mask = model_kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and not bool(mask.all()):
+        return left("the rows have different lengths (the attention mask has zeros), and the cache has one length")
+    if mask is None and isinstance(prompt, torch.Tensor) and prompt.dtype in (torch.long, torch.int):
+        if settings.pad_token_is_inferable and bool((prompt == settings.pad_token_id).any()):
+            return left("the prompt holds pad tokens that upstream masks, so its rows have different lengths")
+    return PaddingSide("right", "exact", bucket=bucket, past_length=past_length)
+
+
+def _layers_reason(model, cache, slots: int) -> str | None:
+    """Why the cache's layers can't take right padding into `slots` slots, or `None` when they can."""
+    try:
+        layers = (cache if cache is not None else _compat.lazy_static_cache(model, slots)).layers
+    except Exception as error:  # a model whose config a static cache can't be built from
+        return f"a static cache for this model can't be checked ({type(error).__name__})"
+    for layer in layers:
+        kind = type(layer).__name__
+        if kind not in _compat.RIGHT_PADDED_LAYERS or getattr(layer, "is_linear", False):
+            return f"the cache has `{kind}` layers (recurrent, convolutional or chunked), which can't forget the pads"
+        window = _compat.sliding_window_slots(layer)
+        if window is not None and window < slots:
+            return f"a sliding window of {window} slots is shorter than the {slots} the padded prompt fills"
+    return None
