@@ -121,9 +121,11 @@ def generate(model, *args, **kwargs):
         plan, arguments, model_kwargs = pad_rows(plan, arguments, model_kwargs)
     model_kwargs.update(check_pad_token_id(plan, arguments))
     # Under tensor parallelism every rank must run the same padded shapes: one all-gather says so, or raises on all.
+    # (The right-padded path hands upstream the prompt as the user passed it, possibly as the `inputs` argument.)
+    input_ids = model_kwargs.get("input_ids")
     check_same_inputs_across_ranks(
         model,
-        input_ids=model_kwargs.get("input_ids"),
+        input_ids=input_ids if input_ids is not None else arguments.get("inputs"),
         inputs_embeds=model_kwargs.get("inputs_embeds"),
         attention_mask=model_kwargs.get("attention_mask"),
     )

@@ -329,7 +329,9 @@ class TensorParallelTest(unittest.TestCase):
         self.assertNotEqual([self.reference["10"], self.reference["12"]], [tokens[0], tokens[1]])
         # ...and `generate` runs it: the same error on every rank.
         errors = self.rank_results("same_bucket_other_prompt_checked")
-        self.assertIn("same shapes, different tokens", errors[0])
+        # Padded on the right, upstream gets the prompts as passed (10 and 12 tokens): their shapes differ.
+        self.assertIn("called `generate` with different inputs", errors[0])
+        self.assertRegex(errors[0], r"rank 1: .*input_ids \[1, 12\]")
         self.assertEqual(errors[0], errors[1])
 
     def test_other_bucket_raises_on_every_rank(self):
@@ -340,8 +342,9 @@ class TensorParallelTest(unittest.TestCase):
         outcomes = [results.get("other_bucket") for results in self.ranks]
         for rank, outcome in enumerate(outcomes):
             self.assertTrue(outcome.startswith("ValueError"), f"rank {rank}: {outcome}")
-            self.assertIn("rank 0: attention_mask [1, 16]", outcome)
-            self.assertIn("rank 1: attention_mask [1, 32]", outcome)
+            # The call is padded on the right, so `generate` hands upstream the prompts as passed: 10 and 20 tokens.
+            self.assertRegex(outcome, r"rank 0: .*input_ids \[1, 10\]")
+            self.assertRegex(outcome, r"rank 1: .*input_ids \[1, 20\]")
         self.assertEqual(self.exitcodes, [0] * WORLD_SIZE)
 
 
