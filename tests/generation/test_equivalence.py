@@ -841,10 +841,11 @@ class StaticCacheLengthTest(unittest.TestCase):
         prefill_buckets.disable()
         self.addCleanup(prefill_buckets.disable)
 
-    def cache_length(self, length, **kwargs):
-        # A fresh model: upstream keeps the largest cache length a model has seen.
-        model_class, make_config = MODEL_SPECS["llama"]
-        model = model_class(make_config()).eval()
+    def cache_length(self, length, model=None, **kwargs):
+        # A fresh model by default: upstream keeps the largest cache length a model has seen.
+        if model is None:
+            model_class, make_config = MODEL_SPECS["llama"]
+            model = model_class(make_config()).eval()
         out = prefill_buckets.generate(
             model,
             random_ids(1, length, seed=length),
@@ -870,18 +871,8 @@ class StaticCacheLengthTest(unittest.TestCase):
     def test_cache_grows_once_to_what_the_model_takes(self):
         model_class, make_config = MODEL_SPECS["llama"]
         model = model_class(make_config()).eval()
-        lengths = []
-        for length in (5, 70, 200, 9):  # 70 and 200 are longer than the largest bucket: padded to multiples of 16
-            out = prefill_buckets.generate(
-                model,
-                random_ids(1, length, seed=length),
-                max_new_tokens=4,
-                do_sample=False,
-                cache_implementation="static",
-                return_dict_in_generate=True,
-                prefill_buckets=[8, 16],
-            )
-            lengths.append(out[CACHE].layers[0].max_cache_len)
+        # 70 and 200 are longer than the largest bucket: padded to multiples of 16.
+        lengths = [self.cache_length(n, model=model, prefill_buckets=[8, 16]) for n in (5, 70, 200, 9)]
         # First 16 + 3 = 19 -> 64; then one growth, to 256 positions + 3 new slots = 259 -> 320; never again.
         self.assertEqual(lengths, [64, 320, 320, 320])
 
