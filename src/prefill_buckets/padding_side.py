@@ -37,6 +37,7 @@ from . import _compat
 from .cache import cache_seq_length, continued_padding, passed_cache
 from .config import PREFILL_PADDING_SIDE
 from .settings import CallSettings
+from .state import state_of
 
 
 logger = logging.get_logger(__name__)
@@ -147,10 +148,20 @@ def _rule(model, settings: CallSettings, arguments: dict, model_kwargs: dict) ->
 
 def _layers_reason(model, cache, slots: int) -> str | None:
     """Why the cache's layers can't take right padding into `slots` slots, or `None` when they can."""
-    try:
-        layers = (cache if cache is not None else _compat.lazy_static_cache(model, slots)).layers
-    except Exception as error:  # a model whose config a static cache can't be built from
-        return f"a static cache for this model can't be checked ({type(error).__name__})"
+    if cache is not None:
+        return _reason_for(cache.layers, slots)
+    # The cache `generate` will make: its layer types depend on the model and the slots only, so the (lazy, empty)
+    # cache built to read them is built once per slot count, not on every call.
+    known = state_of(model).right_padding_layers
+    if slots not in known:
+        try:
+            known[slots] = _reason_for(_compat.lazy_static_cache(model, slots).layers, slots)
+        except Exception as error:  # a model whose config a static cache can't be built from
+            known[slots] = f"a static cache for this model can't be checked ({type(error).__name__})"
+    return known[slots]
+
+
+def _reason_for(layers, slots: int) -> str | None:
     for layer in layers:
         kind = type(layer).__name__
         if kind not in _compat.RIGHT_PADDED_LAYERS or getattr(layer, "is_linear", False):
