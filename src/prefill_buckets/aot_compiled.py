@@ -83,6 +83,9 @@ class AOTForward:
         self.functions: dict[str, list[tuple[object, dict | None]]] = {}
         self.looked_for_staged = False
         self.pending: dict[str, list[tuple[dict, bytes]]] = {}  # staged graphs by input key, loaded when one comes
+        self.graphs_compiled = 0  # graphs this process compiled (traced with dynamo, then compiled)
+        self.graphs_loaded = 0  # graphs loaded from a compile cache file, neither traced nor compiled here
+        self.calls = 0  # calls, each of which ran a compiled graph
         _live.add(self)
 
     def __reduce__(self):
@@ -96,10 +99,12 @@ class AOTForward:
         key = _input_key(args, kwargs)
         if key in self.pending:
             self._load(self.pending.pop(key))
+        self.calls += 1
         for function, _ in self.functions.get(key, ()):
             if function.guard_check(self.model, *args, **kwargs):
                 return function(self.model, *args, **kwargs)
         function = self._compile(args, kwargs)
+        self.graphs_compiled += 1
         self.functions.setdefault(key, []).append((function, {"key": key}))
         return function(self.model, *args, **kwargs)
 
@@ -160,6 +165,7 @@ class AOTForward:
                 )
                 continue
             _compat.skip_guard_check(function)
+            self.graphs_loaded += 1
             self.functions.setdefault(meta["key"], []).append((function, {"loaded": (meta, data)}))
 
     def serialized(self) -> list[tuple[dict, bytes]]:

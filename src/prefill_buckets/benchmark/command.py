@@ -126,6 +126,12 @@ def run_strategy(name: str, base_spec: dict, workdir: Path) -> dict:
     if "error" not in record:
         record["prep_seconds"] = prep.get("total_seconds")
         record["prepare"] = prep
+        warm, cold = record["precompile_seconds"], prep["precompile_seconds"]
+        print(
+            f"    warm: {record['graphs_loaded']} graphs loaded from the file, {record['unique_graphs']} traced, "
+            f"{record['graphs']} compiled; precompile {warm:.1f} s against {cold:.1f} s cold ({warm / cold:.3f}x)",
+            flush=True,
+        )
     return record
 
 

@@ -63,8 +63,8 @@ STRATEGIES = {
         ),
         Strategy(
             "pow2-warm",
-            'prefill_buckets="pow2" (the powers of two the prompts reach) + precompile(), from a compile cache '
-            "saved by an earlier process",
+            'prefill_buckets="pow2" (the powers of two the prompts reach) + precompile(), compiled with aot_forward, '
+            "from a compile cache saved by an earlier process (which traces and compiles nothing)",
             fields={"prefill_buckets": "pow2"},
             warm=True,
         ),
