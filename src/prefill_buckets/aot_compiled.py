@@ -44,7 +44,9 @@ def aot_forward(model, backend: str = "inductor", options: dict | None = None) -
     file of another torch, transformers or Python version.
 
     Not supported: `mode="reduce-overhead"` (CUDA graphs), graph breaks (the forward must compile as one graph), and
-    dynamic shapes.
+    dynamic shapes. Upstream's own compile of the forward (`compile_config`, or a static cache on CUDA) is not applied
+    on top: a bucketed `generate` runs these graphs as they are (with a warning if `compile_config` is set), and
+    upstream `generate` compiles `model.__call__` around them with a graph break at the forward.
 
     Args:
         model ([`PreTrainedModel`]):
@@ -93,6 +95,10 @@ class AOTForward:
         # with it: without the compiled functions, which can't be pickled and which no guard reads.
         return _no_forward, ()
 
+    # Opaque to an outer `torch.compile` (upstream `generate` compiles `model.__call__` with a static cache on CUDA, or
+    # with `compile_config`): dynamo would trace this dispatch, and `aot_compile` in it, and fail. The outer graph
+    # breaks here and runs these graphs as they are.
+    @torch.compiler.disable
     def __call__(self, *args, **kwargs):
         if _staged or not self.looked_for_staged:
             self._take_staged()
@@ -197,6 +203,13 @@ class AOTForward:
                 forward = f"{model_class.__module__}:{model_class.__qualname__}"
                 saved.append(({**meta, "fingerprint": self.fingerprint, "forward": forward, "modules": modules}, data))
         return saved
+
+
+def is_aot_forward(model) -> bool:
+    """Whether `model`'s forward is an [`aot_forward`]: graphs compiled already, that no outer compile should wrap."""
+    forward = model.__dict__.get("forward")
+    # During a bucketed call it is wrapped (`EagerFallback`), as every compiled forward is.
+    return isinstance(forward, AOTForward) or isinstance(getattr(forward, "__wrapped__", None), AOTForward)
 
 
 def _as_read(meta: dict, data: bytes) -> tuple[dict, bytes]:

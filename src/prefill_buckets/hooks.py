@@ -13,7 +13,8 @@ through the padding.
   the model with one signature.
 - `_get_logits_processor`, `_get_stopping_criteria`, `_get_candidate_generator`: what reads token content sees the
   ids without padding (`views.py`).
-- `get_compiled_call`: upstream's own compiled forward falls back to eager for a shape its backend fails on.
+- `get_compiled_call`: upstream's own compiled forward falls back to eager for a shape its backend fails on; a forward
+  of `aot_forward` is not compiled again.
 - `_prefill`, on a right-padded call only (`padding_side.py`): one forward of the prompt padded after its end to the
   bucket, with no mask, then the cache's length set to the prompt's. Upstream, which sees the unpadded prompt, does
   everything else; the hooks above have nothing to undo (`added_id_columns == 0`).
@@ -35,6 +36,7 @@ from transformers.generation.stopping_criteria import MaxLengthCriteria, Stoppin
 from transformers.utils import logging
 
 from . import _compat
+from .aot_compiled import is_aot_forward
 from .budget import restore_recompile_limit
 from .cache import CACHE_KWARGS, cache_seq_length, early_initialize, passed_cache, static_cache_length
 from .compilation import EagerFallback, compiled_forward
@@ -313,9 +315,17 @@ def _get_candidate_generator(plan, original, *args, **kwargs):
 
 
 @_hook
-def _get_compiled_call(plan, original, *args, **kwargs):
-    compiled = original(*args, **kwargs)
+def _get_compiled_call(plan, original, compile_config=None, *args, **kwargs):
     model = plan.model
+    if is_aot_forward(model):
+        # Its graphs are compiled already: compiling `__call__` around them would only trace it again per shape.
+        if compile_config is not None:
+            logger.warning_once(
+                "`compile_config` is not applied: the model's forward is compiled with `aot_forward`, whose graphs "
+                "generate runs as they are."
+            )
+        return model.__call__
+    compiled = original(compile_config, *args, **kwargs)
     if compiled == model.__call__:
         return compiled
     return EagerFallback(model, compiled, model.__call__)

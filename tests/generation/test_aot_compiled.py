@@ -131,6 +131,35 @@ class AOTForwardTest(unittest.TestCase):
         )
         self.assertEqual(output.tolist(), reference.tolist())
 
+    def outer_compile_config(self):
+        """A `compile_config` on every device: upstream compiles `model.__call__` as it does with a static cache on CUDA."""
+        from transformers import CompileConfig
+
+        compile_config = CompileConfig(backend="eager", mode=None)
+        compile_config._compile_all_devices = True
+        return compile_config
+
+    def test_upstream_compile_around_it_runs_its_graphs(self):
+        # Plain `generate`: dynamo traces `model.__call__` and breaks at the forward, which runs its own graphs. Without
+        # the break, dynamo traced the dispatch and `aot_compile` inside it and raised.
+        model = self.compiled_model()
+        config = GenerationConfig(**{k: v for k, v in CONFIG.items() if k != "prefill_buckets"})
+        config.compile_config = self.outer_compile_config()
+        tokens = [model.generate(prompt, generation_config=config).tolist() for prompt in PROMPTS]
+        self.assertEqual(tokens, self.expected())
+        self.assertEqual(model.forward.calls, 2 * 3)  # every forward ran one of its graphs
+        self.assertEqual(model.forward.graphs_compiled, 4)  # per prompt: its prefill, and decode on a cache its size
+
+    def test_bucketed_generate_does_not_compile_around_it(self):
+        model = self.compiled_model()
+        config = GenerationConfig(**CONFIG, compile_config=self.outer_compile_config())
+        with CaptureLogger(logging.get_logger("prefill_buckets.hooks")) as captured:
+            tokens = [prefill_buckets.generate(model, prompt, generation_config=config).tolist() for prompt in PROMPTS]
+        self.assertEqual(tokens, self.expected())
+        self.assertEqual(counters["frames"]["total"], 0)  # no outer `torch.compile` traced a frame
+        self.assertEqual(model.forward.graphs_compiled, 3)  # prefill 4, prefill 8, decode
+        self.assertEqual(captured.out.count("`compile_config` is not applied"), 1)
+
     def test_compiled_model_raises(self):
         model = tiny_llama()
         with self.assertRaisesRegex(ValueError, "not the `torch.compile\\(model\\)` wrapper"):

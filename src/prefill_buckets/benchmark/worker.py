@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from .. import generate as bucketed_generate
 from .. import aot_forward, load_compile_cache, precompile, save_compile_cache
+from .. import generate as bucketed_generate
 from ..buckets import round_up
 from ..compilation import GraphCounter
 from ..testing_utils import TokenClock
