@@ -10,6 +10,8 @@
 #   2. install  `pip install --no-deps -e .`, offline (no index, no build isolation)      -> $OUT/install.log
 #   3. tests    RUN_SLOW=1 python -m pytest tests/generation/test_gpu.py                 -> $OUT/pytest_gpu.{log,xml}
 #   4. bench    python utils/gpu_bench.py (skipped, with a message, if the file is absent) -> $OUT/gpu_bench.log
+#   4b. warm start  utils/measure_warm_start.py on CUDA, `aot_forward` and `reduce-overhead`: cold process, then
+#               warm (GPU run only, with the time left)                                  -> $OUT/warm_start_*.log
 #   5. multi-gpu  with 2 or more GPUs: utils/tp_bench.py under torchrun (NCCL, tp_plan="auto", 2 ranks), a cold
 #               launch that saves each rank's compile cache, then a warm one that loads it -> $OUT/tp_bench_*.log
 #               (skipped, with a message, when fewer than 2 GPUs are visible, as in a dry run)
@@ -90,7 +92,8 @@ CAP_ENV=60
 CAP_INSTALL=90
 CAP_TESTS=300
 CAP_BENCH=240
-CAP_TP=120 # each of the two tp_bench launches
+CAP_TP=120   # each of the two tp_bench launches
+CAP_WARM=120 # each of the two warm-start measurements (after the benchmark, with the time left)
 
 START=$SECONDS
 FAILED=0
@@ -215,6 +218,24 @@ else
             FAILED=1
         fi
     fi
+fi
+
+# ---- 4b. warm start ----------------------------------------------------------------------------------------------
+# A cold process that compiles a tiny Llama's pow2 buckets and saves the compile cache, then a warm one that loads it
+# (utils/measure_warm_start.py): with `aot_forward` (nothing traced warm), and with `mode="reduce-overhead"` (traced
+# again, and its CUDA graphs recorded again). Run with the time left after the benchmark; not in a dry run, where
+# the same script costs minutes of CPU compiling (CI tests `aot_forward`'s warm start on CPU).
+if ((DRY_RUN)); then
+    echo "==> warm start: skipped in a dry run (CPU compiles take minutes)"
+    record "warm start" "skipped (dry run)" 0 ""
+else
+    for compile_with in aot_forward reduce-overhead; do
+        run_phase "warm start ($compile_with)" "$CAP_WARM" "$OUT/warm_start_$compile_with.log" \
+            "$PYTHON" utils/measure_warm_start.py --device cuda --max-prompt-length 256 --compile "$compile_with"
+        if ((PHASE_RC != 0 && PHASE_RC != 124)); then
+            FAILED=1
+        fi
+    done
 fi
 
 # ---- 5. multi-gpu ------------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Cold vs warm start of `precompile`, side by side: each in a fresh process with an empty inductor cache.
 
-    python utils/measure_warm_start.py [--max-prompt-length 64] [--compile aot_forward|model.compile]
+    python utils/measure_warm_start.py [--max-prompt-length 64] [--compile aot_forward|model.compile|reduce-overhead]
+                                       [--device cpu|cuda]
 
 1. cold: compiles every graph of a pow2 bucket config with inductor, then saves the compile cache with
    `prefill_buckets.save_compile_cache`, and publishes its SHA-256;
@@ -11,7 +12,10 @@ frames dynamo traced through `torch.compile`'s frame hook, the graphs and ops dy
 traces without the frame hook), the graphs inductor compiled (FX graph cache misses); and whether both generate the
 same tokens.
 `--compile aot_forward` (default) compiles with `prefill_buckets.aot_forward`, whose graphs the file carries whole;
-`--compile model.compile` with `model.compile(dynamic=False)`, where the warm process still traces every graph.
+`--compile model.compile` with `model.compile(dynamic=False)`, where the warm process still traces every graph;
+`--compile reduce-overhead` (CUDA) with `model.compile(dynamic=False, mode="reduce-overhead")`, where the warm process
+also records every CUDA graph again. `--device cuda` runs on the GPU (in bfloat16; the tokens are compared between
+the two processes, which run the same graphs).
 """
 
 import argparse
@@ -23,7 +27,9 @@ import tempfile
 import time
 
 
-def child(mode: str, artifacts: str, max_prompt_length: int, compile_with: str, sha256: str | None) -> None:
+def child(
+    mode: str, artifacts: str, max_prompt_length: int, compile_with: str, sha256: str | None, device: str
+) -> None:
     start = time.perf_counter()
     import torch
     from torch._dynamo.utils import counters
@@ -37,9 +43,11 @@ def child(mode: str, artifacts: str, max_prompt_length: int, compile_with: str, 
         begin = time.perf_counter()
         loaded = prefill_buckets.load_compile_cache(artifacts, sha256=sha256)
         load_seconds = time.perf_counter() - begin
-    model = tiny_llama()
+    model = tiny_llama().to(device, torch.bfloat16 if device == "cuda" else torch.float32)
     if compile_with == "aot_forward":
         model.forward = prefill_buckets.aot_forward(model)
+    elif compile_with == "reduce-overhead":
+        model.compile(dynamic=False, mode="reduce-overhead")
     else:
         model.compile(dynamic=False)
     gc = GenerationConfig(cache_implementation="static", max_new_tokens=8, prefill_buckets="pow2")
@@ -47,7 +55,7 @@ def child(mode: str, artifacts: str, max_prompt_length: int, compile_with: str, 
     shapes = prefill_buckets.precompile(model, gc, max_prompt_length=max_prompt_length, progress=False)
     first_call = shapes[0].seconds
     compile_seconds = sum(s.seconds for s in shapes)
-    prompt = torch.arange(3, 3 + max_prompt_length - 5).view(1, -1) % 100 + 3
+    prompt = (torch.arange(3, 3 + max_prompt_length - 5).view(1, -1) % 100 + 3).to(device)
     tokens = prefill_buckets.generate(model, prompt, generation_config=gc).tolist()
     saved = None
     if mode == "cold":
@@ -81,13 +89,16 @@ def child(mode: str, artifacts: str, max_prompt_length: int, compile_with: str, 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-prompt-length", type=int, default=64)
-    parser.add_argument("--compile", choices=["aot_forward", "model.compile"], default="aot_forward")
+    parser.add_argument(
+        "--compile", choices=["aot_forward", "model.compile", "reduce-overhead"], default="aot_forward"
+    )
+    parser.add_argument("--device", default="cpu")
     parser.add_argument("--child", choices=["cold", "warm"])
     parser.add_argument("--artifacts")
     parser.add_argument("--sha256")
     args = parser.parse_args()
     if args.child:
-        child(args.child, args.artifacts, args.max_prompt_length, args.compile, args.sha256)
+        child(args.child, args.artifacts, args.max_prompt_length, args.compile, args.sha256, args.device)
         return
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -95,7 +106,7 @@ def main() -> None:
         for mode in ("cold", "warm"):
             env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(tmp, f"inductor-{mode}"))
             cmd = [sys.executable, __file__, "--child", mode, "--artifacts", artifacts, "--compile", args.compile]
-            cmd += ["--max-prompt-length", str(args.max_prompt_length)]
+            cmd += ["--max-prompt-length", str(args.max_prompt_length), "--device", args.device]
             if mode == "warm":
                 cmd += ["--sha256", results["cold"]["sha256"]]  # as a replica gets it, with the file
             done = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -103,7 +114,10 @@ def main() -> None:
                 sys.exit(f"The {mode} process failed:\n{done.stderr[-5000:]}")
             results[mode] = json.loads(done.stdout.strip().splitlines()[-1])
     cold, warm = results["cold"], results["warm"]
-    print(f"compile: {args.compile}, pow2 buckets up to {args.max_prompt_length}, cache loaded warm: {warm['loaded']}")
+    print(
+        f"compile: {args.compile}, device {args.device}, pow2 buckets up to {args.max_prompt_length}, cache loaded "
+        f"warm: {warm['loaded']}"
+    )
     columns = ("frames traced", "graphs traced", "ops captured", "graphs compiled", "load s", "precompile s")
     print(" | ".join(("", *columns, "first call s", "start to first call s")))
     for row in (cold, warm):

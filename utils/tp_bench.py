@@ -54,6 +54,13 @@ def parse_args():
     parser.add_argument("--fresh", action="store_true", help="delete --cache-dir first: a cold launch")
     parser.add_argument("--max-prompt-length", type=int, default=32, help="the workload's longest prompt (tokens)")
     parser.add_argument("--max-new-tokens", type=int, default=8)
+    parser.add_argument(
+        "--compile",
+        choices=["model.compile", "aot_forward"],
+        default="model.compile",
+        help="`model.compile(dynamic=False)`, or `prefill_buckets.aot_forward`, whose saved graphs a warm launch loads\n"
+        "without tracing (use another --cache-dir per choice)",
+    )
     return parser.parse_args()
 
 
@@ -143,7 +150,11 @@ def main() -> int:
     model = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=torch.float32, distributed_config=DistributedConfig(tp_plan="auto")
     ).eval()
-    model.compile(dynamic=False)
+    if args.compile == "aot_forward":
+        model.forward = prefill_buckets.aot_forward(model)
+    else:
+        model.compile(dynamic=False)
+    figures["compile"] = args.compile
     shapes = prefill_buckets.precompile(
         model,
         generation_config,
@@ -221,7 +232,8 @@ def report(directory: str, ranks: list[dict], lengths: list[int], model_name: st
     launch = ranks[0]["launch"]
     print(
         f"\n{model_name}, {len(ranks)} ranks (tp_plan='auto', {ranks[0]['backend']}), pow2 buckets {ranks[0]['buckets']}, "
-        f"{ranks[0]['prompts']} prompts of {min(lengths)}-{max(lengths)} tokens, {launch} launch\n"
+        f"{ranks[0]['prompts']} prompts of {min(lengths)}-{max(lengths)} tokens, compiled with "
+        f"{ranks[0].get('compile', 'model.compile')}, {launch} launch\n"
     )
     rows = [("", ranks)]
     cold_path = os.path.join(directory, "launch-cold.json")
