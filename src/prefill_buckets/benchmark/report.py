@@ -123,12 +123,13 @@ TABLE_NOTES = """\
 graphs: graphs compiled (GraphCounter around inductor; cb-*: dynamo's count, every backend; pow2-warm: aot_forward's
 count, 0 when every graph came from the file); cached: of those, served from inductor's FX graph cache. total s: the
 whole workload, compiles included (pow2-warm: loading the saved cache and precompile() included); prep s: the earlier
-process that compiled and saved that cache. warm: calls that compiled nothing; TTFT and decode are the median/p90 over those. TTFT: generate() call to first new token. tok/s: new tokens
-per second of those calls. batch-* and cb-* hand every prompt over at once and run the workload twice: total s is the
-first (cold) pass; warm, TTFT, decode and tok/s come from the second (cb-*: TTFT from a request's creation, its wait
-included). pad: pad tokens per real prompt token (cb-*: not counted). fallbacks: forwards that ran no compiled graph
-(eager past the recompile limit; cb-*: not counted, "limit xN": N functions hit dynamo's recompile limit and run their
-new shapes eagerly). tokens==eager: every prompt's new tokens equal the eager run's."""
+process that compiled and saved that cache. warm: calls that compiled nothing; TTFT and decode are the median/p90 over
+those. TTFT: generate() call to first new token. tok/s: new tokens per second of those calls. batch-* and cb-* hand
+every prompt over at once and run the workload twice: total s is the first (cold) pass; warm, TTFT, decode and tok/s
+come from the second (cb-*: TTFT from a request's creation, its wait included). pad: pad tokens per real prompt token
+(cb-*: not counted). fallbacks: forwards that ran no compiled graph (eager past the recompile limit; cb-*: not
+counted, "limit xN": N functions hit dynamo's recompile limit and run their new shapes eagerly). tokens==eager: every
+prompt's new tokens equal the eager run's."""
 
 
 def plot(results: list[dict], path: Path, title: str) -> None:
