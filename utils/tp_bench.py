@@ -94,8 +94,9 @@ def main() -> int:
     from transformers.generation.streamers import BaseStreamer
 
     import prefill_buckets
-    from prefill_buckets import bench
+    from prefill_buckets.benchmark.workload import load_prompts, tokenize_prompts
     from prefill_buckets.distributed import rank_path
+    from prefill_buckets.testing_utils import smollm2_folder
 
     # The model, its workload and the reference tokens.
     if args.tiny:
@@ -115,14 +116,14 @@ def main() -> int:
             for n in TINY_LENGTHS
         ]
     else:
-        model_dir = str(bench.smollm2_folder()) if rank == 0 else None
+        model_dir = str(smollm2_folder()) if rank == 0 else None
         holder = [model_dir]
         dist.broadcast_object_list(holder)  # rank 0 converts the model once; every rank loads the folder
         model_dir = holder[0]
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        workload = bench.tokenize_prompts(tokenizer, bench.load_prompts(None))
+        workload = tokenize_prompts(tokenizer, load_prompts(None))
         workload = [item for item in workload if item["length"] <= args.max_prompt_length]
     from transformers import AutoConfig
 
