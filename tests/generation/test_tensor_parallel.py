@@ -32,7 +32,7 @@ from .tiny_models import tiny_llama
 
 
 WORLD_SIZE = 2
-RUN_TIMEOUT_S = 150  # the whole 2-rank run, startup included: about 60 s on 2 busy cores
+RUN_TIMEOUT_S = 240  # the whole 2-rank run, startup included: about 90 s on 2 busy cores
 PROCESS_GROUP_TIMEOUT_S = 30
 BUCKETS = [16, 32]
 MAX_CACHE_LEN = 48
@@ -133,6 +133,51 @@ def _compile_cache_phase(directory: str) -> dict:
     }
 
 
+def _aot_warm_start_phase(directory: str) -> dict:
+    """
+    `aot_forward` on the sharded model: a cold run compiles and saves each rank's file, then a warm one (a new
+    process, played by a new model and no compiled forwards) loads it. Torch's counters tell what each traced.
+    """
+    from torch._dynamo.utils import counters
+
+    from prefill_buckets import aot_compiled
+
+    def traced() -> int:
+        return counters["stats"]["calls_captured"] + counters["frames"]["total"]
+
+    path = rank_path(os.path.join(directory, "aot-cache-{rank}.zip"))
+    config = generation_config()
+    config.prefill_buckets = BUCKETS
+    results = {}
+    for launch in ("cold", "warm"):
+        aot_compiled._live.clear()  # a new process: no compiled forwards of the phases before
+        if launch == "warm":
+            results["loaded"] = prefill_buckets.load_compile_cache(path)
+        before = traced()
+        from transformers.distributed import DistributedConfig
+
+        model = AutoModelForCausalLM.from_pretrained(
+            os.path.join(directory, "model"), distributed_config=DistributedConfig(tp_plan="auto")
+        )
+        model.forward = prefill_buckets.aot_forward(model, backend="aot_eager")
+        prefill_buckets.precompile(model, config, progress=False)
+        tokens = {}
+        for length in LENGTHS:
+            out = prefill_buckets.generate(model, prompt(1, length), generation_config=config)
+            tokens[str(length)] = out[:, length:].tolist()
+        results[launch] = {
+            "tokens": tokens,
+            "traced": traced() - before,
+            "graphs_compiled": model.forward.graphs_compiled,
+            "graphs_loaded": model.forward.graphs_loaded,
+        }
+        if launch == "cold":
+            results["saved"] = prefill_buckets.save_compile_cache(path) is not None
+            dist.barrier()  # every rank has written its file
+    aot_compiled._live.clear()
+    return results
+
+
 def _worker(rank: int, directory: str, port: int) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -167,6 +212,7 @@ def _worker(rank: int, directory: str, port: int) -> None:
         record("workload", run_workload(model, counter))
         record("check", _check_phase(model, rank))
         record("compile_cache", _compile_cache_phase(directory))
+        record("aot_warm_start", _aot_warm_start_phase(directory))
 
         # Other prompts in one bucket: without `generate`'s check the collectives match, and the activations they
         # sum don't...
@@ -321,6 +367,21 @@ class TensorParallelTest(unittest.TestCase):
             self.assertIn("must contain `{rank}`", cache["shared_path_error"])
         self.assertEqual(rank_path("cache-{rank}.zip"), "cache-0.zip")  # one process: rank 0
         self.assertEqual(rank_path("cache.zip"), "cache.zip")
+
+    def test_aot_forward_warm_start_traces_nothing(self):
+        expected = {str(length): self.reference[str(length)] for length in LENGTHS}
+        for rank, phase in enumerate(self.rank_results("aot_warm_start")):
+            with self.subTest(rank=rank):
+                self.assertTrue(phase["saved"])
+                self.assertTrue(phase["loaded"])
+                cold, warm = phase["cold"], phase["warm"]
+                self.assertGreater(cold["traced"], 0)  # the positive control: the cold run traced its graphs
+                self.assertEqual(cold["graphs_compiled"], len(BUCKETS) + 1)  # a prefill graph per bucket, decode
+                self.assertEqual(warm["traced"], 0)
+                self.assertEqual(warm["graphs_compiled"], 0)
+                self.assertEqual(warm["graphs_loaded"], cold["graphs_compiled"])
+                self.assertEqual(cold["tokens"], expected)
+                self.assertEqual(warm["tokens"], expected)
 
     def test_other_prompt_in_same_bucket_is_silently_wrong(self):
         # Why the check matters: without it nothing fails, and both ranks return tokens of neither prompt...
