@@ -6,7 +6,7 @@ compile cache, then a warm launch that loads it, side by side.
     torchrun --nproc-per-node 3 utils/tp_bench.py              # again: the warm launch, and the table
 
 Each launch loads the model with `distributed_config=DistributedConfig(tp_plan="auto")`, compiles it with inductor
-(`dynamic=False`), runs `precompile` for `prefill_buckets="pow2"` over the workload's prompt lengths, then serves the
+(`prefill_buckets.aot_forward`, or `model.compile(dynamic=False)` with `--compile model.compile`), runs `precompile` for `prefill_buckets="pow2"` over the workload's prompt lengths, then serves the
 workload (prompts of the packaged benchmark set up to `--max-prompt-length` tokens; random ids with `--tiny`). The
 first launch in `--cache-dir` is cold (its own empty inductor cache directory) and saves one compile cache file per
 rank (`compile-cache-{rank}.zip`); a later launch with the same model and number of ranks is warm: another empty
@@ -57,9 +57,9 @@ def parse_args():
     parser.add_argument(
         "--compile",
         choices=["model.compile", "aot_forward"],
-        default="model.compile",
-        help="`model.compile(dynamic=False)`, or `prefill_buckets.aot_forward`, whose saved graphs a warm launch loads\n"
-        "without tracing (use another --cache-dir per choice)",
+        default="aot_forward",
+        help="`prefill_buckets.aot_forward` (default), whose saved graphs a warm launch loads without tracing, or\n"
+        "`model.compile(dynamic=False)`, which a warm launch traces again (use another --cache-dir per choice)",
     )
     return parser.parse_args()
 
