@@ -61,7 +61,7 @@ HOOK_TARGETS: dict[str, tuple[str, ...]] = {
     "_get_stopping_criteria": ("generation_config", "stopping_criteria"),
     "_get_candidate_generator": ("generation_config",),
     "get_compiled_call": ("compile_config",),
-    # Right padding (`padding_side.py`) replaces the prefill forward.
+    # Right padding (`padding_side.py` chooses it) replaces the prefill forward (`prefill_right.py`).
     "_prefill": ("input_ids", "generation_config", "model_kwargs"),
 }
 # Other private methods called on the model.

@@ -16,7 +16,7 @@ through the padding.
 - `get_compiled_call`: upstream's own compiled forward falls back to eager for a shape its backend fails on; a forward
   of `aot_forward` is not compiled again.
 - `_prefill`, on a right-padded call only (`padding_side.py`): one forward of the prompt padded after its end to the
-  bucket, with no mask, then the cache's length set to the prompt's. Upstream, which sees the unpadded prompt, does
+  bucket, with no mask, then the cache's length set to the prompt's (`prefill_right.py`). Upstream, which sees the unpadded prompt, does
   everything else; the hooks above have nothing to undo (`added_id_columns == 0`).
 
 Every hook acts only for the model and the context whose plan is active (`bucketed_call`), so concurrent calls, on
@@ -43,6 +43,7 @@ from .compilation import EagerFallback, compiled_forward
 from .config import PREFILL_PAD_TO_MULTIPLE_OF
 from .inputs import PER_TOKEN_KWARGS, Plan
 from .padding import strip_left
+from .prefill_right import prefill_right
 from .state import LOCK, state_of
 from .views import UnpaddedCriterion, UnpaddedProcessor, UnpaddedPromptLookup
 
@@ -331,50 +332,8 @@ def _get_compiled_call(plan, original, compile_config=None, *args, **kwargs):
     return EagerFallback(model, compiled, model.__call__)
 
 
-@_hook
-def _prefill(plan, original, input_ids, generation_config, model_kwargs, *args, **kwargs):
-    if plan.side != "right" or plan.bucket == 1:  # a 1-token bucket has no padding: upstream's prefill, decode's graph
-        return original(input_ids, generation_config, model_kwargs, *args, **kwargs)
-    model = plan.model
-    cache_key, cache = next((key, model_kwargs[key]) for key in CACHE_KWARGS if model_kwargs.get(key) is not None)
-    rows = input_ids.shape[0] if input_ids.shape[1] else model_kwargs["inputs_embeds"].shape[0]
-    if not all(getattr(layer, "is_initialized", True) for layer in cache.layers):
-        early_initialize(model, cache, rows)  # outside the compiled forward: static addresses, as on the left
-    past = cache_seq_length(cache) or 0  # what a continued conversation holds; 0 for a fresh cache
-    inputs_embeds = model_kwargs.get("inputs_embeds")
-    if inputs_embeds is not None and past == 0:
-        new_tokens = inputs_embeds.shape[1]
-        fill = model.get_input_embeddings().weight[plan.settings.fill_token_id].detach().to(inputs_embeds.dtype)
-        padding = fill.expand(rows, plan.bucket - new_tokens, -1)
-        prompt = {"inputs_embeds": torch.cat([inputs_embeds, padding], dim=1)}  # [rows, bucket, hidden]
-    else:
-        new_ids = input_ids[:, past:]  # [rows, S]
-        new_tokens = new_ids.shape[1]
-        padding = new_ids.new_full((rows, plan.bucket - new_tokens), plan.settings.fill_token_id)
-        prompt = {"input_ids": torch.cat([new_ids, padding], dim=1)}  # [rows, bucket]
-    positions = past + torch.arange(plan.bucket, device=input_ids.device).expand(rows, -1)  # [rows, bucket]
-    last = torch.tensor([new_tokens - 1], device=input_ids.device)  # [1]: the prompt's last position, an input
-    if _compat.valid_auto_compile(model, model_kwargs, generation_config):
-        forward = model.get_compiled_call(generation_config.compile_config)  # as upstream decodes
-    else:
-        forward = model.__call__  # compiled in place, through the compiled wrapper, or eager
-    empty = _compat.reports_empty(cache) if past == 0 else contextlib.nullcontext()
-    with empty:
-        outputs = forward(
-            **prompt,
-            position_ids=positions,
-            attention_mask=None,
-            logits_to_keep=last,
-            use_cache=True,
-            return_dict=True,
-            **{cache_key: cache},
-        )
-    _compat.set_static_cache_length(cache, past + new_tokens)
-    return outputs
-
-
 HOOKS = {
-    "_prefill": _prefill,
+    "_prefill": _hook(prefill_right),
     "_prepare_generated_length": _prepare_generated_length,
     "_prepare_cache_for_generation": _prepare_cache_for_generation,
     "prepare_inputs_for_generation": _prepare_inputs_for_generation,
