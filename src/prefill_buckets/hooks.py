@@ -16,8 +16,8 @@ through the padding.
 - `get_compiled_call`: upstream's own compiled forward falls back to eager for a shape its backend fails on; a forward
   of `aot_forward` is not compiled again.
 - `_prefill`, on a right-padded call only (`padding_side.py`): one forward of the prompt padded after its end to the
-  bucket, with no mask, then the cache's length set to the prompt's (`prefill_right.py`). Upstream, which sees the unpadded prompt, does
-  everything else; the hooks above have nothing to undo (`added_id_columns == 0`).
+  bucket, with no mask, then the cache's length set to the prompt's (`prefill_right.py`). Upstream, which sees the
+  unpadded prompt, does everything else; the hooks above have nothing to undo (`added_id_columns == 0`).
 
 Every hook acts only for the model and the context whose plan is active (`bucketed_call`), so concurrent calls, on
 one model or several, don't see each other's plans.

@@ -1,6 +1,7 @@
 """Padding a call's inputs: the prompt to its bucket (columns in front), and the batch to its batch bucket (rows).
 
-A right-padded call (`padding_side.py`) passes the prompt on unpadded (`plan_right`): the `_prefill` hook (`prefill_right.py`) pads it.
+A right-padded call (`padding_side.py`) passes the prompt on unpadded (`plan_right`): the `_prefill` hook
+(`prefill_right.py`) pads it.
 
 Pure input rewriting: the user's dicts and tensors are never modified, new ones are returned with a `Plan` that says
 what was added, which the hooks and `output.strip_output` read.

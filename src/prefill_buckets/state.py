@@ -37,7 +37,8 @@ class ModelState:
     fallback_warned: bool = False
     # Key/value head counts the attention modules hold themselves (`None` until first looked up).
     attention_kv_heads: set[int] | None = None
-    # Right padding: why the layers of the static cache `generate` would make can't take it, by slots (`None`: they can).
+    # Right padding: why the layers of the static cache `generate` would make can't take it, by slots (`None`: they
+    # can).
     right_padding_layers: dict[int, str | None] = field(default_factory=dict)
     # On a `torch.compile(model)` wrapper: the wrapped module's call compiled by the wrapper, and its users.
     wrapper_compiled_call: Any = None
