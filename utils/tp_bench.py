@@ -1,17 +1,18 @@
-"""Bucketed generate under tensor parallelism (CPU with gloo, or one GPU per rank with NCCL): a cold launch that compiles and saves each rank's
-compile cache, then a warm launch that loads it, side by side.
+"""Bucketed generate under tensor parallelism (CPU with gloo, or one GPU per rank with NCCL): a cold launch that
+compiles and saves each rank's compile cache, then a warm launch that loads it, side by side.
 
     torchrun --nproc-per-node 3 utils/tp_bench.py              # SmolLM2-135M-Instruct: 9 heads, 3 kv heads
     torchrun --nproc-per-node 2 utils/tp_bench.py --tiny       # a config-built Llama whose heads split in 2
     torchrun --nproc-per-node 3 utils/tp_bench.py              # again: the warm launch, and the table
 
 Each launch loads the model with `distributed_config=DistributedConfig(tp_plan="auto")`, compiles it with inductor
-(`prefill_buckets.aot_forward`, or `model.compile(dynamic=False)` with `--compile model.compile`), runs `precompile` for `prefill_buckets="pow2"` over the workload's prompt lengths, then serves the
-workload (prompts of the packaged benchmark set up to `--max-prompt-length` tokens; random ids with `--tiny`). The
-first launch in `--cache-dir` is cold (its own empty inductor cache directory) and saves one compile cache file per
-rank (`compile-cache-{rank}.zip`); a later launch with the same model and number of ranks is warm: another empty
-inductor directory, and `load_compile_cache` of its rank's file before compiling. Rank 0 also runs the workload on
-the unsharded model in eager mode, unpadded (the reference), and every rank compares its tokens with it.
+(`prefill_buckets.aot_forward`, or `model.compile(dynamic=False)` with `--compile model.compile`), runs `precompile`
+for `prefill_buckets="pow2"` over the workload's prompt lengths, then serves the workload (prompts of the packaged
+benchmark set up to `--max-prompt-length` tokens; random ids with `--tiny`). The first launch in `--cache-dir` is cold
+(its own empty inductor cache directory) and saves one compile cache file per rank (`compile-cache-{rank}.zip`); a
+later launch with the same model and number of ranks is warm: another empty inductor directory, and
+`load_compile_cache` of its rank's file before compiling. Rank 0 also runs the workload on the unsharded model in
+eager mode, unpadded (the reference), and every rank compares its tokens with it.
 
 Each launch prints, per rank: graphs compiled by `precompile` and afterwards (0 expected), the time to the first
 token (process start to the first token of the first request: loading, precompile included), the workload time,

@@ -132,7 +132,7 @@ class AOTForwardTest(unittest.TestCase):
         self.assertEqual(output.tolist(), reference.tolist())
 
     def outer_compile_config(self):
-        """A `compile_config` on every device: upstream compiles `model.__call__` as it does with a static cache on CUDA."""
+        """A `compile_config` on every device: upstream compiles `model.__call__`, as with a static cache on CUDA."""
         from transformers import CompileConfig
 
         compile_config = CompileConfig(backend="eager", mode=None)

@@ -68,13 +68,17 @@ class AOTCounter:
     def calls(self) -> int:
         return self.forward.calls
 
+    @property
+    def graphs_loaded(self) -> int:
+        return self.forward.graphs_loaded
+
 
 def run_counters(counter: GraphCounter | AOTCounter, forwards: int) -> dict:
     """What the process compiled and ran, for the record."""
     graph_breaks = torch._dynamo.utils.counters["graph_break"]
     return {
         "graphs": counter.graphs,
-        "graphs_loaded": getattr(getattr(counter, "forward", None), "graphs_loaded", None),
+        "graphs_loaded": getattr(counter, "graphs_loaded", None),  # from a compile cache file (`AOTCounter` only)
         "compiled_calls": counter.calls,
         "forwards": forwards,
         "graph_breaks": int(sum(graph_breaks.values())),
