@@ -22,6 +22,7 @@ import numbers
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 
 POW2 = "pow2"
@@ -38,6 +39,43 @@ def next_power_of_two(length: int) -> int:
     return 1 << max(length - 1, 0).bit_length()
 
 
+def _is_positive_int(value: Any) -> bool:
+    # `bool` is an `int` subclass: `True` is not a length.
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def validate_pad_to_multiple_of(value: Any, field: str) -> None:
+    """Raises `ValueError` naming `field` unless `value` is `None` or a positive `int`."""
+    if value is not None and not _is_positive_int(value):
+        raise ValueError(f"`{field}` must be a positive integer (such as 64) or None, but is {value!r}.")
+
+
+def validate_buckets(value: Any, field: str) -> None:
+    """
+    Raises `ValueError` naming `field` unless `value` is `None`, a policy name of `BUCKET_POLICIES`, or a strictly
+    increasing list (or tuple) of positive ints. The one check of bucket lengths: `BucketPolicy` and the
+    `GenerationConfig` fields (`config.py`) both run it.
+    """
+    if value is None:
+        return
+    valid = (
+        f"a list of strictly increasing positive integers (such as [64, 256, 1024]), one of {BUCKET_POLICIES}, or None"
+    )
+    if isinstance(value, str):
+        if value not in BUCKET_POLICIES:
+            raise ValueError(f"`{field}` must be {valid}, but is the unknown policy {value!r}.")
+        return
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"`{field}` must be {valid}, but is {value!r} of type {type(value).__name__}.")
+    if len(value) == 0:
+        raise ValueError(f"`{field}` must be {valid}, but is an empty list.")
+    bad = [bucket for bucket in value if not _is_positive_int(bucket)]
+    if bad:
+        raise ValueError(f"`{field}` must be {valid}, but {value!r} holds {bad[0]!r}, which is not.")
+    if any(later <= earlier for earlier, later in zip(value, value[1:])):
+        raise ValueError(f"`{field}` must be {valid}, but {value!r} is not strictly increasing.")
+
+
 @dataclass(frozen=True)
 class BucketPolicy:
     """
@@ -48,6 +86,10 @@ class BucketPolicy:
             Increasing bucket lengths, or `"pow2"` for every power of two.
         pad_to_multiple_of (`int`, *optional*):
             Alignment applied after the bucket: the padded length is a multiple of it.
+
+    Raises:
+        `ValueError`: a field holds a value the `GenerationConfig` fields refuse (`prefill_buckets`,
+        `prefill_pad_to_multiple_of`), with the same message, naming this field.
     """
 
     buckets: tuple[int, ...] | str | None = None
@@ -56,6 +98,8 @@ class BucketPolicy:
     def __post_init__(self):
         if self.buckets is None and self.pad_to_multiple_of is None:
             raise ValueError("A `BucketPolicy` needs `buckets`, `pad_to_multiple_of`, or both.")
+        validate_buckets(self.buckets, "buckets")
+        validate_pad_to_multiple_of(self.pad_to_multiple_of, "pad_to_multiple_of")
         if isinstance(self.buckets, Sequence) and not isinstance(self.buckets, str):
             object.__setattr__(self, "buckets", tuple(self.buckets))
 

@@ -6,7 +6,7 @@ Kept free of any patching: `patch.py` installs these into transformers' `Generat
 
 from typing import Any
 
-from .buckets import BUCKET_POLICIES, BucketPolicy
+from .buckets import BucketPolicy, validate_buckets, validate_pad_to_multiple_of
 
 
 PREFILL_PAD_TO_MULTIPLE_OF = "prefill_pad_to_multiple_of"
@@ -52,39 +52,14 @@ FIELD_DOCS = """
 """
 
 
-def _is_positive_int(value: Any) -> bool:
-    # `bool` is an `int` subclass: `True` is not a length.
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
-
 def validate_prefill_pad_to_multiple_of(value: Any) -> None:
     """Raises `ValueError` unless `value` is `None` or a positive `int`."""
-    if value is not None and not _is_positive_int(value):
-        raise ValueError(
-            f"`{PREFILL_PAD_TO_MULTIPLE_OF}` must be a positive integer (such as 64) or None, but is {value!r}."
-        )
+    validate_pad_to_multiple_of(value, PREFILL_PAD_TO_MULTIPLE_OF)
 
 
 def validate_prefill_buckets(value: Any, field: str = PREFILL_BUCKETS) -> None:
     """Raises `ValueError` unless `value` is `None`, a known policy name, or a strictly increasing list of positive ints."""
-    if value is None:
-        return
-    valid = (
-        f"a list of strictly increasing positive integers (such as [64, 256, 1024]), one of {BUCKET_POLICIES}, or None"
-    )
-    if isinstance(value, str):
-        if value not in BUCKET_POLICIES:
-            raise ValueError(f"`{field}` must be {valid}, but is the unknown policy {value!r}.")
-        return
-    if not isinstance(value, (list, tuple)):
-        raise ValueError(f"`{field}` must be {valid}, but is {value!r} of type {type(value).__name__}.")
-    if len(value) == 0:
-        raise ValueError(f"`{field}` must be {valid}, but is an empty list.")
-    bad = [bucket for bucket in value if not _is_positive_int(bucket)]
-    if bad:
-        raise ValueError(f"`{field}` must be {valid}, but {value!r} holds {bad[0]!r}, which is not.")
-    if any(later <= earlier for earlier, later in zip(value, value[1:])):
-        raise ValueError(f"`{field}` must be {valid}, but {value!r} is not strictly increasing.")
+    validate_buckets(value, field)
 
 
 def validate_prefill_padding_side(value: Any) -> None:

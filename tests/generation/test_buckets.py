@@ -36,6 +36,21 @@ class BucketPolicyTest(unittest.TestCase):
         with self.assertRaisesRegex(ValueError, "buckets.*pad_to_multiple_of"):
             BucketPolicy()
 
+    @parameterized.expand(
+        [
+            ("unknown_policy", {"buckets": "pow3"}, "`buckets`", "'pow2'"),
+            ("negative_multiple", {"pad_to_multiple_of": -4}, "`pad_to_multiple_of`", "positive integer"),
+            ("zero_bucket", {"buckets": [0]}, "`buckets`", "strictly increasing positive integers"),
+            ("decreasing", {"buckets": [16, 8]}, "`buckets`", "strictly increasing"),
+        ]
+    )
+    def test_bad_values_raise(self, _, fields, field, valid):
+        # Unchecked, "pow3" padded nothing, -4 gave a bucket shorter than the prompt, and [0] divided by zero.
+        with self.assertRaises(ValueError) as context:
+            BucketPolicy(**fields)
+        self.assertIn(field, str(context.exception))
+        self.assertIn(valid, str(context.exception))
+
     def test_list_is_stored_as_tuple(self):
         policy = BucketPolicy(buckets=[8, 16, 32])
         self.assertEqual(policy.buckets, (8, 16, 32))

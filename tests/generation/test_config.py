@@ -15,6 +15,8 @@ from transformers.generation.utils import GenerationMixin
 
 import prefill_buckets
 from prefill_buckets import PREFILL_BUCKETS, PREFILL_PAD_TO_MULTIPLE_OF
+from prefill_buckets.buckets import BucketPolicy
+from prefill_buckets.config import validate_fields
 
 from . import tiny_models
 
@@ -115,6 +117,19 @@ class ConfigValidationTest(unittest.TestCase):
         else:
             self.assertIn("strictly increasing positive integers", message)
             self.assertIn("'pow2'", message)
+
+    @parameterized.expand(BAD_VALUES)
+    def test_bucket_policy_raises_the_config_message(self, _, field, value, shown):
+        # One validator: `BucketPolicy(buckets=...)` says what `GenerationConfig(prefill_buckets=...)` says, of its
+        # own field.
+        policy_field = {PREFILL_BUCKETS: "buckets", PREFILL_PAD_TO_MULTIPLE_OF: "pad_to_multiple_of"}[field]
+        with self.assertRaises(ValueError) as config_error:
+            validate_fields(**{field: value})
+        with self.assertRaises(ValueError) as policy_error:
+            BucketPolicy(**{policy_field: value})
+        expected = str(config_error.exception).replace(f"`{field}`", f"`{policy_field}`")
+        self.assertEqual(str(policy_error.exception), expected)
+        self.assertGoodMessage(config_error.exception, field, shown)
 
     @parameterized.expand(BAD_VALUES)
     def test_bad_value_in_generation_config(self, _, field, value, shown):
