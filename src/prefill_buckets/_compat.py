@@ -67,8 +67,14 @@ HOOK_TARGETS: dict[str, tuple[str, ...]] = {
 # Other private methods called on the model.
 CALLED_METHODS = ("_valid_auto_compile_criteria",)
 
-_checked: set[type] = set()
-_checked_lock = threading.Lock()
+# The verdict of `check_upstream` per class: `None` (passed) or the message it raises, every time it is asked.
+_checked: dict[type, str | None] = {}
+# The self-test's verdict for this process (it tests the transformers version, not a class): `_PENDING` until it has
+# run, `_RUNNING` while it runs (its own bucketed calls come back to `check_upstream`), then `None` or a message.
+_PENDING, _RUNNING = object(), object()
+_self_test_verdict = {"verdict": _PENDING}
+# Held while a verdict is made, so a concurrent first call waits for it. Reentrant: the self-test's calls re-enter.
+_checked_lock = threading.RLock()
 
 
 class _GenerativeModel(PreTrainedModel, GenerationMixin):
@@ -78,10 +84,22 @@ class _GenerativeModel(PreTrainedModel, GenerationMixin):
 def check_upstream(model_class: type = _GenerativeModel) -> None:
     """
     Raises `RuntimeError` naming the transformers version and the missing piece when a hook target or another private
-    name the package relies on is missing, or no longer takes the parameters the hook reads. Cached per class.
+    name the package relies on is missing, or no longer takes the parameters the hook reads, and, outside the tested
+    range, when the self-test fails. The verdict is kept per class (and for the self-test, per process): a class that
+    failed keeps raising.
     """
-    if model_class in _checked:
-        return
+    with _checked_lock:
+        if model_class not in _checked:
+            _checked[model_class] = _problems_message(model_class)
+        failure = _checked[model_class]
+        if failure is None and not _is_tested_range():
+            failure = _self_test_failure()
+    if failure is not None:
+        raise RuntimeError(failure)
+
+
+def _problems_message(model_class: type) -> str | None:
+    """What `check_upstream` raises for `model_class`, or `None` when every private name it needs is in place."""
     problems = []
     for name, parameters in HOOK_TARGETS.items():
         method = getattr(model_class, name, None)
@@ -101,26 +119,44 @@ def check_upstream(model_class: type = _GenerativeModel) -> None:
         problems.append("`transformers.masking_utils._ignore_causal_mask_sdpa` does not exist")
     if not hasattr(torch._dynamo.config, "recompile_limit"):
         problems.append(f"`torch._dynamo.config.recompile_limit` does not exist (torch {torch.__version__})")
-    if problems:
-        raise RuntimeError(
-            f"prefill_buckets can't bucket `generate` on transformers {transformers.__version__}: "
-            + "; ".join(problems)
-            + f". It is tested on transformers {' and '.join(TESTED_TRANSFORMERS)}: install one of those, or unset the "
-            "prefill bucket fields (and call `prefill_buckets.disable()`) to use this version without them."
-        )
-    with _checked_lock:
-        first = not _checked
-        _checked.add(model_class)
-    if first and not _is_tested_range():
-        logger.warning(
-            f"prefill_buckets is tested on transformers {TESTED_TRANSFORMERS[0]} to {TESTED_TRANSFORMERS[-1]}, and "
-            f"this is {transformers.__version__}. Every private step it hooks is present with the parameters it "
-            "reads, and its self-test (a tiny model, bucketed against unpadded) passes on this version; compare a few "
-            "of your own outputs against an unbucketed call."
-        )
-        from .selftest import self_test  # runs bucketed calls, which come back here: `_checked` is already set
+    if not problems:
+        return None
+    return (
+        f"prefill_buckets can't bucket `generate` on transformers {transformers.__version__}: "
+        + "; ".join(problems)
+        + f". It is tested on transformers {' and '.join(TESTED_TRANSFORMERS)}: install one of those, or unset the "
+        "prefill bucket fields (and call `prefill_buckets.disable()`) to use this version without them."
+    )
 
+
+def _self_test_failure() -> str | None:
+    """
+    The self-test's verdict on this transformers version, run on first use (under `_checked_lock`): `None` when it
+    passed, or its error message. While it runs, its own bucketed calls pass.
+    """
+    verdict = _self_test_verdict["verdict"]
+    if verdict is _RUNNING:
+        return None
+    if verdict is not _PENDING:
+        return verdict
+    logger.warning(
+        f"prefill_buckets is tested on transformers {TESTED_TRANSFORMERS[0]} to {TESTED_TRANSFORMERS[-1]}, and "
+        f"this is {transformers.__version__}. Every private step it hooks is present with the parameters it "
+        "reads, and its self-test (a tiny model, bucketed against unpadded) passes on this version; compare a few "
+        "of your own outputs against an unbucketed call."
+    )
+    from .selftest import self_test
+
+    _self_test_verdict["verdict"] = _RUNNING
+    verdict = _PENDING  # interrupted (`KeyboardInterrupt`): no verdict, the next call runs it again
+    try:
         self_test()
+        verdict = None
+    except Exception as error:  # any failure of a bucketed call on this version is the verdict, kept
+        verdict = str(error) if isinstance(error, RuntimeError) else f"prefill_buckets' self-test failed: {error!r}"
+    finally:
+        _self_test_verdict["verdict"] = verdict
+    return verdict
 
 
 def _is_tested_range() -> bool:

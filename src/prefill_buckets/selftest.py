@@ -1,7 +1,8 @@
 """`self_test`: bucketed `generate` against upstream's unpadded `generate` on the installed transformers, in a second.
 
 `_compat.check_upstream` runs it once per process on a transformers version outside the tested range, so that a
-release which changed what a hooked step means fails loudly at the first bucketed call instead of running wrong.
+release which changed what a hooked step means fails loudly at the first bucketed call instead of running wrong. The
+verdict is kept: after a failure every bucketed call of the process raises it.
 """
 
 import torch

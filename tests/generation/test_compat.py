@@ -2,6 +2,7 @@
 # of being skipped, and a `torch.compile(model)` wrapper shared by threads keeps every forward compiled.
 
 import threading
+import time
 import unittest
 from unittest import mock
 
@@ -138,9 +139,11 @@ class SharedWrapperThreadsTest(unittest.TestCase):
 class UntestedVersionTest(unittest.TestCase):
     def setUp(self):
         # As on a transformers release outside the tested range, in a fresh process: nothing checked yet.
-        checked = set(_compat._checked)
+        checked, verdict = dict(_compat._checked), dict(_compat._self_test_verdict)
         _compat._checked.clear()
+        _compat._self_test_verdict["verdict"] = _compat._PENDING
         self.addCleanup(lambda: (_compat._checked.clear(), _compat._checked.update(checked)))
+        self.addCleanup(_compat._self_test_verdict.update, verdict)
         patcher = mock.patch.object(_compat, "_is_tested_range", return_value=False)
         patcher.start()
         self.addCleanup(patcher.stop)
@@ -163,3 +166,46 @@ class UntestedVersionTest(unittest.TestCase):
         with mock.patch("prefill_buckets.generation.strip_output", lambda output, plan: output):
             with self.assertRaisesRegex(RuntimeError, "self-test failed on transformers"):
                 prefill_buckets.generate(tiny_llama(), random_ids(5), max_new_tokens=2, prefill_buckets=[8])
+
+    def test_a_failed_self_test_keeps_failing(self):
+        # The verdict sticks: the second call (the step still broken, or not) raises too, instead of running bucketed
+        # on a version the self-test has shown to be broken. The self-test runs once.
+        model = tiny_llama()
+        with mock.patch("prefill_buckets.selftest.self_test", wraps=self_test) as spy:
+            with mock.patch("prefill_buckets.generation.strip_output", lambda output, plan: output):
+                with self.assertRaisesRegex(RuntimeError, "self-test failed on transformers"):
+                    prefill_buckets.generate(model, random_ids(5), max_new_tokens=2, prefill_buckets=[8])
+            for _ in range(2):
+                with self.assertRaisesRegex(RuntimeError, "self-test failed on transformers"):
+                    prefill_buckets.generate(model, random_ids(5), max_new_tokens=2, prefill_buckets=[8])
+        self.assertEqual(spy.call_count, 1)
+        # Unbucketed calls are upstream's, and still run.
+        self.assertEqual(prefill_buckets.generate(model, random_ids(5), max_new_tokens=2).shape, (1, 7))
+
+    def test_concurrent_first_calls_wait_for_the_verdict(self):
+        # A second thread's first call, made while the self-test runs, waits for its verdict and raises it too.
+        started, results = threading.Event(), {}
+
+        def failing_self_test():
+            started.set()
+            time.sleep(0.5)  # long enough for the other thread to be waiting on the verdict
+            raise RuntimeError("prefill_buckets' self-test failed on transformers (simulated)")
+
+        def call(name):
+            try:
+                prefill_buckets.generate(tiny_llama(), random_ids(5), max_new_tokens=2, prefill_buckets=[8])
+                results[name] = "ran"
+            except RuntimeError as error:
+                results[name] = str(error)
+
+        with mock.patch("prefill_buckets.selftest.self_test", failing_self_test):
+            first = threading.Thread(target=call, args=("first",))
+            first.start()
+            self.assertTrue(started.wait(timeout=60))
+            second = threading.Thread(target=call, args=("second",))
+            second.start()
+            first.join(timeout=60)
+            second.join(timeout=60)
+        self.assertEqual(set(results), {"first", "second"})
+        for name in ("first", "second"):
+            self.assertIn("self-test failed", results[name], name)
