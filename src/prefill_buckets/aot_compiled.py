@@ -13,6 +13,7 @@ import torch
 from transformers.utils import logging
 
 from . import _compat
+from .aot_key import dispatch_key, is_on_code, uncovered
 
 
 logger = logging.get_logger(__name__)
@@ -36,12 +37,16 @@ def aot_forward(model, backend: str = "inductor", options: dict | None = None) -
 
     Each new input shape is compiled on its first call (`torch.compile(..., fullgraph=True, dynamic=False)`, through
     `aot_compile`), so [`precompile`] compiles every bucket's graphs up front as with the other ways to compile. A
-    call is dispatched to the graph whose guards it passes. Those guards check the tensors (inputs, cache and
-    parameters: shape, dtype, device, strides), the Python values among the inputs and the model's attributes, and
-    torch's global state (grad mode, default dtype, ...). They don't check the identity of Python objects, module
-    globals or closures, which can't be saved; instead, the graphs are only reused for a model with the same class,
-    config, parameter names, shapes and dtypes and device (its fingerprint), and [`load_compile_cache`] refuses a
-    file of another torch, transformers or Python version.
+    call is dispatched by its key, then to the graph whose guards it passes. The key holds the input shapes and
+    dtypes, and the functions set on the instance of an object input, by qualified name: a fresh cache of a
+    right-padded prefill and a continued conversation's cache run different graphs. The guards check the tensors
+    (inputs, cache and parameters: shape, dtype, device, strides), the Python values among the inputs and the model's
+    attributes, and torch's global state (grad mode, default dtype, ...). They don't check the identity of Python
+    objects, module globals or closures, which can't be saved; instead, the graphs are only reused for a model with
+    the same class, config, parameter names, shapes and dtypes and device (its fingerprint), and
+    [`load_compile_cache`] refuses a file of another torch, transformers or Python version. A graph that depends on
+    an object set on an instance that the key can't name (a lambda set on the cache) is not kept: calls with its key
+    run the eager forward, with a warning.
 
     Not supported: `mode="reduce-overhead"` (CUDA graphs), graph breaks (the forward must compile as one graph), and
     dynamic shapes. Upstream's own compile of the forward (`compile_config`, or a static cache on CUDA) is not applied
@@ -81,13 +86,15 @@ class AOTForward:
         self._torchdynamo_orig_callable = self.eager  # reads as a compiled forward to `prefill_buckets`
         self.fingerprint = model_fingerprint(model)
         self.options = dict(options or {})
-        # By input key: the compiled functions, each with what saving it needs (`None` once loaded from a file).
+        # By dispatch key (`aot_key.py`): the compiled functions, each with what saving it needs (`None` once loaded from a file).
         self.functions: dict[str, list[tuple[object, dict | None]]] = {}
         self.looked_for_staged = False
-        self.pending: dict[str, list[tuple[dict, bytes]]] = {}  # staged graphs by input key, loaded when one comes
+        self.pending: dict[str, list[tuple[dict, bytes]]] = {}  # staged graphs by dispatch key, loaded when one comes
         self.graphs_compiled = 0  # graphs this process compiled (traced with dynamo, then compiled)
         self.graphs_loaded = 0  # graphs loaded from a compile cache file, neither traced nor compiled here
         self.calls = 0  # calls, each of which ran a compiled graph
+        self.eager_calls = 0  # calls that ran the eager forward: a state the dispatch key can't name (`unkeyed`)
+        self.unkeyed: dict[str, list[str]] = {}  # by dispatch key: the guards on a state that the key doesn't name
         _live.add(self)
 
     def __reduce__(self):
@@ -102,43 +109,62 @@ class AOTForward:
     def __call__(self, *args, **kwargs):
         if _staged or not self.looked_for_staged:
             self._take_staged()
-        key = _input_key(args, kwargs)
+        dispatch = dispatch_key(args, kwargs)
+        key = dispatch.text()
+        if key in self.unkeyed:  # a state no graph of this key can be told apart by: upstream's eager forward
+            self.eager_calls += 1
+            return self.eager(*args, **kwargs)
         if key in self.pending:
             self._load(self.pending.pop(key))
-        self.calls += 1
         for function, _ in self.functions.get(key, ()):
             if function.guard_check(self.model, *args, **kwargs):
+                self.calls += 1
                 return function(self.model, *args, **kwargs)
-        function = self._compile(args, kwargs)
+        function, state_guards = self._compile(args, kwargs)
+        missing = uncovered(dispatch, state_guards)
+        if missing:
+            self.unkeyed[key] = missing
+            logger.warning(
+                f"`aot_forward` can't tell this call's graph apart from others with the same inputs: it depends on "
+                f"{', '.join(missing)}, an object set on an instance, which no saved guard checks. Calls with these "
+                "inputs run the eager forward, and no graph of theirs is saved or loaded."
+            )
+            self.eager_calls += 1
+            return self.eager(*args, **kwargs)
         self.graphs_compiled += 1
+        self.calls += 1
         self.functions.setdefault(key, []).append((function, {"key": key}))
         return function(self.model, *args, **kwargs)
 
-    def _compile(self, args: tuple, kwargs: dict):
-        options = {**self.options, "guard_filter_fn": self._keep_guard}  # a new dict: `torch.compile` pops from it
+    def _compile(self, args: tuple, kwargs: dict) -> tuple[object, list[str]]:
+        """A new graph for these inputs, and the names of the guards on the inputs' state that it drops."""
+        state_guards = []
+        keep = functools.partial(self._keep_guard, state_guards=state_guards)
+        options = {**self.options, "guard_filter_fn": keep}  # a new dict: `torch.compile` pops from it
         compiled = torch.compile(self.eager, backend=self.backend, fullgraph=True, dynamic=False, options=options)
-        return _compat.aot_compile(compiled, args, kwargs)
+        return _compat.aot_compile(compiled, args, kwargs), state_guards
 
-    def _keep_guard(self, entries) -> list[bool]:
+    def _keep_guard(self, entries, state_guards: list[str]) -> list[bool]:
         """
         The guards a saved graph keeps: none on globals, on the wrapper closures of the model's `forward` (their
         functions can't be pickled by name), or of the kinds torch can't serialize (object identity and the like).
+        The dropped ones on the state of the inputs, not on the code, go to `state_guards` (see `aot_key.py`).
         """
         unsupported = _compat.unserializable_guard_types()
         freevars = set(type(self.model).forward.__code__.co_freevars)
-        return [
-            not (
-                entry.is_global
-                or entry.guard_type in unsupported
-                or unsupported.intersection(entry.derived_guard_types)
-                or "__closure__" in entry.name
-                or entry.name.split(".")[0].split("[")[0] in freevars
+        keep = []
+        for entry in entries:
+            on_code = is_on_code(entry.name, entry.is_global, freevars)
+            serializable = entry.guard_type not in unsupported and not unsupported.intersection(
+                entry.derived_guard_types
             )
-            for entry in entries
-        ]
+            keep.append(serializable and not on_code)
+            if not serializable and not on_code:
+                state_guards.append(entry.name)
+        return keep
 
     def _take_staged(self) -> None:
-        """Takes the graphs of a compile cache file staged for this model's fingerprint, to load by input key."""
+        """Takes the graphs of a compile cache file staged for this model's fingerprint, to load by dispatch key."""
         first_look = not self.looked_for_staged
         self.looked_for_staged = True
         entries = _staged.pop(self.fingerprint, [])
@@ -152,7 +178,7 @@ class AOTForward:
 
     def _load(self, entries: list[tuple[dict, bytes]]) -> None:
         """
-        Loads staged graphs, in the first call with their input key: torch rebuilds a graph's guards as it loads it,
+        Loads staged graphs, in the first call with their dispatch key: torch rebuilds a graph's guards as it loads it,
         reading state that only exists inside a forward call, and each graph costs only the shape that needs it.
         """
         model_class = type(self.model)
@@ -228,17 +254,6 @@ def model_fingerprint(model) -> str:
     ]
     description = [f"{type(model).__module__}.{type(model).__qualname__}", config, tensors]
     return hashlib.sha256(json.dumps(description, sort_keys=True, default=repr).encode()).hexdigest()[:32]
-
-
-def _input_key(args: tuple, kwargs: dict) -> str:
-    """A cheap key of a call's inputs (tensor shapes and dtypes, other types): the graphs that may fit it."""
-    parts = [len(args)]
-    for name, value in sorted(kwargs.items()):
-        if isinstance(value, torch.Tensor):
-            parts.append((name, tuple(value.shape), str(value.dtype)))
-        else:
-            parts.append((name, type(value).__name__))
-    return repr(parts)
 
 
 def compiled_functions() -> list[tuple[dict, bytes]]:

@@ -12,17 +12,19 @@ import sys
 import tempfile
 import textwrap
 import unittest
+import zipfile
 
 import torch
 from torch._dynamo.utils import counters
-from transformers import GenerationConfig
+from transformers import GenerationConfig, StaticCache
 from transformers.testing_utils import CaptureLogger, slow
 from transformers.utils import logging
 
 import prefill_buckets
-from prefill_buckets import aot_compiled
+from prefill_buckets import _compat, aot_compiled
+from prefill_buckets.aot_key import UNNAMED, dispatch_key
 
-from .tiny_models import tiny_llama
+from .tiny_models import CACHE, tiny_llama, tiny_llama_config
 
 
 logger = logging.get_logger("prefill_buckets.aot_compiled")
@@ -78,8 +80,6 @@ class AOTForwardTest(unittest.TestCase):
         self.assertEqual(graphs, 3)  # prefill 8, prefill 4, decode
         saved = prefill_buckets.save_compile_cache(self.path)
         with open(self.path, "rb") as f:
-            import zipfile
-
             manifest = json.loads(zipfile.ZipFile(f).read("manifest.json"))
         self.assertEqual(len(manifest["aot_forwards"]), graphs)
 
@@ -175,12 +175,160 @@ class AOTForwardTest(unittest.TestCase):
         self.assertNotEqual(aot_compiled.model_fingerprint(tiny_llama().to(torch.bfloat16)), base)
         self.assertNotEqual(aot_compiled.model_fingerprint(tiny_llama(hidden_size=64)), base)
 
+    def test_two_right_padded_turns_match_upstream(self):
+        # The second turn's prefill is a bucket of 32 like the first, on a cache that holds the first turn: a graph of
+        # its own (its query offset is read from the cache), not the fresh cache's (offset 0).
+        model = self.compiled_model()
+        tokens, logits = run_conversation(model, bucketed=True, padding_side="right")
+        expected, expected_logits = run_conversation(tiny_llama(), bucketed=False)
+        self.assertEqual(tokens, expected)
+        for turn, (ours, theirs) in enumerate(zip(logits, expected_logits)):
+            torch.testing.assert_close(ours, theirs, msg=f"turn {turn}")
+        self.assertEqual(model.forward.graphs_compiled, 3)  # prefill on a fresh cache, on a continued one, decode
+        self.assertEqual((model.forward.unkeyed, model.forward.eager_calls), ({}, 0))
+
+        # The file carries the key: a new process dispatches the second turn to its own graph, tracing nothing.
+        prefill_buckets.save_compile_cache(self.path)
+        with zipfile.ZipFile(self.path) as archive:
+            keys = [json.loads(meta["key"]) for meta in json.loads(archive.read("manifest.json"))["aot_forwards"]]
+        self.assertEqual(len(keys), 3)
+        self.assertIn([["cache", "get_query_offset", "prefill_buckets._compat:_empty_query_offset"]],
+                      [key["instance_functions"] for key in keys])  # fmt: skip
+        self.new_process()
+        self.assertTrue(prefill_buckets.load_compile_cache(self.path))
+        model = self.compiled_model()
+        self.assertEqual(run_conversation(model, bucketed=True, padding_side="right")[0], expected)
+        self.assertEqual(traced(), 0)
+        self.assertEqual((model.forward.graphs_loaded, model.forward.graphs_compiled), (3, 0))
+
+    def test_two_left_padded_turns_match_upstream(self):
+        model = self.compiled_model()
+        tokens, logits = run_conversation(model, bucketed=True, padding_side="left")
+        expected, expected_logits = run_conversation(tiny_llama(), bucketed=False)
+        self.assertEqual(tokens, expected)
+        for turn, (ours, theirs) in enumerate(zip(logits, expected_logits)):
+            torch.testing.assert_close(ours, theirs, msg=f"turn {turn}")
+        self.assertEqual((model.forward.unkeyed, model.forward.eager_calls), ({}, 0))
+        prefill_buckets.save_compile_cache(self.path)
+        self.new_process()
+        self.assertTrue(prefill_buckets.load_compile_cache(self.path))
+        model = self.compiled_model()
+        self.assertEqual(run_conversation(model, bucketed=True, padding_side="left")[0], expected)
+        self.assertEqual(traced(), 0)
+
+    def test_state_the_key_cannot_name_runs_eagerly(self):
+        # A closure set on the cache, which the forward calls: no saved guard and no key tells two of them apart.
+        model = self.compiled_model()
+
+        def cache_with_closure():
+            cache = StaticCache(config=model.config, max_cache_len=64)
+
+            def get_mask_sizes(*args, **kwargs):
+                return StaticCache.get_mask_sizes(cache, *args, **kwargs)
+
+            cache.get_mask_sizes = get_mask_sizes
+            return cache
+
+        config = GenerationConfig(**{k: v for k, v in CONFIG.items() if k != "cache_implementation"})
+        with CaptureLogger(logger) as captured:
+            tokens = prefill_buckets.generate(
+                model, PROMPTS[0], generation_config=config, **{CACHE: cache_with_closure()}
+            )
+            self.assertEqual(tokens.tolist(), self.expected()[0])
+            # The prefill calls it (decode gets its 4D mask from `generate`): it runs eagerly, decode compiled.
+            forward = model.forward
+            self.assertEqual((forward.eager_calls, forward.calls, forward.graphs_compiled), (1, 2, 1))
+            self.assertEqual(len(aot_compiled.compiled_functions()), 1)  # the prefill's graph is not saved
+            # Another cache with another closure: the same key, eager at once, nothing compiled again.
+            tokens = prefill_buckets.generate(
+                model, PROMPTS[0], generation_config=config, **{CACHE: cache_with_closure()}
+            )
+            self.assertEqual(tokens.tolist(), self.expected()[0])
+            self.assertEqual((forward.eager_calls, forward.calls, forward.graphs_compiled), (2, 4, 1))
+        self.assertEqual(captured.out.count("can't tell this call's graph apart"), 1)
+        self.assertIn("kwargs['cache'].get_mask_sizes", captured.out)
+
+    def test_dispatch_key(self):
+        cache = StaticCache(config=tiny_llama_config(), max_cache_len=64)
+        ids = torch.ones(1, 8, dtype=torch.long)
+        continued = dispatch_key((), {"input_ids": ids, "cache": cache})
+        with _compat.reports_empty(cache):
+            fresh = dispatch_key((), {"input_ids": ids, "cache": cache})
+        self.assertNotEqual(fresh.text(), continued.text())
+        self.assertEqual(continued.instance_functions, ())
+        self.assertEqual(
+            json.loads(fresh.text())["inputs"], [["cache", "StaticCache"], ["input_ids", [1, 8], "torch.int64"]]
+        )
+        cache.get_mask_sizes = lambda *args: None
+        self.assertIn(("cache", "get_mask_sizes", UNNAMED), dispatch_key((), {"cache": cache}).instance_functions)
+
+    def test_two_right_padded_turns_in_a_second_process(self):
+        model = self.compiled_model()
+        expected = run_conversation(model, bucketed=True, padding_side="right")[0]
+        self.assertEqual(expected, run_conversation(tiny_llama(), bucketed=False)[0])
+        prefill_buckets.save_compile_cache(self.path)
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        result = subprocess.run(
+            [sys.executable, "-c", _CONVERSATION_PROCESS, root, self.path],
+            capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        self.assertEqual(result.returncode, 0, result.stderr[-3000:])
+        second = json.loads(result.stdout.strip().splitlines()[-1])
+        self.assertTrue(second["loaded"])
+        self.assertEqual(second["tokens"], expected)
+        self.assertEqual((second["traced"], second["graphs_loaded"], second["graphs_compiled"]), (0, 3, 0))
+
+
+def run_conversation(model, bucketed: bool, padding_side: str = "auto") -> tuple[list, list]:
+    """
+    Two turns on one static cache: a prompt of 20 tokens, then the conversation plus 7 new tokens; bucketed with one
+    bucket of 32 (or upstream's unpadded `generate`). The tokens of each turn and its logits.
+    """
+    cache = StaticCache(config=model.config, max_cache_len=96)
+    config = GenerationConfig(max_new_tokens=8, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    fields = {"prefill_buckets": [32], "prefill_padding_side": padding_side} if bucketed else {}
+    ids = torch.randint(3, 128, (1, 20), generator=torch.Generator().manual_seed(0))
+    tokens, logits = [], []
+    for turn in range(2):
+        if bucketed:
+            out = prefill_buckets.generate(model, ids, generation_config=config, **{CACHE: cache}, **fields)
+        else:
+            out = model.generate(ids, generation_config=config, **{CACHE: cache})
+        tokens.append(out.sequences.tolist())
+        logits.append(torch.stack(out.logits))
+        user = torch.randint(3, 128, (1, 7), generator=torch.Generator().manual_seed(turn + 1))
+        ids = torch.cat([out.sequences, user], dim=1)
+    return tokens, logits
+
+
+# A second process: loads the file, runs the two right-padded turns, says what it traced.
+_CONVERSATION_PROCESS = textwrap.dedent(
+    """
+    import json, sys
+    sys.path.insert(0, sys.argv[1])
+    from torch._dynamo.utils import counters
+    import prefill_buckets
+    from tests.generation.test_aot_compiled import run_conversation, traced
+    from tests.generation.tiny_models import tiny_llama
+
+    loaded = prefill_buckets.load_compile_cache(sys.argv[2])
+    model = tiny_llama()
+    model.forward = prefill_buckets.aot_forward(model, backend="aot_eager")
+    tokens = run_conversation(model, bucketed=True, padding_side="right")[0]
+    forward = model.forward
+    print(json.dumps(dict(
+        loaded=loaded, tokens=tokens, traced=traced(), graphs_loaded=forward.graphs_loaded,
+        graphs_compiled=forward.graphs_compiled,
+    )))
+    """
+)
+
 
 _PROCESS = textwrap.dedent(
     """
     import json, sys, torch
     from torch._dynamo.utils import counters
-    from transformers import GenerationConfig
+    from transformers import GenerationConfig, StaticCache
     import prefill_buckets
     sys.path.insert(0, {tests!r})
     from tiny_models import tiny_llama

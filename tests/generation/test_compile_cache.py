@@ -291,7 +291,7 @@ class BadFileTest(unittest.TestCase):
         self.assert_refused("its manifest.json is not a JSON object")
 
     def test_unknown_format_version(self):
-        for version in (1, 3, None):
+        for version in (1, 2, 4, None):
             with self.subTest(version=version):
                 self.rewrite(manifest={"format": version})
                 self.assert_refused(f"it has compile cache format {version!r}, and this version of prefill_buckets")

@@ -1,0 +1,139 @@
+"""What tells apart the graphs that `aot_forward` compiles for one model: the dispatch key, and the audit of the guards a
+saved graph drops.
+
+A graph of `aot_forward` keeps only the guards torch can save (`AOTForward._keep_guard`). The guards it drops are of
+two kinds:
+
+- on the code: module globals, the closures of the forward's decorators, classes, functions' code and defaults. The
+  model's fingerprint (class, config, parameters) and the compile cache file's environment (torch, transformers and
+  Python versions) stand for them.
+- on the state of a call's inputs: an object set on an instance, which torch checks by identity. Such a state changes
+  the traced graph, and no saved guard tells it apart. The package sets one: the right-padded prefill of a fresh cache
+  sets `get_query_offset` on the cache instance (`_compat.reports_empty`), and the graph traced with it takes the query
+  offset to be 0, where a continued conversation's graph reads it from the cache.
+
+`DispatchKey` holds that state: the functions set on each object argument's instance (the cache), by qualified name.
+A call is dispatched to the graphs of its key first, then to one whose saved guards it passes. `uncovered` audits
+each new graph: a dropped guard on a state the key doesn't name means that the graph can't be told apart from another
+one's, and `AOTForward` runs the calls of that key eagerly (with a warning) rather than reuse or save it.
+
+What the package sets on instances while a bucketed call runs, and how each is covered (torch 2.13, transformers
+5.24; `test_aot_compiled.py` runs every path below through `aot_forward` and checks that no guard is uncovered):
+
+| set on | attribute | does the forward read it? | covered by |
+|---|---|---|---|
+| the cache | `get_query_offset`, for a fresh cache's right-padded prefill | yes: an identity guard, dropped | the key |
+| the cache | `_prefill_buckets_padding` (`cache.py`) | no | - |
+| a cache layer | `cumulative_length` (a tensor, written in place) | yes, as data: no guard | - |
+| a cache layer | `cumulative_length_int` (sliding windows) | yes: a value guard, saved | the guards |
+| the model | the hooks (`hooks.HOOKS`), `forward`, `_prefill_buckets_state` | no | - |
+| `transformers.masking_utils` | `_ignore_causal_mask_sdpa` (a global) | yes: upstream's own while compiling | the code |
+
+A new state is one line: a field of `DispatchKey` and the value it takes in `dispatch_key`.
+"""
+
+import dataclasses
+import json
+import re
+import sys
+import types
+
+import torch
+
+
+# Where a name of a guard is on the code, not on the state of an input (torch's guard names are Python expressions).
+_CODE_PARTS = (
+    "type(",
+    "__class__",
+    "__closure__",
+    "__code__",
+    "__defaults__",
+    "__kwdefaults__",
+    "__mro__",
+    "__func__",
+)
+# A guard on an attribute of an argument of the traced forward: `kwargs['cache'].get_query_offset` (a decorated
+# forward, traced as `wrapper(*args, **kwargs)`), `cache.get_query_offset` (a plain one), `args[1].x` (`args[0]` is the
+# model, the call's positional arguments come after it).
+_ARGUMENT_ATTRIBUTE = re.compile(
+    r"(?:kwargs\['(?P<keyword>\w+)'\]|args\[(?P<index>\d+)\]|(?P<parameter>\w+))\.(?P<attribute>\w+)"
+)
+# What the key says of a function it can't name across processes (a lambda, a closure, a bound method): a state the
+# key can't tell apart, if the graph reads it.
+UNNAMED = "<unnamed>"
+_PLAIN_VALUES = (type(None), bool, int, float, str, torch.dtype, torch.device)
+
+
+@dataclasses.dataclass(frozen=True)
+class DispatchKey:
+    """
+    What a call's graph depends on besides what its saved guards check. Every field is a tuple of plain values, the
+    same in every process for the same state: the key is saved with the graph (`text`).
+    """
+
+    # Per argument, by position then name: `(name, shape, dtype)` of a tensor, `(name, type)` of another value.
+    inputs: tuple
+    # Per object argument (the cache): `(name, attribute, qualified name)` of each function set on its instance. A
+    # fresh cache of a right-padded prefill has one (`_compat.reports_empty`), a continued one none.
+    instance_functions: tuple
+
+    def text(self) -> str:
+        """The key as saved in a compile cache file, and looked up by."""
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    def names(self, name: str, attribute: str) -> bool:
+        """Whether the key names the function set as `attribute` on the argument `name`."""
+        return any(
+            (arg, attr) == (name, attribute) and function != UNNAMED for arg, attr, function in self.instance_functions
+        )
+
+
+def dispatch_key(args: tuple, kwargs: dict) -> DispatchKey:
+    """The `DispatchKey` of a forward's call: its positional arguments (the model excluded) and keyword arguments."""
+    arguments = [(str(index), value) for index, value in enumerate(args)] + sorted(kwargs.items())
+    inputs, functions = [], []
+    for name, value in arguments:
+        if isinstance(value, torch.Tensor):
+            inputs.append((name, tuple(value.shape), str(value.dtype)))
+            continue
+        inputs.append((name, type(value).__name__))
+        if not isinstance(value, _PLAIN_VALUES + (tuple, list, dict)):
+            for attribute, member in sorted(getattr(value, "__dict__", {}).items()):
+                if isinstance(member, (types.FunctionType, types.MethodType, types.BuiltinFunctionType)):
+                    functions.append((name, attribute, qualified_name(member)))
+    return DispatchKey(inputs=tuple(inputs), instance_functions=tuple(functions))
+
+
+def qualified_name(function) -> str:
+    """`module:qualname` of a function defined at a module's top level (or in a class there), else `UNNAMED`."""
+    module_name, qualname = getattr(function, "__module__", None), getattr(function, "__qualname__", "")
+    if not isinstance(function, types.FunctionType) or not module_name or "<" in qualname:
+        return UNNAMED
+    found = sys.modules.get(module_name)
+    for part in qualname.split("."):
+        found = getattr(found, part, None)
+    return f"{module_name}:{qualname}" if found is function else UNNAMED
+
+
+def is_on_code(guard_name: str, is_global: bool, closure_names: set[str]) -> bool:
+    """Whether a guard is on the model's code (see the module docstring), given the forward's closure variables."""
+    root = guard_name.split(".")[0].split("[")[0]
+    return is_global or root in closure_names or any(part in guard_name for part in _CODE_PARTS)
+
+
+def uncovered(key: DispatchKey, state_guards: list[str]) -> list[str]:
+    """
+    The dropped guards on the state of a call's inputs that `key` doesn't name: those of a graph that can't be told
+    apart from another graph of the same key. A guard on a function the key names is covered; any other is not.
+    """
+    missing = set()
+    for guard_name in state_guards:
+        match = _ARGUMENT_ATTRIBUTE.fullmatch(guard_name)
+        if match is None:
+            missing.add(guard_name)
+            continue
+        index = match["index"]
+        name = match["keyword"] or match["parameter"] or (str(int(index) - 1) if index != "0" else None)
+        if name is None or not key.names(name, match["attribute"]):
+            missing.add(guard_name)
+    return sorted(missing)
