@@ -38,8 +38,7 @@ __all__ = ["ALL_STATIC_CACHE_IMPLEMENTATIONS", "UPSTREAM_GENERATE", "UPSTREAM_GE
 UPSTREAM_GENERATE = GenerationMixin.generate
 UPSTREAM_GENERATE_SIGNATURE = inspect.signature(UPSTREAM_GENERATE)
 
-# The methods hooked on a model instance during a bucketed call, and the parameters each hook reads by name (the first
-# two are called with exactly these, in this order; the others pass everything through and read some by keyword).
+# The methods hooked on a model instance during a bucketed call, and the parameters each hook reads by name.
 HOOK_TARGETS: dict[str, tuple[str, ...]] = {
     "_prepare_generated_length": (
         "generation_config",
@@ -64,6 +63,10 @@ HOOK_TARGETS: dict[str, tuple[str, ...]] = {
     # Right padding (`padding_side.py` chooses it) replaces the prefill forward (`prefill_right.py`).
     "_prefill": ("input_ids", "generation_config", "model_kwargs"),
 }
+# The hooks that call the method they replace with exactly these arguments, by position and in this order: an override
+# must take them there (or pass `*args` on). The others pass everything on by keyword, so an override that takes a
+# parameter through `**kwargs` passes it on to the definition it extends, which must take it by name.
+POSITIONAL_HOOK_TARGETS = ("_prepare_generated_length", "_prepare_cache_for_generation", "_prefill")
 # Other private methods called on the model.
 CALLED_METHODS = ("_valid_auto_compile_criteria",)
 
@@ -100,16 +103,11 @@ def check_upstream(model_class: type = _GenerativeModel) -> None:
 
 def _problems_message(model_class: type) -> str | None:
     """What `check_upstream` raises for `model_class`, or `None` when every private name it needs is in place."""
-    problems = []
-    for name, parameters in HOOK_TARGETS.items():
-        method = getattr(model_class, name, None)
-        if method is None:
-            problems.append(f"`{model_class.__name__}.{name}` does not exist")
-            continue
-        accepted = inspect.signature(method).parameters
-        missing = [p for p in parameters if p not in accepted]
-        if missing:
-            problems.append(f"`{model_class.__name__}.{name}` takes no parameter `{missing[0]}`")
+    problems = [
+        problem
+        for name, parameters in HOOK_TARGETS.items()
+        if (problem := _hook_target_problem(model_class, name, parameters)) is not None
+    ]
     for name in CALLED_METHODS:
         if not callable(getattr(model_class, name, None)):
             problems.append(f"`{model_class.__name__}.{name}` does not exist")
@@ -157,6 +155,37 @@ def _self_test_failure() -> str | None:
     finally:
         _self_test_verdict["verdict"] = verdict
     return verdict
+
+
+def _hook_target_problem(model_class: type, name: str, parameters: tuple[str, ...]) -> str | None:
+    """
+    What is wrong with `model_class`'s hook target `name` for a hook that reads `parameters`, or `None`. Each
+    definition along the MRO is checked from the model's own override down: a parameter it doesn't name but passes on
+    (`**kwargs`, or `*args` for a positional target) must be named by the definition it extends (`super()`'s).
+    """
+    positional = name in POSITIONAL_HOOK_TARGETS
+    for owner in model_class.__mro__:
+        if name not in owner.__dict__:
+            continue
+        method = getattr(model_class, name) if owner is model_class else owner.__dict__[name]
+        if method is None or not callable(method):
+            return f"`{model_class.__name__}.{name}` does not exist"
+        signature = inspect.signature(method)
+        accepted = [p.name for p in signature.parameters.values() if p.name != "self"]
+        kinds = {p.kind for p in signature.parameters.values()}
+        passes_on = inspect.Parameter.VAR_POSITIONAL if positional else inspect.Parameter.VAR_KEYWORD
+        missing = [p for p in parameters if p not in accepted]
+        if missing and passes_on not in kinds:
+            return f"`{owner.__name__}.{name}` takes no parameter `{missing[0]}`"
+        named = [p for p in parameters if p in accepted]
+        if positional and named and accepted[: len(named)] != named:
+            return f"`{owner.__name__}.{name}` takes `{named[0]}` at another position"
+        if not missing:
+            return None
+        parameters = tuple(missing)  # passed on: the definition it extends must take them
+    if getattr(model_class, name, None) is None:
+        return f"`{model_class.__name__}.{name}` does not exist"
+    return f"`{model_class.__name__}.{name}` takes no parameter `{parameters[0]}` (only through `**kwargs`)"
 
 
 def _is_tested_range() -> bool:

@@ -10,15 +10,17 @@ the rule allocates once, for the whole workload when it can tell, and grows at m
    plus the new tokens. `"pow2"` and `prefill_pad_to_multiple_of` alone have no largest bucket: the first cache then
    holds `FIRST_CACHE_SLOTS` slots (or the call, when it needs more).
 3. A call that does not fit grows the cache once, to the longest sequence the model takes: its
-   `max_position_embeddings` plus the new tokens. Later calls all fit. A model that states no maximum grows
-   geometrically instead (the next power of two), which bounds its cache lengths by log2 of the longest sequence.
+   `max_position_embeddings`. Later calls all fit. A model that states no maximum grows geometrically instead (the
+   next power of two), which bounds its cache lengths by log2 of the longest sequence.
 
-Every length is capped at what the model takes (step 3's length), and rounded up to a multiple of 64 (or of
-`prefill_pad_to_multiple_of`). `precompile` pins the cache to its longest bucket instead (`pinned_cache_length`).
+Every length is rounded up to a multiple of 64 (or of `prefill_pad_to_multiple_of`), and capped at what the model
+takes (step 3's length): never past `max_position_embeddings`, which some models size buffers by (GPT-Neo's causal
+mask), unless the call itself needs more slots, as it would unbucketed. `precompile` pins the cache to its longest bucket instead (`pinned_cache_length`).
 The price of a large cache is decode time (a static cache's decode step attends over every slot) and memory: pin
 `max_cache_len` for the workload's longest prompt to pay only for that.
 """
 
+import torch
 from transformers.utils import logging
 
 from ._compat import previous_max_cache_length, static_cache_init_shape
@@ -57,7 +59,9 @@ def static_cache_length(model, settings: CallSettings, needed: int, prompt_slots
     if previous >= needed:
         return previous
     new_slots = needed - prompt_slots
-    cap = None if settings.max_positions is None else _aligned(policy, max(needed, settings.max_positions + new_slots))
+    # Never past the model's positions (a model may hold buffers that long, as GPT-Neo's causal mask), unless the call
+    # itself needs more, as it would unbucketed.
+    cap = None if settings.max_positions is None else max(needed, settings.max_positions)
     if previous < 0:
         largest = policy.largest_bucket
         first = policy.bucket(largest) + new_slots if largest is not None else FIRST_CACHE_SLOTS
@@ -112,33 +116,102 @@ def continued_padding(model_kwargs: dict) -> tuple[int, int] | None:
 
 def early_initialize(model, cache, rows: int) -> None:
     """
-    Allocates a lazily initialized static cache for `rows` rows, when the model's layout allows it. Done before the
-    first compiled forward, as upstream does for chunked prefill: tensors allocated inside the first compiled prefill
-    are not static addresses, which CUDA graphs need.
+    Allocates a lazily initialized static cache for `rows` rows, when the model's layout allows it and the shape
+    upstream predicts from the config is the one the attention modules hold (`held_kv_shapes`). Done before the first
+    compiled forward, as upstream does for chunked prefill: tensors allocated inside the first compiled prefill are not
+    static addresses, which CUDA graphs need. Where the shape can't be confirmed (a config that misstates its
+    key/value heads: multi-query Falcon and GPT-BigCode, a GPT-NeoX config given an unused `num_key_value_heads`, a
+    decoder whose heads differ from the encoder's), the cache initializes from the first keys it gets, as upstream's
+    own lazily allocated cache does: exact, at the cost of one more graph on the first compiled call.
     """
     shape = static_cache_init_shape(model)
     if shape is None or not hasattr(cache, "early_initialization"):
         return
     num_heads, head_dim = shape
-    declared = attention_kv_heads(model)
-    if declared and set(num_heads if isinstance(num_heads, list) else [num_heads]) != declared:
-        # The config misstates the key/value heads (multi-query Falcon: 1, whatever `num_kv_heads` says). Leave the
-        # cache to initialize from the first keys it gets: exact, at the cost of one more graph on the first call.
+    if not _shape_is_held(model, cache, num_heads, head_dim):
         return
     cache.early_initialization(
         batch_size=rows, num_heads=num_heads, head_dim=head_dim, dtype=model.dtype, device=model.device
     )
 
 
-def attention_kv_heads(model) -> set[int]:
-    """The key/value head counts the attention modules hold themselves, where they do (looked up once per model)."""
+def _shape_is_held(model, cache, num_heads, head_dim) -> bool:
+    """Whether every layer early initialization would allocate gets the `(heads, head_dim)` its attention holds."""
+    layers = cache.layers
+    heads = num_heads if isinstance(num_heads, list) else [num_heads] * len(layers)
+    dims = head_dim if isinstance(head_dim, list) else [head_dim] * len(layers)
+    if len(heads) != len(layers) or len(dims) != len(layers):
+        return False
+    held = held_kv_shapes(model)
+    for index, layer in enumerate(layers):
+        if not getattr(layer, "supports_early_init", True) or getattr(layer, "is_initialized", False):
+            continue
+        if held.get(index, held.get(None)) != {(heads[index], dims[index])}:
+            return False
+    return True
+
+
+# Where an attention module keeps its head size, its key projection (or its fused query/key/value projection), and,
+# where its projections don't tell, its key/value head count: the names the transformers models use.
+_HEAD_DIMS = ("head_dim", "head_size", "attention_head_size", "d_head")
+_KEY_PROJECTIONS = ("k_proj", "key", "k", "key_proj", "wk", "k_lin")
+_FUSED_PROJECTIONS = ("query_key_value", "c_attn", "qkv_proj", "Wqkv", "qkv", "W_pack")
+_QUERY_HEAD_COUNTS = ("num_heads", "num_attention_heads", "n_head", "n_heads")
+_KV_HEAD_COUNTS = ("num_key_value_heads", "num_kv_heads", "kv_heads", "n_kv_heads")
+
+
+def _int_attribute(module, names) -> int | None:
+    for name in names:
+        value = module.__dict__.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def _output_rows(projection) -> int | None:
+    """The output features of a linear projection on this rank (a tensor-parallel shard's own), or `None`."""
+    weight = getattr(projection, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.ndim != 2:
+        return None
+    local = weight.to_local() if hasattr(weight, "to_local") else weight  # a DTensor shard: this rank's rows
+    if hasattr(projection, "nf"):  # GPT-2's `Conv1D` stores its weight transposed: [in, out]
+        return local.shape[1]
+    return local.shape[0]
+
+
+def _module_kv_shape(module) -> tuple[int, int] | None:
+    """`(key/value heads, head_dim)` of an attention module, read from its own projections, or `None`."""
+    head_dim = _int_attribute(module, _HEAD_DIMS)
+    if head_dim is None:
+        return None
+    for name in _KEY_PROJECTIONS:
+        rows = _output_rows(module._modules.get(name))
+        if rows is not None:
+            return (rows // head_dim, head_dim) if rows % head_dim == 0 else None
+    query_heads = _int_attribute(module, _QUERY_HEAD_COUNTS)
+    for name in _FUSED_PROJECTIONS:
+        rows = _output_rows(module._modules.get(name))
+        if rows is not None and query_heads is not None:
+            kv_rows = rows - query_heads * head_dim  # queries first, then keys and values of one size
+            if kv_rows <= 0 or kv_rows % (2 * head_dim):
+                return None
+            return kv_rows // (2 * head_dim), head_dim
+    kv_heads = _int_attribute(module, _KV_HEAD_COUNTS)
+    return (kv_heads, head_dim) if kv_heads is not None else None
+
+
+def held_kv_shapes(model) -> dict[int | None, set[tuple[int, int]]]:
+    """
+    The `(key/value heads, head_dim)` the attention modules hold, by their `layer_idx` (`None`: modules that don't say
+    their layer). Read from the modules' own projections once per model, never from the config.
+    """
     state = state_of(model)
-    if state.attention_kv_heads is None:
-        heads = set()
+    if state.held_kv_shapes is None:
+        held = {}
         for module in model.modules():
-            for name in ("num_key_value_heads", "num_kv_heads"):
-                value = module.__dict__.get(name)
-                if isinstance(value, int) and not isinstance(value, bool) and module is not model:
-                    heads.add(value)
-        state.attention_kv_heads = heads
-    return state.attention_kv_heads
+            shape = _module_kv_shape(module) if module is not model else None
+            if shape is not None:
+                layer = module.__dict__.get("layer_idx")
+                held.setdefault(layer if isinstance(layer, int) else None, set()).add(shape)
+        state.held_kv_shapes = held
+    return state.held_kv_shapes

@@ -104,6 +104,8 @@ def generate(model, *args, **kwargs):
     _compat.check_upstream(type(model))
     skip_reason = _unsupported_reason(model, arguments, model_kwargs)
     side = choose_side(model, settings, arguments, model_kwargs) if skip_reason is None else None
+    if skip_reason is None and side.side == "unpadded":
+        skip_reason = f"{side.reason}."
     if skip_reason is None and side.side == "left":
         skip_reason = _unpadded_cache_reason(model_kwargs)
     if skip_reason is not None:

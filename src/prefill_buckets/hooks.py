@@ -40,7 +40,7 @@ from .aot_compiled import is_aot_forward
 from .budget import restore_recompile_limit
 from .cache import CACHE_KWARGS, cache_seq_length, early_initialize, passed_cache, static_cache_length
 from .compilation import EagerFallback, compiled_forward
-from .config import PREFILL_PAD_TO_MULTIPLE_OF
+from .config import PREFILL_PAD_TO_MULTIPLE_OF, PREFILL_PADDING_SIDE
 from .inputs import PER_TOKEN_KWARGS, Plan
 from .padding import strip_left
 from .prefill_right import prefill_right
@@ -145,11 +145,12 @@ def _prepare_cache_for_generation(
     cache_length = cache.get_max_length() if hasattr(cache, "get_max_length") else -1
     plan.static_cache_length = cache_length
     # What prefill runs on: the padded prompt, or, continuing from a cache, the tokens the cache lacks.
-    prefill = plan.bucket if plan.side == "right" else plan.padded_length - (cache_seq_length(cache) or 0)
+    cached_tokens = (cache_seq_length(cache) or 0) if cache is not None else 0  # `None`: the model keeps no cache
+    prefill = plan.bucket if plan.side == "right" else plan.padded_length - cached_tokens
     auto_compile = _compat.valid_auto_compile(model, model_kwargs, generation_config)
     rows = batch_size * max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
     compiled = auto_compile or compiled_forward(model) is not None
-    if creates_static and compiled:
+    if creates_static and compiled and cache is not None:
         early_initialize(model, cache, rows)
     if (
         auto_compile
@@ -205,6 +206,14 @@ def _prepare_inputs_for_generation(plan, original, input_ids, *args, **kwargs):
         model_inputs = original(input_ids, *args, **kwargs)
     finally:
         _MATERIALIZE_SDPA_MASK.reset(token)
+    if "attention_mask" not in model_inputs:
+        # `_compat.check_upstream` saw the mask taken (by name, or through `**kwargs` by a method that passes it on),
+        # but this model's step dropped it: the pads in front would be attended. Never run that silently.
+        raise RuntimeError(
+            f"`{type(plan.model).__name__}.prepare_inputs_for_generation` does not pass the attention mask on to the "
+            f"model, so a prompt padded on the left would attend to its padding. Set `{PREFILL_PADDING_SIDE}='right'`"
+            " where that is exact, or unset the prefill bucket fields for this model."
+        )
     _materialize_recurrent_masks(model_inputs, kwargs.get("attention_mask"))
     # Chunked prefill slices per-token inputs out of the whole prompt's: views whose strides depend on the prompt
     # length, which a compiled forward guards on. Fresh copies give every chunk of every prompt one signature.

@@ -21,10 +21,18 @@ layer can forget the pads. Where it is not, the call is left-padded (masked), as
 | a cache filled by a left-padded call | left | the prompt must line up with the padding in the cache |
 | `inputs_embeds` continuing from a cache, other per-token or multimodal inputs | left | not padded on the right |
 | pad positions past `max_position_embeddings` | left | the model has no such positions |
+| attention that is not causal (`is_decoder=False`, as BERT-style models) | left | the prompt would attend to the pads |
 | everything else: beam search, `num_return_sequences`, streamers, scores, lengths, a continued conversation, `inputs_embeds`, `prefill_batch_buckets` | right | exact (tested) |
 
 With `"auto"` (the default) the rule picks; an explicit `"right"` where the rule says left logs the reason, once, and
 pads on the left: never silently wrong.
+
+Each side also assumes something of the model (`SIDE_ASSUMPTIONS`, checked in order): right padding needs causal
+attention, left padding a model that takes its positions from `position_ids` or the mask (a forward without
+`position_ids` whose config states `max_position_embeddings`, as TrOCR, ProphetNet and the BART-family decoders,
+counts positions from the cache length, so pads in front would shift them; models without positions, recurrent or
+ALiBi, state none). Where the rule says left and the model can't take left padding either, the call runs unpadded,
+exact, and the package logs why, once.
 """
 
 import inspect
@@ -36,7 +44,7 @@ from transformers.utils import logging
 from . import _compat
 from .cache import cache_seq_length, continued_padding, passed_cache
 from .config import PREFILL_PADDING_SIDE
-from .settings import CallSettings
+from .settings import CallSettings, max_positions
 from .state import state_of
 
 
@@ -50,15 +58,77 @@ _RIGHT_INPUTS = ("input_ids", "inputs_embeds", "attention_mask", "cache", "past_
 class PaddingSide:
     """The side of one call's padding, and why."""
 
-    side: str  # "left" or "right"
+    side: str  # "left", "right", or "unpadded" (neither side is exact: the call runs upstream's unpadded path)
     reason: str
     bucket: int | None = None  # right: the bucket of the new tokens (the prompt, less what the cache holds)
     past_length: int = 0  # right: the tokens the cache already holds
 
 
+def _attention_is_bidirectional(model) -> bool:
+    config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    return getattr(config, "is_decoder", None) is False  # BERT-style models attend both ways unless it is set
+
+
+def _positions_count_from_the_cache(model) -> bool:
+    if "position_ids" in inspect.signature(model.forward).parameters:
+        return False
+    config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    return max_positions(model) is not None or getattr(config, "max_target_positions", None) is not None  # Whisper
+
+
+def _drops_the_mask(model) -> bool:
+    """Whether the model's own `prepare_inputs_for_generation` leaves the mask out of the model inputs (XLNet)."""
+    ids = torch.zeros(1, 2, dtype=torch.long, device=model.device)
+    try:
+        model_inputs = model.prepare_inputs_for_generation(ids, attention_mask=torch.ones_like(ids), use_cache=False)
+    except Exception:  # can't tell from here: the hook raises at the call if the mask is dropped
+        return False
+    return isinstance(model_inputs, dict) and "attention_mask" not in model_inputs
+
+
+# What each side assumes of the model, in order: (side, the model breaks it, why). Data, so a case is one line.
+SIDE_ASSUMPTIONS = (
+    (
+        "right",
+        _attention_is_bidirectional,
+        "its attention is not causal (`is_decoder=False`): the prompt would attend to the pads after it",
+    ),
+    (
+        "left",
+        _attention_is_bidirectional,
+        "its attention is not causal (`is_decoder=False`), and masked pads in front changed XLM-RoBERTa-XL's tokens",
+    ),
+    (
+        "left",
+        _positions_count_from_the_cache,
+        "its forward takes no `position_ids` and counts positions from the cache, so pads in front would shift them",
+    ),
+    ("left", _drops_the_mask, "its `prepare_inputs_for_generation` does not pass the attention mask on"),
+)
+
+
+def side_assumption_broken(model, side: str) -> str | None:
+    """Why `model` can't be padded on `side` whatever the call (`SIDE_ASSUMPTIONS`), or `None`. Once per model."""
+    known = state_of(model).side_assumptions
+    if side not in known:
+        known[side] = next(
+            (
+                f"`{type(model).__name__}`: {reason}"
+                for assumed_side, breaks, reason in SIDE_ASSUMPTIONS
+                if assumed_side == side and breaks(model)
+            ),
+            None,
+        )
+    return known[side]
+
+
 def choose_side(model, settings: CallSettings, arguments: dict, model_kwargs: dict) -> PaddingSide:
     """The padding side of a bucketed call (see the module docstring for the rule)."""
     side = _rule(model, settings, arguments, model_kwargs)
+    if side.side == "left":
+        left_broken = side_assumption_broken(model, "left")
+        if left_broken is not None:
+            return PaddingSide("unpadded", f"{left_broken}; and it is not padded on the right: {side.reason}")
     if side.side == "left" and settings.padding_side == "right":
         logger.warning_once(
             f"`{PREFILL_PADDING_SIDE}='right'` is not exact for this call, so it is padded on the left: {side.reason}."
@@ -79,6 +149,9 @@ def _rule(model, settings: CallSettings, arguments: dict, model_kwargs: dict) ->
 
     if settings.padding_side == "left":
         return left(f"`{PREFILL_PADDING_SIDE}='left'`")
+    right_broken = side_assumption_broken(model, "right")
+    if right_broken is not None:
+        return left(right_broken)
     if arguments.get("assistant_model") is not None or settings.prompt_lookup_num_tokens is not None:
         return left("assisted and prompt-lookup decoding run the prompt together with the first candidates")
     if settings.prefill_chunk_size is not None:

@@ -9,17 +9,29 @@ everything else.
 import contextlib
 
 import torch
+from transformers.utils import logging
 
 from . import _compat
 from .cache import CACHE_KWARGS, cache_seq_length, early_initialize
 from .inputs import Plan
 
 
+logger = logging.get_logger(__name__)
+
+
 def prefill_right(plan: Plan, original, input_ids, generation_config, model_kwargs, *args, **kwargs):
     if plan.side != "right" or plan.bucket == 1:  # a 1-token bucket has no padding: upstream's prefill, decode's graph
         return original(input_ids, generation_config, model_kwargs, *args, **kwargs)
     model = plan.model
-    cache_key, cache = next((key, model_kwargs[key]) for key in CACHE_KWARGS if model_kwargs.get(key) is not None)
+    found = next(((key, model_kwargs[key]) for key in CACHE_KWARGS if model_kwargs.get(key) is not None), None)
+    if found is None or not _compat.is_static_cache(found[1]):
+        # Upstream made no static cache for this model (it keeps its own, or none): nothing to rewind after the pads.
+        logger.warning_once(
+            f"The prompt is not padded: `generate` made no static cache for `{type(model).__name__}` to pad on the "
+            "right, so this call runs unpadded (exact), and its prompt length may compile a new graph."
+        )
+        return original(input_ids, generation_config, model_kwargs, *args, **kwargs)
+    cache_key, cache = found
     rows = input_ids.shape[0] if input_ids.shape[1] else model_kwargs["inputs_embeds"].shape[0]
     if not all(getattr(layer, "is_initialized", True) for layer in cache.layers):
         early_initialize(model, cache, rows)  # outside the compiled forward: static addresses, as on the left

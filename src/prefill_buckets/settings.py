@@ -54,7 +54,7 @@ def max_positions(model) -> int | None:
     """The model's `max_position_embeddings`, when its config states one."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     value = getattr(config, "max_position_embeddings", None)
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None  # XLNet: -1
 
 
 @dataclass(frozen=True)

@@ -35,11 +35,14 @@ class ModelState:
         default_factory=weakref.WeakKeyDictionary
     )
     fallback_warned: bool = False
-    # Key/value head counts the attention modules hold themselves (`None` until first looked up).
-    attention_kv_heads: set[int] | None = None
+    # `(key/value heads, head_dim)` the attention modules hold, by layer (`cache.held_kv_shapes`; `None` until looked
+    # up).
+    held_kv_shapes: dict | None = None
     # Right padding: why the layers of the static cache `generate` would make can't take it, by slots (`None`: they
     # can).
     right_padding_layers: dict[int, str | None] = field(default_factory=dict)
+    # Why the model can't be padded on a side whatever the call (`padding_side.SIDE_ASSUMPTIONS`), by side.
+    side_assumptions: dict[str, str | None] = field(default_factory=dict)
     # On a `torch.compile(model)` wrapper: the wrapped module's call compiled by the wrapper, and its users.
     wrapper_compiled_call: Any = None
     wrapper_users: int = 0

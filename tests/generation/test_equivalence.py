@@ -864,17 +864,19 @@ class StaticCacheLengthTest(unittest.TestCase):
         self.assertEqual(lengths, {128})
 
     def test_cache_length_is_aligned(self):
-        # No largest bucket: the first cache has `FIRST_CACHE_SLOTS`, capped at the longest sequence the model takes
-        # (256 positions + 4 - 1 new slots = 259), and aligned to 24: 264.
-        self.assertEqual(self.cache_length(5, prefill_pad_to_multiple_of=24), 264)
+        # No largest bucket: the first cache has `FIRST_CACHE_SLOTS`, aligned to 24 (2064), and capped at the model's
+        # 256 positions, never past them.
+        self.assertEqual(self.cache_length(5, prefill_pad_to_multiple_of=24), 256)
+        # Aligned where that stays within them: 8 + 4 - 1 = 11 slots -> 64.
+        self.assertEqual(self.cache_length(5, prefill_buckets=[8]), 64)
 
     def test_cache_grows_once_to_what_the_model_takes(self):
         model_class, make_config = MODEL_SPECS["llama"]
         model = model_class(make_config()).eval()
         # 70 and 200 are longer than the largest bucket: padded to multiples of 16.
         lengths = [self.cache_length(n, model=model, prefill_buckets=[8, 16]) for n in (5, 70, 200, 9)]
-        # First 16 + 3 = 19 -> 64; then one growth, to 256 positions + 3 new slots = 259 -> 320; never again.
-        self.assertEqual(lengths, [64, 320, 320, 320])
+        # First 16 + 3 = 19 -> 64; then one growth, to the model's 256 positions; never again.
+        self.assertEqual(lengths, [64, 256, 256, 256])
 
     def test_max_cache_len_is_respected(self):
         self.assertEqual(self.cache_length(5, prefill_buckets=[8, 16], max_cache_len=40), 40)
