@@ -40,6 +40,8 @@ class ModelState:
     # Right padding: why the layers of the static cache `generate` would make can't take it, by slots (`None`: they
     # can).
     right_padding_layers: dict[int, str | None] = field(default_factory=dict)
+    # Ragged right padding: whether that cache has sliding-window layers, by slots.
+    ragged_sliding_layers: dict[int, bool] = field(default_factory=dict)
     # On a `torch.compile(model)` wrapper: the wrapped module's call compiled by the wrapper, and its users.
     wrapper_compiled_call: Any = None
     wrapper_users: int = 0
