@@ -43,6 +43,10 @@ FIRST_CACHE_SLOTS = 2048
 # Set on a cache filled by a bucketed call: `(columns added in front, batch size with dummy rows)`. A later call that
 # continues from the cache (multi-turn chat) pads its prompt by the same columns, so cache and prompt line up.
 _CACHE_PADDING = "_prefill_buckets_padding"
+# Set on a cache filled by a right-padded call of rows of different lengths: the call's attention mask `[rows, S]`, as
+# the user passed it (left-padded). Row i's `L_i` prompt tokens sit in slots `0..L_i-1` (the mask's ones moved to the
+# front), its generated tokens in the slots of their columns. A later call lines its mask up with that.
+_CACHE_RAGGED_ROWS = "_prefill_buckets_ragged_rows"
 
 
 def _aligned(policy: BucketPolicy, slots: int) -> int:
@@ -99,6 +103,16 @@ def cache_seq_length(cache) -> int | None:
 def mark_padding(cache, pad: int, padded_batch: int) -> None:
     """Records on a cache that a bucketed call filled it with `pad` columns in front and `padded_batch` rows."""
     cache.__dict__[_CACHE_PADDING] = (pad, padded_batch)
+
+
+def mark_ragged_rows(cache, attention_mask) -> None:
+    """Records on a cache that a right-padded call filled it with rows of different lengths (`attention_mask`)."""
+    cache.__dict__[_CACHE_RAGGED_ROWS] = attention_mask
+
+
+def ragged_rows_mask(cache):
+    """The attention mask of the ragged right-padded call that filled `cache`, or `None`."""
+    return cache.__dict__.get(_CACHE_RAGGED_ROWS) if cache is not None else None
 
 
 def is_marked(cache) -> bool:

@@ -22,7 +22,7 @@ from transformers.utils import ModelOutput, logging
 
 from . import _compat
 from .buckets import BucketPolicy
-from .cache import cache_seq_length, continued_padding, is_marked, mark_padding, passed_cache
+from .cache import cache_seq_length, continued_padding, is_marked, mark_padding, mark_ragged_rows, passed_cache
 from .compilation import compiled_forward, compiled_wrapper_forward
 from .config import BUCKET_FIELDS, FIELDS, PREFILL_BUCKETS, PREFILL_PAD_TO_MULTIPLE_OF
 from .distributed import check_same_inputs_across_ranks
@@ -136,8 +136,10 @@ def generate(model, *args, **kwargs):
         output = UPSTREAM_GENERATE(model, **arguments, **model_kwargs)
     for cache in (passed_cache(model_kwargs), passed_cache(output) if isinstance(output, ModelOutput) else None):
         # A right-padded call leaves an unpadded cache, unless dummy rows fill it: a later call must bring them.
-        if cache is not None and (plan.side == "left" or plan.padded_batch > plan.batch_size):
+        if cache is not None and (plan.side == "left" or plan.padded_batch > plan.batch_size or plan.ragged):
             mark_padding(cache, plan.added_positions, plan.padded_batch)
+        if cache is not None and continues is None:  # a later call lines its mask up with ragged rows' layout
+            mark_ragged_rows(cache, model_kwargs["attention_mask"] if plan.ragged else None)
     return strip_output(output, plan)
 
 

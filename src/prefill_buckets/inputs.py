@@ -14,7 +14,7 @@ import torch
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 from transformers.utils import logging
 
-from .cache import continued_padding
+from .cache import continued_padding, passed_cache, ragged_rows_mask
 from .config import PREFILL_BATCH_BUCKETS, PREFILL_BUCKETS, PREFILL_PAD_TO_MULTIPLE_OF
 from .padding import left_pad
 from .settings import CallSettings
@@ -46,6 +46,7 @@ class Plan:
     side: str = "left"  # "right": upstream sees the unpadded prompt, the `_prefill` hook pads it after the prompt
     bucket: int | None = None  # right: the length the new tokens are padded to
     past_length: int = 0  # right: the tokens the cache held before the call
+    ragged: bool = False  # right: rows of different lengths, each padded after its own end
 
     @property
     def prompt_slots(self) -> int:
@@ -241,6 +242,9 @@ def pad_inputs(model, settings: CallSettings, arguments: dict, model_kwargs: dic
         value = model_kwargs.get(key)
         if isinstance(value, torch.Tensor) and value.shape[-1] == prompt_length:
             model_kwargs[key] = left_pad(value, added_positions, fill)
+    ragged = ragged_rows_mask(passed_cache(model_kwargs)) if continued is not None else None
+    if ragged is not None:
+        model_kwargs["attention_mask"] = _line_up_with_ragged_rows(model_kwargs["attention_mask"], ragged)
 
     streamer = arguments.get("streamer")
     if streamer is not None and added_id_columns > 0:
@@ -258,6 +262,25 @@ def pad_inputs(model, settings: CallSettings, arguments: dict, model_kwargs: dic
     )
     plan.rows = plan.padded_rows = batch_size * settings.rows_per_prompt
     return plan, arguments, model_kwargs
+
+
+def _line_up_with_ragged_rows(attention_mask: torch.Tensor, ragged: torch.Tensor) -> torch.Tensor:
+    """
+    The mask of a call that continues from a cache a ragged right-padded call filled (`ragged`: that call's mask,
+    `[rows, S]`), in the cache's layout: the first S columns hide each row's slots after its prompt tokens, which sit
+    at the start. Raises `ValueError` unless those columns are the mask that call was given.
+    """
+    width = ragged.shape[1]
+    head = attention_mask[:, :width]
+    if attention_mask.ndim != 2 or head.shape != ragged.shape or not torch.equal(head.to(ragged), ragged):
+        raise ValueError(
+            f"The cache passed in was filled by a call whose rows have different lengths (right-padded, each row's "
+            f"tokens at the start of its slots). Its first {width} columns must be masked as that call's were: pass "
+            "its `attention_mask` followed by ones for the tokens it generated (and a mask for the new ones)."
+        )
+    slots = torch.arange(width, device=attention_mask.device)
+    lined_up = (slots < ragged.to(attention_mask.device).long().sum(-1)[:, None]).to(attention_mask.dtype)
+    return torch.cat([lined_up, attention_mask[:, width:]], dim=1)
 
 
 def plan_right(model, settings: CallSettings, arguments: dict, model_kwargs: dict, side) -> tuple:
@@ -280,6 +303,10 @@ def plan_right(model, settings: CallSettings, arguments: dict, model_kwargs: dic
     prompt = inputs_embeds if inputs_embeds is not None else input_ids
     prompt_length, batch_size = prompt.shape[1], prompt.shape[0]
     warn_past_largest_bucket(settings, prompt_length - side.past_length, side.bucket)
+    mask = model_kwargs.get("attention_mask")
+    if mask is None and inputs_embeds is None and settings.pad_token_is_inferable:
+        if bool((input_ids == settings.pad_token_id).any()):
+            mask = model_kwargs["attention_mask"] = _default_attention_mask(settings, input_ids)  # as upstream infers
     plan = Plan(
         model,
         settings,
@@ -291,6 +318,7 @@ def plan_right(model, settings: CallSettings, arguments: dict, model_kwargs: dic
         side="right",
         bucket=side.bucket,
         past_length=side.past_length,
+        ragged=isinstance(mask, torch.Tensor) and not bool(mask.all()),
     )
     plan.rows = plan.padded_rows = batch_size * settings.rows_per_prompt
     return plan, arguments, model_kwargs

@@ -42,7 +42,7 @@ import torch
 from transformers.utils import logging
 
 from . import _compat
-from .cache import cache_seq_length, continued_padding, passed_cache
+from .cache import cache_seq_length, continued_padding, passed_cache, ragged_rows_mask
 from .config import PREFILL_PADDING_SIDE
 from .settings import CallSettings, max_positions
 from .state import state_of
@@ -190,6 +190,10 @@ def _rule(model, settings: CallSettings, arguments: dict, model_kwargs: dict) ->
         continued = continued_padding(model_kwargs)
         if continued is not None and (continued[0] > 0 or continued[1] != rows):
             return left("the cache holds a left-padded call's tokens, and the prompt must line up with them")
+        if past_length and ragged_rows_mask(cache) is not None:
+            return left(
+                "the cache holds rows of different lengths, each at the start of its slots: a mask lines them up"
+            )
         if past_length and model_kwargs.get("inputs_embeds") is not None:
             return left("`inputs_embeds` continuing from a cache are not padded on the right")
     new_tokens = prompt_length - past_length
@@ -210,13 +214,58 @@ def _rule(model, settings: CallSettings, arguments: dict, model_kwargs: dict) ->
         return left(
             f"the cache passed in has {_compat.static_cache_slots(cache)} slots, fewer than the {slots} needed"
         )
+    ragged_reason = _ragged_reason(model, settings, model_kwargs, prompt, past_length, cache, slots)
+    if ragged_reason is not None:
+        return left(ragged_reason)
+    return PaddingSide("right", "exact", bucket=bucket, past_length=past_length)
+
+
+def _ragged_reason(
+    model, settings: CallSettings, model_kwargs: dict, prompt, past_length: int, cache, slots: int
+) -> str | None:
+    """
+    Why rows of different lengths (zeros in the attention mask, passed or inferred from pad tokens as upstream infers
+    it) can't be right-padded each after its own end, or `None` when they can (or the rows are all one length).
+    """
     mask = model_kwargs.get("attention_mask")
-    if isinstance(mask, torch.Tensor) and not bool(mask.all()):
-        return left("the rows have different lengths (the attention mask has zeros), and the cache has one length")
     if mask is None and isinstance(prompt, torch.Tensor) and prompt.dtype in (torch.long, torch.int):
         if settings.pad_token_is_inferable and bool((prompt == settings.pad_token_id).any()):
-            return left("the prompt holds pad tokens that upstream masks, so its rows have different lengths")
-    return PaddingSide("right", "exact", bucket=bucket, past_length=past_length)
+            mask = prompt.ne(settings.pad_token_id)  # upstream's inferred mask
+    if not isinstance(mask, torch.Tensor) or bool(mask.all()):
+        return None
+    if mask.ndim != 2 or prompt is None or mask.shape != prompt.shape[:2]:
+        return "the attention mask is not a [batch, length] mask of the prompt"
+    if past_length:
+        return "rows of different lengths continuing from a cache need the mask to line them up with the cached rows"
+    if not bool(((mask == 0) | (mask == 1)).all()):
+        return "the attention mask holds values other than 0 and 1"
+    mask = mask.long()
+    if not bool(mask.any(dim=-1).all()):
+        return "a row of the batch has no token (its attention mask is all zeros)"
+    if not bool((mask[:, 1:] >= mask[:, :-1]).all()):  # left padding: each row's zeros, then its ones
+        if bool((mask[:, 1:] <= mask[:, :-1]).all()):
+            return (
+                "the batch is padded on the right: upstream reads a short row's first new token at a pad position, "
+                "which only its mask reproduces (decoder-only batches are padded on the left)"
+            )
+        return "the attention mask has zeros between a row's tokens"
+    if "position_ids" not in inspect.signature(model.forward).parameters:
+        return f"`{type(model).__name__}.forward` takes no `position_ids`: a row's positions would not continue at its end"
+    if _has_sliding_layers(model, cache, slots):
+        return "a sliding window counts cache slots, and a short row's pads would sit after its tokens, not before"
+    return None
+
+
+def _has_sliding_layers(model, cache, slots: int) -> bool:
+    """Whether the cache (passed in, or the one `generate` will make) has sliding-window layers."""
+    if cache is not None:
+        return any(_compat.sliding_window_slots(layer) is not None for layer in cache.layers)
+    known = state_of(model).ragged_sliding_layers
+    if slots not in known:  # `_layers_reason` built the lazy cache already when it could: this one can't fail
+        known[slots] = any(
+            _compat.sliding_window_slots(layer) is not None for layer in _compat.lazy_static_cache(model, slots).layers
+        )
+    return known[slots]
 
 
 def _layers_reason(model, cache, slots: int) -> str | None:

@@ -4,6 +4,14 @@ of the prompt padded after its end to the bucket, with no attention mask (causal
 see the padding after it), logits for the prompt's last position only, then the cache's length set back to the
 prompt's, so decode writes its first token over the first pad slot. Upstream, which sees the unpadded prompt, does
 everything else.
+
+Rows of different lengths (a batch the tokenizer padded on the left, with its mask; `padding_side.py` says when) are
+padded each after its own end: row i's `L_i` tokens go to positions and cache slots `0..L_i-1`, pads after them. Its
+first new token comes from the logits at `L_i - 1`, gathered per row from those of a fixed number of positions (an index
+tensor: one graph per bucket and batch size, whatever the lengths). Decode then runs as upstream's, on the prompt as
+the user passed it: every row writes step t at slot `S + t` (S the prompt's width), and the mask upstream carries is
+swapped for one of the cache's layout, which hides row i's slots `[L_i, S)`. Upstream's position ids, taken from the
+user's mask, continue at `L_i + t`.
 """
 
 import contextlib
@@ -37,18 +45,18 @@ def prefill_right(plan: Plan, original, input_ids, generation_config, model_kwar
         early_initialize(model, cache, rows)  # outside the compiled forward: static addresses, as on the left
     past = cache_seq_length(cache) or 0  # what a continued conversation holds; 0 for a fresh cache
     inputs_embeds = model_kwargs.get("inputs_embeds")
-    if inputs_embeds is not None and past == 0:
-        new_tokens = inputs_embeds.shape[1]
-        fill = model.get_input_embeddings().weight[plan.settings.fill_token_id].detach().to(inputs_embeds.dtype)
-        padding = fill.expand(rows, plan.bucket - new_tokens, -1)
-        prompt = {"inputs_embeds": torch.cat([inputs_embeds, padding], dim=1)}  # [rows, bucket, hidden]
-    else:
+    if past == 0:
+        prompt, row_lengths = _rows_from_the_start(plan, input_ids, inputs_embeds, model_kwargs.get("attention_mask"))
+        new_tokens = (inputs_embeds if inputs_embeds is not None else input_ids).shape[1]
+        keep, column = _last_positions(row_lengths, plan.bucket)
+    else:  # a continued conversation: the rows are one length (the rule), the new tokens follow the cached ones
         new_ids = input_ids[:, past:]  # [rows, S]
         new_tokens = new_ids.shape[1]
         padding = new_ids.new_full((rows, plan.bucket - new_tokens), plan.settings.fill_token_id)
         prompt = {"input_ids": torch.cat([new_ids, padding], dim=1)}  # [rows, bucket]
-    positions = past + torch.arange(plan.bucket, device=input_ids.device).expand(rows, -1)  # [rows, bucket]
-    last = torch.tensor([new_tokens - 1], device=input_ids.device)  # [1]: the prompt's last position, an input
+        keep, column = torch.tensor([new_tokens - 1], device=input_ids.device), None  # [1]: an input, not a shape
+    device = keep.device
+    positions = past + torch.arange(plan.bucket, device=device).expand(rows, -1)  # [rows, bucket]
     if _compat.valid_auto_compile(model, model_kwargs, generation_config):
         forward = model.get_compiled_call(generation_config.compile_config)  # as upstream decodes
     else:
@@ -59,10 +67,54 @@ def prefill_right(plan: Plan, original, input_ids, generation_config, model_kwar
             **prompt,
             position_ids=positions,
             attention_mask=None,
-            logits_to_keep=last,
+            logits_to_keep=keep,
             use_cache=True,
             return_dict=True,
             **{cache_key: cache},
         )
+    if column is not None:
+        # [rows, kept, vocab] -> [rows, 1, vocab]: each row's logits at its own last position
+        outputs["logits"] = outputs.logits[torch.arange(rows, device=device), column].unsqueeze(1)
     _compat.set_static_cache_length(cache, past + new_tokens)
+    if past == 0 and model_kwargs.get("attention_mask") is not None:
+        # The cache's layout: row i's tokens in slots 0..L_i-1, the decode steps from slot S on. [rows, S]
+        slots = torch.arange(new_tokens, device=device)
+        mask = model_kwargs["attention_mask"]
+        model_kwargs["attention_mask"] = (slots < row_lengths[:, None].to(device)).to(mask.dtype)
     return outputs
+
+
+def _rows_from_the_start(plan: Plan, input_ids, inputs_embeds, attention_mask) -> tuple[dict, torch.Tensor]:
+    """
+    The prompt as prefill runs it: each row's tokens moved to the start (a left-padded row's zeros are in front),
+    padded after its end to the bucket. Returns the forward's prompt input and the rows' lengths `[rows]`.
+    """
+    prompt = inputs_embeds if inputs_embeds is not None else input_ids  # [rows, S] or [rows, S, hidden]
+    rows, width = prompt.shape[:2]
+    device = prompt.device
+    if attention_mask is None:
+        row_lengths = torch.full((rows,), width, dtype=torch.long, device=device)
+    else:
+        row_lengths = attention_mask.to(device=device, dtype=torch.long).sum(-1)  # [rows]
+    steps = torch.arange(plan.bucket, device=device)  # [bucket]
+    real = steps < row_lengths[:, None]  # [rows, bucket]
+    source = (steps + (width - row_lengths)[:, None]).clamp(max=width - 1)  # [rows, bucket]: the column it comes from
+    fill_id = plan.settings.fill_token_id
+    if inputs_embeds is not None:
+        fill = plan.model.get_input_embeddings().weight[fill_id].detach().to(inputs_embeds.dtype)  # [hidden]
+        moved = inputs_embeds.gather(1, source[..., None].expand(-1, -1, inputs_embeds.shape[-1]))
+        return {"inputs_embeds": torch.where(real[..., None], moved, fill)}, row_lengths  # [rows, bucket, hidden]
+    moved = input_ids.gather(1, source)
+    return {"input_ids": torch.where(real, moved, moved.new_tensor(fill_id))}, row_lengths  # [rows, bucket]
+
+
+def _last_positions(row_lengths: torch.Tensor, bucket: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """
+    The positions to compute logits at, and the one of them that is each row's last token. `min(rows, bucket)`
+    positions whatever the lengths (the distinct last positions, the last one repeated): one shape per bucket and
+    batch size, so one graph.
+    """
+    rows = row_lengths.shape[0]
+    distinct = torch.unique(row_lengths - 1)  # sorted
+    keep = torch.cat([distinct, distinct[-1:].expand(min(rows, bucket) - distinct.shape[0])])  # [min(rows, bucket)]
+    return keep, torch.searchsorted(distinct, row_lengths - 1)  # [rows]: the kept position of each row's last token

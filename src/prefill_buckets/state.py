@@ -43,6 +43,8 @@ class ModelState:
     right_padding_layers: dict[int, str | None] = field(default_factory=dict)
     # Why the model can't be padded on a side whatever the call (`padding_side.SIDE_ASSUMPTIONS`), by side.
     side_assumptions: dict[str, str | None] = field(default_factory=dict)
+    # Ragged right padding: whether that cache has sliding-window layers, by slots.
+    ragged_sliding_layers: dict[int, bool] = field(default_factory=dict)
     # On a `torch.compile(model)` wrapper: the wrapped module's call compiled by the wrapper, and its users.
     wrapper_compiled_call: Any = None
     wrapper_users: int = 0

@@ -132,13 +132,16 @@ class SideTest(unittest.TestCase):
         return self.spy.sides[-1]
 
     def test_rows_of_different_lengths(self):
+        # Left-padded by the user: each row right-padded after its own end (issue 24, `test_ragged_batches.py`).
         input_ids, attention_mask = left_padded_batch((7, 3), PAD, seed=3)
-        side = self.check("left", input_ids, attention_mask=attention_mask)
-        self.assertIn("different lengths", side.reason)
+        self.check("right", input_ids, attention_mask=attention_mask)
         # No mask: upstream infers one from the pad tokens.
-        self.check("left", input_ids)
+        self.check("right", input_ids)
         # An all-ones mask: one length.
         self.check("right", random_ids(2, 6), attention_mask=torch.ones(2, 6, dtype=torch.long))
+        # Padded on the right by the user: left.
+        side = self.check("left", input_ids.flip(1), attention_mask=attention_mask.flip(1))
+        self.assertIn("padded on the right", side.reason)
 
     def test_dynamic_cache_and_no_cache(self):
         self.check("left", random_ids(1, 6), config(cache_implementation=None))
@@ -331,8 +334,19 @@ class RightPaddingGraphsTest(unittest.TestCase):
             )
             want = run(reference, input_ids, generation_config, attention_mask=attention_mask)
             self.assertTrue(torch.equal(got.sequences, want.sequences))
-        self.assertEqual([side.side for side in self.spy.sides], ["right", "left", "right", "left"])
-        # A prefill graph of bucket 16 per side (the left one takes the mask), and one decode graph that both share.
+        self.assertEqual([side.side for side in self.spy.sides], ["right", "right", "right", "right"])
+        got = run_bucketed(
+            model,
+            uneven_ids,
+            generation_config,
+            attention_mask=uneven_mask,
+            prefill_buckets=[16],
+            prefill_padding_side="left",
+        )
+        want = run(reference, uneven_ids, generation_config, attention_mask=uneven_mask)
+        self.assertTrue(torch.equal(got.sequences, want.sequences))
+        # A prefill graph of bucket 16 per side (the left one takes the mask), and one decode graph that both share:
+        # rows of one length and ragged rows share the right one (issue 24).
         self.assertEqual(counter.graphs, 3, counter.shapes)
         self.assertEqual(sorted(shapes[0] for shapes in counter.shapes), [(2, 1), (2, 16), (2, 16)])
 
