@@ -63,7 +63,7 @@ test: venv
 
 # Output and compile-count equivalence on the oldest supported transformers (prints the versions it runs on first).
 test-oldest: venv-oldest
-	$(OLDEST_PYTHON) utils/check_env.py
+	$(OLDEST_PYTHON) -m prefill_buckets env
 	$(OLDEST_PYTHON) -m pytest $(OLDEST_TESTS) -q
 
 # Also runs the tests marked slow (real SmolLM2 model, many compiled graphs); needs the model package.

@@ -5,7 +5,7 @@ __version__ = "0.1.0"
 from .aot_compiled import aot_forward
 from .buckets import BucketPolicy, WasteReport, padding_waste, suggest_buckets
 from .compile_cache import CompileCacheFile, load_compile_cache, save_compile_cache
-from .config import PREFILL_BATCH_BUCKETS, PREFILL_BUCKETS, PREFILL_PAD_TO_MULTIPLE_OF
+from .config import FIELDS, PREFILL_BATCH_BUCKETS, PREFILL_BUCKETS, PREFILL_PAD_TO_MULTIPLE_OF, PREFILL_PADDING_SIDE
 from .custom_generate import save_custom_generate
 from .generation import generate
 from .patch import disable, enable, is_enabled
@@ -13,8 +13,10 @@ from .warmup import CompiledShape, precompile
 
 
 __all__ = [
+    "FIELDS",
     "PREFILL_BATCH_BUCKETS",
     "PREFILL_BUCKETS",
+    "PREFILL_PADDING_SIDE",
     "PREFILL_PAD_TO_MULTIPLE_OF",
     "BucketPolicy",
     "CompileCacheFile",

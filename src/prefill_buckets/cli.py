@@ -5,6 +5,8 @@ compiled calls, eager fallbacks and whether the tokens equal an eager run. Runs 
 
 `bench`: compile strategies side by side on a real model (SmolLM2-135M-Instruct by default), each in a fresh process;
 prints a table and writes a JSON file and a plot. See `prefill-buckets bench --help` and the `benchmark` subpackage.
+
+`env`: the versions, device and tested range a bug report needs (`env.py`).
 """
 
 import argparse
@@ -13,7 +15,7 @@ import sys
 
 import torch
 
-from . import benchmark, generate
+from . import benchmark, env, generate
 from .buckets import next_power_of_two
 from .compilation import GraphCounter
 from .testing_utils import tiny_llama
@@ -75,10 +77,27 @@ def demo(args) -> int:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="prefill-buckets", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("demo", help="graph counts on a tiny model, in seconds")
-    p.add_argument("--lengths", type=int, nargs="+", default=DEMO_LENGTHS)
-    p.add_argument("--max-new-tokens", type=int, default=4)
-    p.add_argument("--backend", default="eager", help="torch.compile backend to count (eager, inductor)")
+    p = sub.add_parser(
+        "demo",
+        help="graph counts on a tiny model, in seconds",
+        description="Graphs compiled, compiled calls and eager fallbacks of upstream generate and of bucketed "
+        "generate, on a tiny config-built Llama compiled with model.compile(dynamic=False). No download.",
+    )
+    p.add_argument(
+        "--lengths",
+        type=int,
+        nargs="+",
+        default=DEMO_LENGTHS,
+        help=f"prompt lengths, in the order they are served (default: {' '.join(map(str, DEMO_LENGTHS))})",
+    )
+    p.add_argument("--max-new-tokens", type=int, default=4, help="new tokens per prompt (default: 4)")
+    p.add_argument(
+        "--backend",
+        default="eager",
+        help="torch.compile backend the counter wraps (default: eager, which counts graphs and generates no code; "
+        "inductor compiles for real)",
+    )
+    sub.add_parser("env", help="versions, device and tested range, for a bug report", description=env.__doc__)
     p = sub.add_parser(
         "bench",
         help="compile strategies side by side on a real model: table, JSON and plot (compiles take minutes)",
@@ -89,6 +108,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.command == "bench":
         return benchmark.bench(args)
+    if args.command == "env":
+        return env.main()
     return demo(args)
 
 

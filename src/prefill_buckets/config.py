@@ -23,12 +23,12 @@ FIELD_DOCS = """
         > Parameters that pad the prompt to a few lengths, so a compiled model compiles a few graphs
 
         prefill_pad_to_multiple_of (`int`, *optional*):
-            Left-pad the prompt (with masked pad tokens) up to a multiple of this length before prefill, and strip the
-            padding from the output. With a static cache and a compiled forward, prompts whose padded lengths are equal
+            Pad the prompt up to a multiple of this length before prefill (on the side `prefill_padding_side`
+            picks), and strip the padding from the output. With a static cache and a compiled forward, prompts whose padded lengths are equal
             share one compiled prefill graph. When `prefill_buckets` is also set, it aligns the buckets: each is
             rounded up to a multiple of this value, and the prompt takes the smallest aligned bucket that holds it.
         prefill_buckets (`list[int]` or `str`, *optional*):
-            Left-pad the prompt up to the smallest of these lengths that holds it, and strip the padding from the
+            Pad the prompt up to the smallest of these lengths that holds it, and strip the padding from the
             output. Either a list of strictly increasing positive lengths, such as `[64, 256, 1024]`, or `"pow2"` for
             every power of two. A prompt longer than the largest listed bucket is padded to a multiple of the largest
             bucket (or of `prefill_pad_to_multiple_of` when set) and logs a warning, since each such length compiles a

@@ -23,10 +23,10 @@ logger = logging.get_logger(__name__)
 # What `save_custom_generate` writes. transformers imports it as a module of its own (it must import only installed
 # packages) and calls `generate(model=model, **arguments)`; a model loaded from the folder calls
 # `functools.partial(generate, model=model)(*args, **kwargs)`, so positional arguments come before `model`.
-GENERATE_PY = '''"""`generate` with bucketed prefill, written by `prefill_buckets.save_custom_generate`.
+GENERATE_PY = f'''"""`generate` with bucketed prefill, written by `prefill_buckets.save_custom_generate`.
 
-The bucket fields (`prefill_buckets`, `prefill_pad_to_multiple_of`, `prefill_batch_buckets`) come from the call's
-keyword arguments or generation config, as for `prefill_buckets.generate`.
+The bucket fields come from the call's keyword arguments or generation config, as for `prefill_buckets.generate`:
+{", ".join(f"`{field}`" for field in FIELDS)}.
 """
 
 import prefill_buckets

@@ -43,9 +43,9 @@ def generate(model, *args, **kwargs):
     r"""
     [`~generation.GenerationMixin.generate`] with bucketed prefill, without patching transformers.
 
-    Takes exactly the arguments of `model.generate`, plus the fields `prefill_pad_to_multiple_of`,
-    `prefill_buckets`, `prefill_batch_buckets` and `prefill_padding_side` (as keyword arguments or on `generation_config`). When none is set,
-    this is upstream `generate`, unchanged. When one is set, the prompt is padded to its bucket (and the batch, with
+    Takes exactly the arguments of `model.generate`, plus the four fields `prefill_pad_to_multiple_of`,
+    `prefill_buckets`, `prefill_batch_buckets` and `prefill_padding_side` (as keyword arguments or on
+    `generation_config`). When none of the first three is set, this is upstream `generate`, unchanged. When one is set, the prompt is padded to its bucket (and the batch, with
     `prefill_batch_buckets`, to its bucket with dummy rows): on the right, with no mask, where that is exact
     (`prefill_padding_side`, see `padding_side.py`), else on the left with masked pad tokens; upstream `generate`
     runs, and the padding is stripped again: the returned sequences have the shape and ids of an

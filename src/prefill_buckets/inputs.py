@@ -59,31 +59,54 @@ class Plan:
         return self.padded_length - self.prompt_length
 
 
-def capped_bucket(settings: CallSettings, prompt_length: int) -> int:
+def capped_bucket(settings: CallSettings, prompt_length: int, warn: bool = True) -> int:
     """
     The bucket of a prompt, but never more positions than the model has (`max_position_embeddings`), unless the
-    prompt itself is longer: then it is not padded at all.
+    prompt itself is longer: then it is not padded at all. With `warn`, logs what happened to a prompt outside the
+    buckets, one warning per call (`warn_long_prompt`).
     """
     padded_length = settings.policy.bucket(prompt_length)
     max_positions = settings.max_positions
     if max_positions is not None and padded_length > max_positions:
         capped = max(prompt_length, max_positions)
-        logger.warning_once(
-            f"The bucket of a {prompt_length}-token prompt is {padded_length}, more positions than the model has "
-            f"(`max_position_embeddings={max_positions}`), so it is padded to {capped} instead. Prompts this long "
-            f"share that length, and its compiled graph; make {max_positions} your largest bucket to say so."
-        )
-        padded_length = capped
+        if warn:
+            warn_long_prompt(settings, prompt_length, capped, uncapped=padded_length)
+        return capped
+    if warn:
+        warn_long_prompt(settings, prompt_length, padded_length)
     return padded_length
 
 
-def warn_past_largest_bucket(settings: CallSettings, prompt_length: int, padded_length: int) -> None:
-    """Warns (once) when a prompt is longer than the largest listed bucket: each such length is a new graph."""
-    if settings.policy.exceeds_buckets(prompt_length):
+def warn_long_prompt(settings: CallSettings, prompt_length: int, padded_length: int, uncapped: int | None = None):
+    """
+    The one warning for a prompt outside the buckets, saying what was done with it; nothing for a prompt inside them.
+
+    - longer than `max_position_embeddings`: not padded, so each such length is a graph of its own;
+    - its bucket (`uncapped`) longer than `max_position_embeddings`: padded to that instead. Every such prompt gets
+      that one length, so the text names no prompt, and it is logged once;
+    - longer than the largest listed bucket: padded to a multiple of it, a graph per such length.
+    """
+    policy, max_positions = settings.policy, settings.max_positions
+    if uncapped is not None and padded_length == prompt_length and prompt_length > max_positions:
+        logger.warning_once(
+            f"A prompt of {prompt_length} tokens is longer than the model's `max_position_embeddings` "
+            f"({max_positions}), so it is not padded: it runs at its own length, and each such length compiles a new "
+            "graph. The model was not built for sequences this long."
+        )
+    elif uncapped is not None:
+        logger.warning_once(
+            f"Buckets longer than the model's `max_position_embeddings` ({max_positions}) have more positions than the "
+            f"model has, so a prompt of at most {max_positions} tokens whose bucket is longer ({policy}) is padded to "
+            f"{max_positions} instead: those prompts share one length, and its compiled graph. Make {max_positions} "
+            "your largest bucket to say so."
+        )
+    elif policy.exceeds_buckets(prompt_length):
+        multiple = policy.pad_to_multiple_of or policy.largest_bucket
         logger.warning_once(
             f"A prompt of {prompt_length} tokens is longer than the largest of `{PREFILL_BUCKETS}` "
-            f"({settings.policy.largest_bucket}), so it is padded to {padded_length}. Each such length compiles a new "
-            f"graph: add a larger bucket, or set `{PREFILL_PAD_TO_MULTIPLE_OF}` to choose the length for long prompts."
+            f"({policy.largest_bucket}), so it is padded to {padded_length}, the next multiple of {multiple}. Each such "
+            f"length compiles a new graph: add a larger bucket, or set `{PREFILL_PAD_TO_MULTIPLE_OF}` to choose the "
+            "length for long prompts."
         )
 
 
@@ -199,8 +222,6 @@ def pad_inputs(model, settings: CallSettings, arguments: dict, model_kwargs: dic
         padded_length = prompt_length + added_positions
     else:
         padded_length = capped_bucket(settings, prompt_length)
-    if continued is None:
-        warn_past_largest_bucket(settings, prompt_length, padded_length)
     added_positions = padded_length - prompt_length
     fill_token_id = settings.fill_token_id
     if input_ids is not None and input_ids.numel() > 0:
@@ -302,7 +323,7 @@ def plan_right(model, settings: CallSettings, arguments: dict, model_kwargs: dic
         check_ids_in_vocabulary(settings, input_ids)
     prompt = inputs_embeds if inputs_embeds is not None else input_ids
     prompt_length, batch_size = prompt.shape[1], prompt.shape[0]
-    warn_past_largest_bucket(settings, prompt_length - side.past_length, side.bucket)
+    warn_long_prompt(settings, prompt_length - side.past_length, side.bucket)
     mask = model_kwargs.get("attention_mask")
     if mask is None and inputs_embeds is None and settings.pad_token_is_inferable:
         if bool((input_ids == settings.pad_token_id).any()):

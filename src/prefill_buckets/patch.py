@@ -2,8 +2,8 @@
 
 What `enable()` changes, and `disable()` puts back exactly:
 
-- `GenerationConfig.__init__` also takes `prefill_pad_to_multiple_of`, `prefill_buckets` and
-  `prefill_batch_buckets` (default `None`);
+- `GenerationConfig.__init__` also takes the fields of `config.FIELDS`: `prefill_pad_to_multiple_of`,
+  `prefill_buckets`, `prefill_batch_buckets` and `prefill_padding_side` (default `None`);
 - `GenerationConfig.validate` also checks them, so a bad value raises at construction, in `update()`, and when it is
   passed as a `generate` kwarg;
 - `GenerationConfig.__doc__` documents them;
@@ -35,8 +35,9 @@ def is_enabled() -> bool:
 
 def enable() -> None:
     """
-    Teaches transformers' own `GenerationConfig` and `model.generate` the fields `prefill_pad_to_multiple_of`,
-    `prefill_buckets` and `prefill_batch_buckets`. Idempotent and thread-safe; undone by [`disable`].
+    Teaches transformers' own `GenerationConfig` and `model.generate` the four fields `prefill_pad_to_multiple_of`,
+    `prefill_buckets`, `prefill_batch_buckets` and `prefill_padding_side`. Idempotent and thread-safe; undone by
+    [`disable`].
 
     Example:
 

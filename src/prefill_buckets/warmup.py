@@ -168,7 +168,7 @@ def precompile(
         batch_sizes = sorted({batch_policy.bucket(batch_size) for batch_size in batch_sizes})
     lengths = sorted(bucket_lengths(policy, max_prompt_length, settings.max_positions), reverse=True)
     if min_prompt_length is not None:
-        lengths = [length for length in lengths if length >= capped_bucket(settings, min_prompt_length)]
+        lengths = [length for length in lengths if length >= capped_bucket(settings, min_prompt_length, warn=False)]
     max_new_tokens = generation_config.max_new_tokens
     if max_new_tokens is None:
         max_new_tokens = (generation_config.max_length or 20) - 1

@@ -40,6 +40,7 @@ from .tiny_models import CACHE
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs" / "source" / "en"
+README = REPO / "README.md"  # its blocks run too, as a page: the quick start first
 CHECK_DOC_LINKS = REPO / "utils" / "check_doc_links.py"
 
 SKIP_MARKER = "<!-- skip-test -->"
@@ -126,7 +127,8 @@ def check_outputs(block: CodeBlock, printed: str) -> None:
 
 
 def doc_pages() -> list[Path]:
-    return sorted(DOCS.rglob("*.md"))
+    """The docs pages, and the README: every page whose code blocks run."""
+    return sorted(DOCS.rglob("*.md")) + [README]
 
 
 def python_blocks(page: Path) -> list[CodeBlock]:
@@ -134,7 +136,8 @@ def python_blocks(page: Path) -> list[CodeBlock]:
 
 
 def pages_with_python() -> list[str]:
-    return [page.relative_to(DOCS).as_posix() for page in doc_pages() if python_blocks(page)]
+    """Each page with python blocks, relative to the repository."""
+    return [page.relative_to(REPO).as_posix() for page in doc_pages() if python_blocks(page)]
 
 
 # ---- what a page starts with ------------------------------------------------------------------------------------
@@ -244,13 +247,23 @@ class DocCodeBlocksTest(unittest.TestCase):
         if CACHE != "cache":
             # The docs are written for the newest supported transformers; `make test-oldest` tests the older ones.
             self.skipTest("the docs pass and read the cache as `cache`, which is `past_key_values` before 5.24")
-        blocks = [block for block in python_blocks(DOCS / name) if not block.skip]
+        blocks = [block for block in python_blocks(REPO / name) if not block.skip]
         with isolated_page():
             run_blocks(blocks, page_namespace())
 
     def test_there_are_python_blocks(self):
-        self.assertIn("llm_optims.md", pages_with_python())
-        self.assertIn("index.md", pages_with_python())
+        self.assertIn("docs/source/en/llm_optims.md", pages_with_python())
+        self.assertIn("docs/source/en/index.md", pages_with_python())
+
+    def test_readme_quick_start_runs_offline(self):
+        # The quick start is the README's first python block: it builds its model from a config (no `model` from the
+        # page's namespace, no `from_pretrained`), and shows what it prints.
+        first = python_blocks(README)[0]
+        self.assertFalse(first.skip)
+        self.assertNotIn("from_pretrained", first.code)
+        self.assertIn("GraphCounter", first.code)
+        self.assertGreaterEqual(len(expected_outputs(first.code)), 2)
+        self.assertIn("pip install", README.read_text(encoding="utf-8").split("## Quick start")[0])
 
     def test_skip_marker_only_for_real_checkpoints(self):
         for page in doc_pages():

@@ -3,6 +3,7 @@
 import os
 import platform
 import statistics
+from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -207,6 +208,7 @@ def machine_info(device: str) -> dict:
     from .. import __version__
 
     info = {
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "platform": platform.platform(),
         "python": platform.python_version(),
         "processor": platform.processor() or platform.machine(),

@@ -1,0 +1,58 @@
+"""`python -m prefill_buckets env`: what a bug report needs, read from the installed package.
+
+Paste its output into the issue. Every line is `name: value`, so a report can be read (and compared) at a glance.
+"""
+
+import importlib.metadata
+import platform
+import sys
+
+
+DISTRIBUTION = "transformers-prefill-buckets"
+
+
+def _distribution_version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def environment() -> dict[str, str]:
+    """The facts of this environment a bug report needs, in the order `env` prints them."""
+    import torch
+    import transformers
+
+    from . import __file__ as package_file
+    from . import __version__, _compat
+
+    tested = _compat.TESTED_TRANSFORMERS
+    in_range = "yes" if _compat._is_tested_range() else "NO: outside the tested range (the self-test runs first)"
+    if torch.cuda.is_available():
+        names = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
+        device = f"cuda ({torch.cuda.device_count()}: {names}; CUDA {torch.version.cuda})"
+    elif getattr(torch, "xpu", None) is not None and torch.xpu.is_available():
+        device = f"xpu ({torch.xpu.device_count()})"
+    elif torch.backends.mps.is_available():
+        device = "mps"
+    else:
+        device = f"cpu only ({torch.get_num_threads()} torch threads)"
+    return {
+        "prefill_buckets": f"{__version__} (distribution {_distribution_version(DISTRIBUTION)}, at {package_file})",
+        "transformers": transformers.__version__,
+        f"transformers in the tested range ({tested[0]} to {tested[-1]})": in_range,
+        "torch": torch.__version__,
+        "device": device,
+        "python": f"{platform.python_version()} ({platform.platform()})",
+    }
+
+
+def main() -> int:
+    """Prints `environment()`, one `name: value` line each."""
+    for name, value in environment().items():
+        print(f"{name}: {value}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
