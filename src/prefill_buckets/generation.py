@@ -23,7 +23,7 @@ from transformers.utils import ModelOutput, logging
 from . import _compat
 from .buckets import BucketPolicy
 from .budget import check_compiled
-from .cache import cache_seq_length, continued_padding, is_marked, mark_padding, passed_cache
+from .cache import cache_seq_length, continued_padding, is_marked, mark_padding, passed_cache, unpadded_for_room
 from .compilation import compiled_forward, compiled_wrapper_forward
 from .config import BUCKET_FIELDS, FIELDS, PREFILL_BUCKETS, PREFILL_PAD_TO_MULTIPLE_OF
 from .distributed import check_same_inputs_across_ranks
@@ -113,7 +113,11 @@ def generate(model, *args, **kwargs):
     if side.side == "right":
         plan, arguments, model_kwargs = plan_right(model, settings, arguments, model_kwargs, side)
     else:
-        plan, arguments, model_kwargs = pad_inputs(model, settings, arguments, model_kwargs)
+        plan, padded_arguments, padded_kwargs = pad_inputs(model, settings, arguments, model_kwargs)
+        room_reason = unpadded_for_room(plan, model_kwargs)
+        if room_reason is not None:
+            return _unpadded(model, room_reason, arguments, model_kwargs)
+        arguments, model_kwargs = padded_arguments, padded_kwargs
     if settings.batch_policy is not None and continues is None:  # a cache's rows are fixed when it is filled
         plan, arguments, model_kwargs = pad_rows(plan, arguments, model_kwargs)
     model_kwargs.update(check_pad_token_id(plan, arguments))
