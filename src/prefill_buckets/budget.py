@@ -90,7 +90,7 @@ class GraphBudget:
         from .config import PREFILL_BUCKETS
 
         self.add(rows, (prompt_length,), cache_length)
-        held = max(held_graphs(model), self.graphs)
+        held = held_graphs(model)
         limit = recompile_limit()
         if held + 1 >= limit and not self.warned_near_limit:
             self.warned_near_limit = True
@@ -105,11 +105,12 @@ class GraphBudget:
 def held_graphs(model) -> int:
     """
     The graphs torch holds on `model`'s compiled forward: those on its code objects, counted as torch counts them
-    against the limit (every model whose forward is that code), and never fewer than the model has needed itself.
+    against the limit (every model whose forward is that code). Where torch holds none it can tell of, the shapes the
+    model has needed (more than torch compiled with dynamic shapes: a limit raised too far, never too little).
     """
     from .state import state_of  # `state` holds a `GraphBudget`: imported here, not at the top
 
-    return max(_compat.forward_graphs(model), state_of(model).budget.graphs)
+    return _compat.forward_graphs(model) or state_of(model).budget.graphs
 
 
 def make_room(model, held: int, graphs: int, who: str) -> None:
