@@ -332,6 +332,33 @@ def set_compiled_call_impl(module, function) -> None:
     object.__setattr__(module, "_compiled_call_impl", function)
 
 
+def forward_graphs(model) -> int:
+    """
+    The graphs dynamo holds for `model`'s forward, as its recompile limit counts them: the cache entries on the code
+    objects a compiled forward starts in (the forward, and the decorators' wrappers around it), the largest count. They
+    are shared by every model whose forward is the same code. 0 where torch can't tell.
+    """
+    entries = getattr(torch._dynamo.eval_frame, "_debug_get_cache_entry_list", None)
+    if entries is None:
+        return 0
+    instance_forward = model.__dict__.get("forward")
+    candidates = (eager_callable(instance_forward), instance_forward, getattr(type(model), "forward", None))
+    codes = set()
+    for function in candidates:
+        function = getattr(function, "__func__", function)
+        while function is not None and len(codes) < 64:
+            code = getattr(function, "__code__", None)
+            if code is not None:
+                codes.add(code)
+            function = getattr(function, "__wrapped__", None)
+    return max((len(entries(code)) for code in codes), default=0)
+
+
+def graphs_compiled() -> int:
+    """The graphs dynamo has compiled in this process so far (every frame, every model)."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
 def eager_callable(compiled):
     """The original function of a `torch.compile`d function, or `None` when `compiled` is not one."""
     return getattr(compiled, "_torchdynamo_orig_callable", None)

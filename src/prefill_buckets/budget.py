@@ -1,19 +1,43 @@
 """`GraphBudget`: the graphs a compiled model has needed, and the only code that changes torch's recompile limit.
 
-Torch keeps at most `torch._dynamo.config.recompile_limit` graphs per compiled function (8 by default) and runs the
-rest eagerly, without an error. Bucketed calls need a known, bounded set of graphs; when that set is larger than the
-limit, the limit is raised here, with a warning, and never lowered below what the workload needs.
+Torch keeps at most `torch._dynamo.config.recompile_limit` graphs per compiled code object (8 by default) and runs
+the rest eagerly, without an error. The limit counts every graph on the code object, whichever model compiled it, and
+models share code objects: transformers' decorators wrap the `forward` of most model classes in one function. So two
+compiled models in one process share one limit. Bucketed calls need a known, bounded set of graphs; this module counts
+what torch counts (the graphs on the forward's code objects, `_compat.forward_graphs`), adds what a call will compile,
+and, when that passes the limit, raises it, with a warning, never below what the process needs. After a call, a code
+object at the limit with other graphs than the call should have made means torch refused some: that is said too.
 """
+
+import threading
+from dataclasses import dataclass
 
 import torch
 from transformers.utils import logging
 
+from . import _compat
+
 
 logger = logging.get_logger(__name__)
+
+# Changing the limit is read-modify-write: concurrent calls (threads) make room one at a time. Reentrant: `account`
+# holds it around `make_room`.
+_LIMIT_LOCK = threading.RLock()
+# New graphs of bucketed calls still running, which torch's count may not hold yet: concurrent calls, on one model or
+# several, make room for each other's too.
+_in_flight = {"graphs": 0}
 
 
 def recompile_limit() -> int:
     return torch._dynamo.config.recompile_limit
+
+
+@dataclass
+class CallGraphs:
+    """What one bucketed call expects to compile: the graphs its forward's code objects held before it, and new ones."""
+
+    held_before: int
+    new_shapes: list[str]  # the shapes of the graphs the model had not compiled yet, in words
 
 
 class GraphBudget:
@@ -21,70 +45,124 @@ class GraphBudget:
     The graphs a compiled model has needed so far, by shape, for one static-cache generation workload.
 
     A compiled forward compiles one graph per distinct input shape: a prefill graph per `(rows, prompt length,
-    cache length)` and a decode graph per `(rows, cache length)`, where rows are `batch * max(num_beams,
-    num_return_sequences)`.
+    cache length)` and side (a right-padded prefill has no mask: another graph), and a decode graph per `(rows,
+    cache length)`, where rows are `batch * max(num_beams, num_return_sequences)`.
     """
 
     def __init__(self):
-        self.prefill: set[tuple[int, int, int]] = set()
-        self.decode: set[tuple[int, int]] = set()
+        self.prefill: set[tuple[int, int, int, str]] = set()  # (rows, prompt length, cache length, side)
+        self.decode: set[tuple[int, int]] = set()  # (rows, cache length)
         self.warned_near_limit = False
 
     @property
     def graphs(self) -> int:
         return len(self.prefill) + len(self.decode)
 
-    def add(self, rows: int, prompt_length: int, cache_length: int) -> bool:
-        """Records one call's shapes; returns whether they need a graph not seen before."""
-        before = self.graphs
-        self.prefill.add((rows, prompt_length, cache_length))
-        self.decode.add((rows, cache_length))
-        return self.graphs > before
+    def add(self, rows: int, prompt_lengths, cache_length: int, side: str = "left") -> list[str]:
+        """Records one call's shapes; returns those not seen before, in words."""
+        new = []
+        for prompt_length in sorted(prompt_lengths):
+            if (rows, prompt_length, cache_length, side) not in self.prefill:
+                self.prefill.add((rows, prompt_length, cache_length, side))
+                new.append(f"prefill [{rows}, {prompt_length}] with a {cache_length}-slot cache ({side})")
+        if (rows, cache_length) not in self.decode:
+            self.decode.add((rows, cache_length))
+            new.append(f"decode [{rows}, 1] with a {cache_length}-slot cache")
+        return new
 
-    def account(self, rows: int, prompt_length: int, cache_length: int) -> None:
-        """A bucketed call's shapes: keeps the recompile limit above the graphs needed, and says so when it raises it."""
-        if not self.add(rows, prompt_length, cache_length):
-            return
-        limit = recompile_limit()
-        if self.graphs > limit:
-            raised = max(self.graphs, 2 * limit)
-            torch._dynamo.config.recompile_limit = raised
-            logger.warning_once(
-                f"Prefill buckets have needed {self.graphs} compiled graphs so far ({len(self.prefill)} prefill, "
-                f"{len(self.decode)} decode shapes), more than torch's `torch._dynamo.config.recompile_limit` "
-                f"({limit}), past which torch silently runs the forward eagerly. Raised the limit to {raised}. To need "
-                "fewer graphs: pin `max_cache_len` (one decode graph per batch size), use fewer buckets, or call "
-                "`prefill_buckets.precompile` to compile them all up front."
-            )
+    def account(self, model, rows: int, prompt_lengths, cache_length: int, side: str = "left") -> CallGraphs:
+        """
+        A bucketed call's shapes: keeps the recompile limit above the graphs the process needs on the model's
+        forward, and says so when it raises it. Returns what the call expects to compile, for `check_compiled`.
+        """
+        with _LIMIT_LOCK:
+            held = held_graphs(model)
+            new = self.add(rows, prompt_lengths, cache_length, side)
+            make_room(model, held + _in_flight["graphs"], len(new), "Bucketed calls")
+            _in_flight["graphs"] += len(new)
+        return CallGraphs(held_before=held, new_shapes=new)
 
-    def account_unbucketed(self, rows: int, prompt_length: int, cache_length: int) -> None:
+    def account_unbucketed(self, model, rows: int, prompt_length: int, cache_length: int) -> None:
         """
         An unbucketed compiled call's shapes. They share the compiled function's limit with bucketed ones, so they are
         counted, but the limit is left alone: this only warns, once, when the next new length will pass it.
         """
         from .config import PREFILL_BUCKETS
 
-        self.add(rows, prompt_length, cache_length)
+        self.add(rows, (prompt_length,), cache_length)
+        held = held_graphs(model)
         limit = recompile_limit()
-        if self.graphs + 1 >= limit and not self.warned_near_limit:
+        if held + 1 >= limit and not self.warned_near_limit:
             self.warned_near_limit = True
             logger.warning(
-                f"The compiled forward has needed {self.graphs} graphs (one prefill graph per prompt length, and "
-                f"decode graphs per cache length), and torch's `torch._dynamo.config.recompile_limit` is {limit}: "
-                f"past it, torch silently runs the forward eagerly. Set `{PREFILL_BUCKETS}` to bound the graphs."
+                f"The compiled forward has needed {held} graphs (one prefill graph per prompt length, and decode "
+                f"graphs per cache length, for every model whose forward is the same code), and torch's "
+                f"`torch._dynamo.config.recompile_limit` is {limit}: past it, torch silently runs the forward eagerly. "
+                f"Set `{PREFILL_BUCKETS}` to bound the graphs."
             )
 
-    def make_room(self, graphs: int) -> None:
-        """Raises the recompile limit, if needed, to hold the graphs compiled so far plus `graphs` more (`precompile`)."""
-        needed = self.graphs + graphs
+
+def held_graphs(model) -> int:
+    """
+    The graphs torch holds on `model`'s compiled forward: those on its code objects, counted as torch counts them
+    against the limit (every model whose forward is that code). Where torch holds none it can tell of, the shapes the
+    model has needed (more than torch compiled with dynamic shapes: a limit raised too far, never too little).
+    """
+    from .state import state_of  # `state` holds a `GraphBudget`: imported here, not at the top
+
+    return _compat.forward_graphs(model) or state_of(model).budget.graphs
+
+
+def make_room(model, held: int, graphs: int, who: str) -> None:
+    """Raises torch's recompile limits, if needed, so `model`'s forward can hold `held` graphs plus `graphs` more."""
+    needed = held + graphs
+    with _LIMIT_LOCK:
         limit = recompile_limit()
         if needed > limit:
-            torch._dynamo.config.recompile_limit = needed
-            logger.warning(
-                f"precompile raised torch's `torch._dynamo.config.recompile_limit` from {limit} to {needed}: the graphs "
-                f"this config needs, plus those the model has compiled before. Past the limit, torch silently runs the "
-                "forward eagerly."
+            raised = max(needed, 2 * limit)
+            torch._dynamo.config.recompile_limit = raised
+            logger.warning_once(
+                f"{who} need {needed} compiled graphs of the forward of `{model_name(model)}` (the "
+                f"graphs of every model whose forward is the same code, as torch counts them), more than torch's "
+                f"`torch._dynamo.config.recompile_limit` ({limit}), past which torch silently runs the forward "
+                f"eagerly. Raised the limit to {raised}. To need fewer graphs: pin `max_cache_len` (one decode graph "
+                "per batch size), use fewer buckets, or call `prefill_buckets.precompile` to compile them all up front."
             )
+        accumulated = getattr(torch._dynamo.config, "accumulated_recompile_limit", None)
+        if accumulated is not None and needed > accumulated:  # the cap on any one code object's graphs (256)
+            torch._dynamo.config.accumulated_recompile_limit = needed
+            logger.warning_once(
+                f"Raised torch's `torch._dynamo.config.accumulated_recompile_limit` from {accumulated} to {needed}, "
+                f"the compiled graphs the forward of `{model_name(model)}` needs."
+            )
+
+
+def check_compiled(model, expected: CallGraphs | None) -> None:
+    """
+    Ends a bucketed call's accounting (`GraphBudget.account`), and warns when torch may have run forwards of the call
+    eagerly: its forward's code objects are at the recompile limit, with other graphs than the call expected to add
+    (torch refused some, or the call compiled graphs the budget did not predict, and the next will be refused).
+    """
+    if expected is None:
+        return
+    with _LIMIT_LOCK:
+        _in_flight["graphs"] -= len(expected.new_shapes)
+    held = _compat.forward_graphs(model)
+    limit = recompile_limit()
+    if held >= limit and held != expected.held_before + len(expected.new_shapes):
+        shapes = "; ".join(expected.new_shapes) or "shapes the package did not predict"
+        logger.warning(
+            f"The compiled forward of `{model_name(model)}` holds {held} graphs, torch's "
+            f"`torch._dynamo.config.recompile_limit` ({limit}), where this call expected {expected.held_before} plus "
+            f"{len(expected.new_shapes)} new ({shapes}): torch may have run some of its forwards eagerly (same "
+            "outputs, uncompiled). Raise `torch._dynamo.config.recompile_limit`, or call `prefill_buckets.precompile`."
+        )
+
+
+def model_name(model) -> str:
+    """The model's class, and where it was loaded from when it says."""
+    path = getattr(getattr(model, "config", None), "_name_or_path", "")
+    return f"{type(model).__name__}" + (f" ({path})" if path else "")
 
 
 def restore_recompile_limit(at_least: int | None) -> None:

@@ -17,13 +17,14 @@ Every length is rounded up to a multiple of 64 (or of `prefill_pad_to_multiple_o
 takes (step 3's length): never past `max_position_embeddings`, which some models size buffers by (GPT-Neo's causal
 mask), unless the call itself needs more slots, as it would unbucketed. `precompile` pins the cache to its longest bucket instead (`pinned_cache_length`).
 The price of a large cache is decode time (a static cache's decode step attends over every slot) and memory: pin
-`max_cache_len` for the workload's longest prompt to pay only for that.
+`max_cache_len` to the largest bucket plus `max_new_tokens` to pay only for that (`unpadded_for_room` checks a call
+against a pinned or passed cache).
 """
 
 import torch
 from transformers.utils import logging
 
-from ._compat import previous_max_cache_length, static_cache_init_shape
+from ._compat import is_static_cache, previous_max_cache_length, static_cache_init_shape, static_cache_slots
 from .buckets import BucketPolicy, round_up
 from .config import PREFILL_BUCKETS
 from .settings import CallSettings
@@ -84,6 +85,49 @@ def static_cache_length(model, settings: CallSettings, needed: int, prompt_slots
 def pinned_cache_length(policy: BucketPolicy, needed: int) -> int:
     """The length `precompile` pins the static cache to, for a workload whose longest call needs `needed` slots."""
     return _aligned(policy, needed)
+
+
+def unpadded_for_room(plan, model_kwargs: dict) -> str | None:
+    """
+    A left-padded call against the static cache it will write: its padded prompt (in a conversation, with the tokens
+    the cache holds) plus the new tokens, less one (the last token is never written). Returns why the call must run
+    unpadded, or `None` when it is bucketed:
+
+    - a cache passed in with fewer slots, that holds no padding: the call runs unpadded, as upstream runs it (reason);
+    - a cache passed in with fewer slots, that holds a bucketed call's padding: `ValueError` naming both lengths (the
+      padding in the cache can't be left out, and the cache can't grow);
+    - a pinned `max_cache_len` with fewer slots: upstream sizes the cache by what the call needs, so the call runs
+      exact in a longer cache, a shape of its own; a warning says so (`None`).
+    """
+    settings = plan.settings
+    new_tokens = settings.new_tokens(plan.prompt_length)
+    needed = plan.padded_length + new_tokens - 1
+    what = f"the bucket's {plan.padded_length} positions plus {new_tokens} new tokens, less one"
+    cache = passed_cache(model_kwargs)
+    if cache is not None and is_static_cache(cache):
+        slots = static_cache_slots(cache)
+        if slots >= needed:
+            return None
+        if is_marked(cache):
+            raise ValueError(
+                f"The cache passed in has {slots} slots, fewer than the {needed} this call needs ({what}; the cache "
+                f"holds a bucketed call's padding, which this prompt is padded by too). A static cache does not grow: "
+                "make the first call's `max_cache_len` at least the longest conversation, padded, plus "
+                '`max_new_tokens` (the guide\'s "Cache sizing").'
+            )
+        return (
+            f"the cache passed in has {slots} slots, fewer than the {needed} the padded call needs ({what}), so the "
+            "call runs unpadded, as upstream runs it (exact output; this prompt length may compile a new graph). Pass "
+            "a cache of at least the largest bucket plus `max_new_tokens` to bucket such calls."
+        )
+    pinned = settings.max_cache_len
+    if cache is None and pinned is not None and pinned < needed:
+        logger.warning_once(
+            f"`max_cache_len={pinned}` is smaller than the {needed} static cache slots this call needs ({what}), so "
+            f"upstream makes a {needed}-slot cache for it: exact, but a cache shape of its own, which compiles its own "
+            f"graphs. Pin `max_cache_len` to at least the largest bucket of `{PREFILL_BUCKETS}` plus `max_new_tokens`."
+        )
+    return None
 
 
 def passed_cache(model_kwargs: dict):

@@ -22,7 +22,16 @@ from transformers.utils import ModelOutput, logging
 
 from . import _compat
 from .buckets import BucketPolicy
-from .cache import cache_seq_length, continued_padding, is_marked, mark_padding, mark_ragged_rows, passed_cache
+from .budget import check_compiled
+from .cache import (
+    cache_seq_length,
+    continued_padding,
+    is_marked,
+    mark_padding,
+    mark_ragged_rows,
+    passed_cache,
+    unpadded_for_room,
+)
 from .compilation import compiled_forward, compiled_wrapper_forward
 from .config import BUCKET_FIELDS, FIELDS, PREFILL_BUCKETS, PREFILL_PAD_TO_MULTIPLE_OF
 from .distributed import check_same_inputs_across_ranks
@@ -109,16 +118,16 @@ def generate(model, *args, **kwargs):
     if skip_reason is None and side.side == "left":
         skip_reason = _unpadded_cache_reason(model_kwargs)
     if skip_reason is not None:
-        logger.warning_once(
-            f"The prefill bucket fields ({', '.join(f'`{f}`' for f in BUCKET_FIELDS)}) are ignored for this call: "
-            f"{skip_reason}"
-        )
-        return UPSTREAM_GENERATE(model, **arguments, **model_kwargs)
+        return _unpadded(model, skip_reason, arguments, model_kwargs)
 
     if side.side == "right":
         plan, arguments, model_kwargs = plan_right(model, settings, arguments, model_kwargs, side)
     else:
-        plan, arguments, model_kwargs = pad_inputs(model, settings, arguments, model_kwargs)
+        plan, padded_arguments, padded_kwargs = pad_inputs(model, settings, arguments, model_kwargs)
+        room_reason = unpadded_for_room(plan, model_kwargs)
+        if room_reason is not None:
+            return _unpadded(model, room_reason, arguments, model_kwargs)
+        arguments, model_kwargs = padded_arguments, padded_kwargs
     if settings.batch_policy is not None and continues is None:  # a cache's rows are fixed when it is filled
         plan, arguments, model_kwargs = pad_rows(plan, arguments, model_kwargs)
     model_kwargs.update(check_pad_token_id(plan, arguments))
@@ -132,8 +141,11 @@ def generate(model, *args, **kwargs):
         attention_mask=model_kwargs.get("attention_mask"),
     )
     compiled_wrapper = compiled_wrapper_forward(wrapper) if wrapper is not None else contextlib.nullcontext()
-    with compiled_wrapper, bucketed_call(plan):
-        output = UPSTREAM_GENERATE(model, **arguments, **model_kwargs)
+    try:
+        with compiled_wrapper, bucketed_call(plan):
+            output = UPSTREAM_GENERATE(model, **arguments, **model_kwargs)
+    finally:
+        check_compiled(model, plan.expected_graphs)  # and says so if torch ran some of the call's forwards eagerly
     for cache in (passed_cache(model_kwargs), passed_cache(output) if isinstance(output, ModelOutput) else None):
         # A right-padded call leaves an unpadded cache, unless dummy rows fill it: a later call must bring them.
         if cache is not None and (plan.side == "left" or plan.padded_batch > plan.batch_size or plan.ragged):
@@ -141,6 +153,14 @@ def generate(model, *args, **kwargs):
         if cache is not None and continues is None:  # a later call lines its mask up with ragged rows' layout
             mark_ragged_rows(cache, model_kwargs["attention_mask"] if plan.ragged else None)
     return strip_output(output, plan)
+
+
+def _unpadded(model, reason: str, arguments: dict, model_kwargs: dict):
+    """Upstream's call, as the user made it, after a warning (once) that says why it is not bucketed."""
+    logger.warning_once(
+        f"The prefill bucket fields ({', '.join(f'`{f}`' for f in BUCKET_FIELDS)}) are ignored for this call: {reason}"
+    )
+    return UPSTREAM_GENERATE(model, **arguments, **model_kwargs)
 
 
 def _with_policy(settings: CallSettings, policy: BucketPolicy) -> CallSettings:
@@ -222,6 +242,6 @@ def _warn_unbucketed(model, wrapper, settings: CallSettings, arguments: dict, mo
     rows = prompt.shape[0] * settings.rows_per_prompt
 
     def record():
-        state.budget.account_unbucketed(rows, prompt.shape[1], _compat.previous_max_cache_length(model))
+        state.budget.account_unbucketed(model, rows, prompt.shape[1], _compat.previous_max_cache_length(model))
 
     return record

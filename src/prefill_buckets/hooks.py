@@ -171,8 +171,7 @@ def _prepare_cache_for_generation(
     if compiled:
         # Chunked prefill runs a graph per chunk shape: the chunk, and a shorter last chunk if any.
         shapes = {prefill} if chunk is None else {min(chunk, prefill), prefill % chunk}
-        for prefill_length in shapes - {0}:
-            state_of(model).budget.account(rows, prefill_length, cache_length)
+        plan.expected_graphs = state_of(model).budget.account(model, rows, shapes - {0}, cache_length, plan.side)
     plan.recompile_limit = torch._dynamo.config.recompile_limit
     return result
 

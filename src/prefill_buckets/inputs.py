@@ -42,6 +42,7 @@ class Plan:
     rows: int = 1  # output rows the user gets: batch * max(num_beams, num_return_sequences)
     padded_rows: int = 1  # output rows generated, dummy rows of `prefill_batch_buckets` included
     recompile_limit: int | None = None  # torch's limit once the call's graphs are accounted for
+    expected_graphs: Any = None  # with a compiled forward: what the call expects to compile (`budget.CallGraphs`)
     static_cache_length: int | None = None  # slots of the call's static cache, once it is made
     side: str = "left"  # "right": upstream sees the unpadded prompt, the `_prefill` hook pads it after the prompt
     bucket: int | None = None  # right: the length the new tokens are padded to

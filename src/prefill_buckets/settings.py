@@ -80,6 +80,14 @@ class CallSettings:
     output_hidden_states: bool = False
     output_attentions: bool = False
     prompt_lookup_num_tokens: int | None = None
+    max_new_tokens: int | None = None
+    max_length: int | None = None
+
+    def new_tokens(self, prompt_length: int) -> int:
+        """The most tokens the call generates after a prompt of `prompt_length`, as upstream resolves it."""
+        if self.max_new_tokens is not None:
+            return self.max_new_tokens
+        return (self.max_length if self.max_length is not None else 20) - prompt_length
 
     @property
     def rows_per_prompt(self) -> int:
@@ -131,4 +139,6 @@ def resolve_settings(
         output_hidden_states=bool(value("output_hidden_states")),
         output_attentions=bool(value("output_attentions")),
         prompt_lookup_num_tokens=value("prompt_lookup_num_tokens"),
+        max_new_tokens=value("max_new_tokens"),
+        max_length=value("max_length"),
     )

@@ -10,13 +10,14 @@ from transformers import GenerationConfig
 from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS
 from transformers.utils import logging
 
+from ._compat import graphs_compiled
 from .buckets import BucketPolicy
+from .budget import held_graphs, make_room
 from .cache import pinned_cache_length
 from .config import PREFILL_BUCKETS, PREFILL_PAD_TO_MULTIPLE_OF
 from .generation import generate
 from .inputs import capped_bucket
 from .settings import resolve_fields, resolve_settings
-from .state import state_of
 
 
 logger = logging.get_logger(__name__)
@@ -106,7 +107,9 @@ def precompile(
             together with either of them.
 
     Returns:
-        `list[CompiledShape]`: one entry per warm-up call, longest first.
+        `list[CompiledShape]`: one entry per warm-up call, longest first, with the graphs torch compiled for it. Their
+        sum is what the warm-up compiled. Torch's recompile limit counts the graphs of every model whose forward is
+        the same code: it is raised to hold them all first, and a call whose forwards torch still ran eagerly says so.
 
     Example:
 
@@ -184,7 +187,9 @@ def precompile(
     generation_config.max_length = None
     both_sides = [b for b in set(batch_sizes) if b > 1] if settings.padding_side == "auto" else []
     left_graphs = len(both_sides) * len([length for length in lengths if length > 1])
-    state_of(module).budget.make_room(len(set(batch_sizes)) * (len(lengths) + 1) + left_graphs)
+    make_room(
+        module, held_graphs(module), len(set(batch_sizes)) * (len(lengths) + 1) + left_graphs, "precompile's calls"
+    )
     token_id = 0
     device = module.device
     jobs = [(batch_size, length) for batch_size in sorted(set(batch_sizes), reverse=True) for length in lengths]
@@ -195,7 +200,7 @@ def precompile(
             bar.set_postfix_str(f"batch {batch_size}, prompt {length}")
         input_ids = torch.full((batch_size, length), token_id, dtype=torch.long, device=device)
         attention_mask = torch.ones_like(input_ids)
-        graphs_before = _graphs_compiled()
+        graphs_before = graphs_compiled()
         start = time.perf_counter()
         generate(wrapper, input_ids, attention_mask=attention_mask, generation_config=generation_config)
         if batch_size > 1 and length > 1 and settings.padding_side == "auto":
@@ -209,16 +214,12 @@ def precompile(
                 batch_size=batch_size,
                 prompt_length=length,
                 cache_length=cache_length if cache_implementation in ALL_STATIC_CACHE_IMPLEMENTATIONS else None,
-                graphs=_graphs_compiled() - graphs_before,
+                graphs=graphs_compiled() - graphs_before,
                 seconds=time.perf_counter() - start,
             )
         )
     logger.info(f"precompile: {sum(c.graphs for c in compiled)} graphs in {sum(c.seconds for c in compiled):.1f} s")
     return compiled
-
-
-def _graphs_compiled() -> int:
-    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
 def _progress(jobs, enabled: bool):

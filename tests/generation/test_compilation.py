@@ -9,11 +9,12 @@
 
 import random
 import unittest
+from unittest import mock
 
 import torch
 from parameterized import parameterized
 from torch._dynamo.backends.registry import register_backend
-from transformers import CompileConfig, GenerationConfig, LlamaConfig, LlamaForCausalLM
+from transformers import CompileConfig, GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 from transformers.testing_utils import CaptureLogger, slow
 from transformers.utils import logging
 
@@ -84,7 +85,7 @@ def make_model() -> LlamaForCausalLM:
 
 def make_reference(model: LlamaForCausalLM) -> LlamaForCausalLM:
     """An uncompiled copy of `model` (same weights), run without buckets for the expected tokens."""
-    reference = LlamaForCausalLM(model.config).eval()
+    reference = type(model)(model.config).eval()
     reference.load_state_dict(model.state_dict())
     return reference
 
@@ -615,6 +616,68 @@ class GraphCountTest(CompilationTestCase):
         self.assertEqual(counter.graphs, len(buckets) + 1, f"graphs: {counter.shapes}")
         self.assertGreaterEqual(torch._dynamo.config.recompile_limit, counter.graphs)
         self.assertEqual(captured.out.count("recompile_limit"), 1, captured.out)
+
+
+class SharedRecompileLimitTest(CompilationTestCase):
+    """
+    torch's recompile limit counts graphs per code object, and transformers' decorators make most classes' `forward`
+    one code object (`wrapped_func` in `transformers/utils/deprecation.py`): models compiled in one process share one
+    limit. Issue 27: a second model got 2 graphs, then ran its other buckets eagerly without a word.
+    """
+
+    BUCKETS = [4, 8, 16]
+    LENGTHS = [13, 6, 3]  # one per bucket
+
+    def three_models(self):
+        torch.manual_seed(0)
+        qwen = Qwen2ForCausalLM(Qwen2Config(**make_model().config.to_diff_dict())).eval()
+        models = [make_model(), make_model(), qwen]
+        with torch.no_grad():  # two Llamas with different weights
+            models[1].lm_head.weight.mul_(-1)
+        forward_codes = {type(model).forward.__code__ for model in models}
+        self.assertEqual(len(forward_codes), 1, "the premise: every model's forward is one code object")
+        return models
+
+    def test_three_models_of_two_classes_compile_every_forward(self):
+        # 3 models x (3 prefill + 1 decode) graphs = 12 on one code object, with torch's limit at 8.
+        self.assertEqual(torch._dynamo.config.recompile_limit, 8)
+        per_model = len(self.BUCKETS) + 1
+        config = make_config(max_cache_len=128, prefill_buckets=self.BUCKETS)
+        for model in self.three_models():
+            reference = make_reference(model)
+            counter = GraphCounter()
+            model.compile(backend=counter, dynamic=False)  # not fullgraph: past the limit torch runs eagerly
+            compiled = prefill_buckets.precompile(model, config, progress=False)
+            self.assertEqual(sum(shape.graphs for shape in compiled), counter.graphs, type(model).__name__)
+            self.assertEqual(counter.graphs, per_model, f"{type(model).__name__}: {counter.shapes}")
+            for length in self.LENGTHS:  # every forward a compiled call, and upstream's tokens
+                self.check_call(
+                    counter,
+                    lambda ids: prefill_buckets.generate(model, ids, generation_config=config),
+                    make_prompt(length),
+                    reference,
+                    make_config(),
+                )
+            self.assertEqual(counter.graphs, per_model, f"{type(model).__name__}: {counter.shapes}")
+        self.assertGreaterEqual(torch._dynamo.config.recompile_limit, 3 * per_model)
+
+    def test_forwards_torch_runs_eagerly_are_said(self):
+        # As if the budget had missed graphs (it leaves the limit at 8): the third model's calls pass torch's limit,
+        # and each call whose forwards may have run eagerly says so, naming the model and the shapes.
+        config = make_config(max_cache_len=128, prefill_buckets=self.BUCKETS)
+        counters = []
+        with mock.patch("prefill_buckets.budget.make_room"), CaptureLogger(logger) as captured:
+            for model in self.three_models():
+                counters.append(GraphCounter())
+                model.compile(backend=counters[-1], dynamic=False)
+                for length in self.LENGTHS:
+                    prefill_buckets.generate(model, make_prompt(length), generation_config=config)
+        forwards = MAX_NEW_TOKENS * len(self.LENGTHS)
+        self.assertEqual([counter.calls for counter in counters[:2]], [forwards, forwards])
+        self.assertLess(counters[2].calls, forwards)  # the premise: torch ran some forwards eagerly
+        self.assertIn("The compiled forward of `Qwen2ForCausalLM` holds 8 graphs", captured.out)
+        self.assertIn("may have run some of its forwards eagerly", captured.out)
+        self.assertIn("prefill [1, 4] with a 128-slot cache", captured.out)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

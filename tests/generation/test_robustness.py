@@ -9,7 +9,7 @@ from unittest import mock
 import torch
 from parameterized import parameterized
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import CompileConfig, GenerationConfig, PreTrainedTokenizerFast, masking_utils
+from transformers import CompileConfig, GenerationConfig, PreTrainedTokenizerFast, StaticCache, masking_utils
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.utils import GenerationMixin
 from transformers.testing_utils import CaptureLogger
@@ -22,7 +22,7 @@ from prefill_buckets.generation import UPSTREAM_GENERATE
 from prefill_buckets.hooks import HOOKS
 
 from .test_equivalence import _LLAMA_LIKE, _SPECIAL_TOKENS
-from .tiny_models import tiny_llama
+from .tiny_models import CACHE, tiny_llama
 
 
 package_logger = logging.get_logger("prefill_buckets")  # every module of the package logs under it
@@ -423,6 +423,65 @@ class BadInputTest(RobustnessTestBase):
             actual = prefill_buckets.generate(self.model, input_ids, max_new_tokens=3, prefill_buckets=[8])
         self.assertSameIds(actual, expected)
         self.assertNotIn("can't be inferred", logs.out)
+
+
+class CacheRoomTest(RobustnessTestBase):
+    """
+    A static cache shorter than the bucket plus the new tokens (issue 27). A 10-token prompt with 8 new tokens needs
+    17 slots unpadded, and 23 padded on the left to 16: the call is planned against the cache it will write.
+    """
+
+    def config(self, **kwargs):
+        return GenerationConfig(max_new_tokens=8, min_new_tokens=8, do_sample=False, **kwargs)
+
+    def test_cache_passed_in_too_short_runs_unpadded(self):
+        # Padded, it wrote past the cache's end (`index_copy_(): index 20 is out of bounds`); upstream runs.
+        input_ids = random_ids(1, 10)
+        expected = UPSTREAM_GENERATE(
+            self.model, input_ids, generation_config=self.config(), **{CACHE: StaticCache(self.model.config, 20)}
+        )
+        clear_warning_once()
+        with CaptureLogger(package_logger) as captured:
+            out = prefill_buckets.generate(
+                self.model,
+                input_ids,
+                generation_config=self.config(),
+                prefill_buckets=[16],
+                prefill_padding_side="left",
+                **{CACHE: StaticCache(self.model.config, 20)},
+            )
+        self.assertSameIds(out, expected)
+        self.assertIn("the cache passed in has 20 slots, fewer than the 23 the padded call needs", captured.out)
+        self.assertIn("runs unpadded", captured.out)
+
+    def test_continued_cache_too_short_raises_naming_both(self):
+        # The cache holds the first turn's padding, which the next turn must be padded by too: it can't run unpadded.
+        first = self.config(cache_implementation="static", max_cache_len=32, return_dict_in_generate=True)
+        out = prefill_buckets.generate(
+            self.model, random_ids(1, 9), generation_config=first, prefill_buckets=[16], prefill_padding_side="left"
+        )
+        conversation = torch.cat([out.sequences, random_ids(1, 10, seed=1)], dim=1)  # 27 tokens, 7 pads in front
+        with self.assertRaisesRegex(ValueError, "has 32 slots, fewer than the 41 this call needs"):
+            prefill_buckets.generate(
+                self.model,
+                conversation,
+                generation_config=self.config(),
+                prefill_buckets=[16],
+                **{CACHE: out[CACHE]},
+            )
+
+    def test_pinned_max_cache_len_too_short_says_so(self):
+        # Upstream sizes the cache by what the call needs, past the pin: exact, in a cache shape of its own.
+        input_ids = random_ids(1, 10)
+        config = self.config(cache_implementation="static", max_cache_len=17)
+        expected = UPSTREAM_GENERATE(self.model, input_ids, generation_config=config)
+        clear_warning_once()
+        with CaptureLogger(package_logger) as captured:
+            out = prefill_buckets.generate(
+                self.model, input_ids, generation_config=config, prefill_buckets=[16], prefill_padding_side="left"
+            )
+        self.assertSameIds(out, expected)
+        self.assertIn("`max_cache_len=17` is smaller than the 23 static cache slots this call needs", captured.out)
 
 
 class FailingBackend:
