@@ -10,6 +10,9 @@ Upstream `generate` does all the real work. The data flow of one bucketed call:
    padding hooked on the model instance for the duration of the call.
 4. `output.strip_output`: the added columns and rows come off what the user gets back.
 
+Steps 1 and 2 run inside `distributed.ranks_agree`: under tensor parallelism the ranks compare their calls and share
+what the checks raised before any rank goes on, so no rank raises alone while the others wait in a collective.
+
 A call without bucket fields is upstream `generate`, unchanged; this module only warns when it will recompile.
 """
 
@@ -25,7 +28,7 @@ from .buckets import BucketPolicy
 from .cache import cache_seq_length, continued_padding, is_marked, mark_padding, passed_cache
 from .compilation import compiled_forward, compiled_wrapper_forward
 from .config import BUCKET_FIELDS, FIELDS, PREFILL_BUCKETS, PREFILL_PAD_TO_MULTIPLE_OF
-from .distributed import check_same_inputs_across_ranks
+from .distributed import generate_call, ranks_agree
 from .hooks import active_plan, bucketed_call
 from .inputs import check_pad_token_id, pad_inputs, pad_rows, plan_right
 from .output import strip_output
@@ -89,17 +92,39 @@ def generate(model, *args, **kwargs):
         # Re-entered from inside a bucketed call (a model whose own `generate` calls ours): already padded.
         return UPSTREAM_GENERATE(model, **arguments, **model_kwargs)
 
+    # Under tensor parallelism every rank must make the same call, and no rank may raise alone while the others wait
+    # in a collective: the checks run inside `ranks_agree`, which compares the calls and shares any error.
+    with ranks_agree(model, *generate_call(model, arguments, model_kwargs, field_kwargs)):
+        prepared = _prepare(model, wrapper, arguments, model_kwargs, field_kwargs, generation_config)
+    if prepared[0] == "upstream":
+        _, arguments, model_kwargs, record = prepared
+        output = UPSTREAM_GENERATE(model, **arguments, **model_kwargs)
+        if record is not None:
+            record()
+        return output
+    _, plan, arguments, model_kwargs = prepared
+    compiled_wrapper = compiled_wrapper_forward(wrapper) if wrapper is not None else contextlib.nullcontext()
+    with compiled_wrapper, bucketed_call(plan):
+        output = UPSTREAM_GENERATE(model, **arguments, **model_kwargs)
+    for cache in (passed_cache(model_kwargs), passed_cache(output) if isinstance(output, ModelOutput) else None):
+        # A right-padded call leaves an unpadded cache, unless dummy rows fill it: a later call must bring them.
+        if cache is not None and (plan.side == "left" or plan.padded_batch > plan.batch_size):
+            mark_padding(cache, plan.added_positions, plan.padded_batch)
+    return strip_output(output, plan)
+
+
+def _prepare(model, wrapper, arguments: dict, model_kwargs: dict, field_kwargs: dict, generation_config) -> tuple:
+    """
+    The checks and padding of a call: `("upstream", arguments, model_kwargs, record)` for a call upstream runs as it
+    is (`record`: what to note after it, or `None`), `("bucketed", plan, arguments, model_kwargs)` for a padded one.
+    """
     settings = resolve_settings(model, generation_config, field_kwargs, model_kwargs)
     continues = continued_padding(model_kwargs)
     if settings.policy is None and continues is not None:
         # The cache holds a bucketed call's padding: the prompt must get it too, bucket fields or not.
         settings = _with_policy(settings, BucketPolicy(pad_to_multiple_of=1))
     if settings.policy is None:
-        record = _warn_unbucketed(model, wrapper, settings, arguments, model_kwargs)
-        output = UPSTREAM_GENERATE(model, **arguments, **model_kwargs)
-        if record is not None:
-            record()
-        return output
+        return "upstream", arguments, model_kwargs, _warn_unbucketed(model, wrapper, settings, arguments, model_kwargs)
 
     _compat.check_upstream(type(model))
     skip_reason = _unsupported_reason(model, arguments, model_kwargs)
@@ -111,7 +136,7 @@ def generate(model, *args, **kwargs):
             f"The prefill bucket fields ({', '.join(f'`{f}`' for f in BUCKET_FIELDS)}) are ignored for this call: "
             f"{skip_reason}"
         )
-        return UPSTREAM_GENERATE(model, **arguments, **model_kwargs)
+        return "upstream", arguments, model_kwargs, None
 
     if side.side == "right":
         plan, arguments, model_kwargs = plan_right(model, settings, arguments, model_kwargs, side)
@@ -120,23 +145,7 @@ def generate(model, *args, **kwargs):
     if settings.batch_policy is not None and continues is None:  # a cache's rows are fixed when it is filled
         plan, arguments, model_kwargs = pad_rows(plan, arguments, model_kwargs)
     model_kwargs.update(check_pad_token_id(plan, arguments))
-    # Under tensor parallelism every rank must run the same padded shapes: one all-gather says so, or raises on all.
-    # (The right-padded path hands upstream the prompt as the user passed it, possibly as the `inputs` argument.)
-    input_ids = model_kwargs.get("input_ids")
-    check_same_inputs_across_ranks(
-        model,
-        input_ids=input_ids if input_ids is not None else arguments.get("inputs"),
-        inputs_embeds=model_kwargs.get("inputs_embeds"),
-        attention_mask=model_kwargs.get("attention_mask"),
-    )
-    compiled_wrapper = compiled_wrapper_forward(wrapper) if wrapper is not None else contextlib.nullcontext()
-    with compiled_wrapper, bucketed_call(plan):
-        output = UPSTREAM_GENERATE(model, **arguments, **model_kwargs)
-    for cache in (passed_cache(model_kwargs), passed_cache(output) if isinstance(output, ModelOutput) else None):
-        # A right-padded call leaves an unpadded cache, unless dummy rows fill it: a later call must bring them.
-        if cache is not None and (plan.side == "left" or plan.padded_batch > plan.batch_size):
-            mark_padding(cache, plan.added_positions, plan.padded_batch)
-    return strip_output(output, plan)
+    return "bucketed", plan, arguments, model_kwargs
 
 
 def _with_policy(settings: CallSettings, policy: BucketPolicy) -> CallSettings:
