@@ -37,6 +37,9 @@ _RANK_FIELD = "{rank}"
 _SHARED_ERRORS = {
     error.__name__: error for error in (ValueError, TypeError, IndexError, KeyError, NotImplementedError)
 }
+# Arguments of `generate` that `generate_call` doesn't compare: the config (compared field by field), and a streamer,
+# which only sees the tokens (rank 0 alone often prints them).
+_NOT_COMPARED = ("generation_config", "streamer")
 # Advice at the end of every "different calls" error.
 _SAME_CALL_ADVICE = (
     "Every rank holds a shard of the weights and all-reduces its partial results, so every rank must get the same "
@@ -104,14 +107,14 @@ def generate_call(model, arguments: dict, model_kwargs: dict, field_kwargs: dict
     """
     The `inputs` and `settings` of a `generate` call for `ranks_agree`: every tensor argument (the prompt as
     `input_ids`), and everything else that shapes the call: the generation config (the model's when none is passed),
-    the other arguments and keyword arguments, the bucket fields.
+    the other arguments and keyword arguments (a streamer excepted), the bucket fields.
     """
     inputs = {"input_ids": None, "inputs_embeds": None, "attention_mask": None}
     settings = {}
     config = arguments.get("generation_config")
     settings["generation_config"] = config if config is not None else getattr(model, "generation_config", None)
     for name, value in {**arguments, **model_kwargs, **field_kwargs}.items():
-        if name == "generation_config":
+        if name in _NOT_COMPARED:
             continue
         name = "input_ids" if name == "inputs" else name
         if isinstance(value, torch.Tensor):
@@ -177,7 +180,11 @@ def _summarize_tensor(tensor) -> list | None:
 def _setting_text(value) -> str:
     """A setting's JSON form, the same on every rank for the same value (an object is named by its type)."""
     if hasattr(value, "get_seq_length"):  # a cache: its type and how many tokens it holds
-        return f"{type(value).__name__} holding {cache_seq_length(value)} tokens"
+        try:
+            held = cache_seq_length(value)
+        except Exception:  # a cache that can't tell: its type alone
+            held = "?"
+        return f"{type(value).__name__} holding {held} tokens"
     if hasattr(value, "to_dict") and not isinstance(value, torch.Tensor):  # a `GenerationConfig`, a `CompileConfig`
         value = value.to_dict()
         value.pop("transformers_version", None)

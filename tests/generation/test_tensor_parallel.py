@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers.generation.streamers import BaseStreamer
 from transformers.utils import is_accelerate_available
 
 import prefill_buckets
@@ -109,6 +110,16 @@ def _check_phase(model, rank: int) -> dict:
     return outcomes
 
 
+class _Tokens(BaseStreamer):
+    """A streamer that keeps nothing: rank 0's alone, as a server that prints from rank 0 passes one."""
+
+    def put(self, value):
+        pass
+
+    def end(self):
+        pass
+
+
 def _bad_input_phase(model, rank: int) -> dict:
     """
     Calls that only one rank gets wrong: a bad input (an empty prompt, an id outside the vocabulary), other
@@ -124,6 +135,7 @@ def _bad_input_phase(model, rank: int) -> dict:
         "out_of_vocabulary": {"inputs": good if rank == 1 else torch.cat([good, torch.tensor([[999]])], dim=1)},
         "inputs_embeds": {"inputs_embeds": embeds if rank == 0 else other_embeds},
         "max_new_tokens": {"inputs": good, "max_new_tokens": MAX_NEW_TOKENS + rank},
+        "streamer_on_rank_0": {"inputs": good, "streamer": _Tokens() if rank == 0 else None},  # not compared
     }
     outcomes = {}
     for name, kwargs in cases.items():
@@ -406,6 +418,7 @@ class TensorParallelTest(unittest.TestCase):
             f"max_new_tokens: {MAX_NEW_TOKENS} on rank 0, {MAX_NEW_TOKENS + 1} on rank 1",
             phases[0]["max_new_tokens"]["outcome"],
         )
+        self.assertEqual([phase["streamer_on_rank_0"]["outcome"] for phase in phases], ["returned"] * WORLD_SIZE)
 
     def test_check_same_inputs_is_a_no_op_without_tensor_parallelism(self):
         model = tiny_llama(**MODEL)
