@@ -198,15 +198,15 @@ def _agree(group, summary: dict, error: Exception | None) -> None:
     dist.all_gather_object(gathered, mine, group=group)
     failed = [(rank, record["error"]) for rank, record in enumerate(gathered) if record["error"] is not None]
     if failed:
-        rank, (name, message) = failed[0]
-        others = "".join(
-            f"\n  rank {other}: {other_name}: {other_message}" for other, (other_name, other_message) in failed[1:]
-        )
+        name, message = failed[0][1]
+        same = [rank for rank, error_ in failed if error_ == [name, message]]
+        by = f"rank {same[0]}" if len(same) == 1 else f"ranks {', '.join(map(str, same))}"
+        others = "".join(f"\n  rank {rank}: {': '.join(error_)}" for rank, error_ in failed if rank not in same)
         shared = _SHARED_ERRORS.get(name, RuntimeError)
         text = message if shared.__name__ == name else f"{name}: {message}"
         raise shared(
-            f"{text}\n(Raised by tensor-parallel rank {rank}; every rank of the group raises it, so that none waits for "
-            f"the others in a collective.){others}"
+            f"{text}\n(Raised by tensor-parallel {by}; every rank of the group raises it, so that none waits for the "
+            f"others in a collective.){others}"
         ) from error
     if all(record == gathered[0] for record in gathered[1:]):
         return

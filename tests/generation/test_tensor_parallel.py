@@ -481,3 +481,47 @@ class TensorParallelTest(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class RanksAgreeTest(unittest.TestCase):
+    """`ranks_agree`'s verdict on what the ranks gathered, played in one process: this rank 0, a peer as rank 1."""
+
+    def agree(self, inputs: dict, peer_inputs: dict, error: Exception | None = None, peer_error=None):
+        from prefill_buckets import distributed
+
+        peer = distributed._summarize_call(peer_inputs, {})
+        peer["error"] = peer_error
+
+        def all_gather_object(gathered, mine, group=None):
+            gathered[:] = [mine, peer]
+
+        with (
+            mock.patch.object(distributed, "tensor_parallel_group", return_value=object()),
+            mock.patch.object(dist, "get_world_size", return_value=2),
+            mock.patch.object(dist, "all_gather_object", side_effect=all_gather_object) as gather,
+        ):
+            try:
+                with distributed.ranks_agree(None, inputs, {}):
+                    if error is not None:
+                        raise error
+            finally:
+                self.assertEqual(gather.call_count, 1)  # every rank meets in the all-gather, whatever it raised
+
+    def test_the_same_error_on_both_ranks(self):
+        ids = {"input_ids": torch.ones(1, 3, dtype=torch.long)}
+        with self.assertRaisesRegex(ValueError, r"bad prompt\n\(Raised by tensor-parallel ranks 0, 1;") as raised:
+            self.agree(ids, ids, error=ValueError("bad prompt"), peer_error=["ValueError", "bad prompt"])
+        self.assertIsInstance(raised.exception.__cause__, ValueError)
+
+    def test_a_peer_s_error_is_raised_here(self):
+        ids = {"input_ids": torch.ones(1, 3, dtype=torch.long)}
+        with self.assertRaisesRegex(TypeError, r"^wrong type\n\(Raised by tensor-parallel rank 1;"):
+            self.agree(ids, ids, peer_error=["TypeError", "wrong type"])
+        with self.assertRaisesRegex(RuntimeError, r"^OwnError: odd\n\(Raised by tensor-parallel rank 1;"):
+            self.agree(ids, ids, peer_error=["OwnError", "odd"])
+
+    def test_float_inputs_compared_by_their_bits(self):
+        zeros = torch.zeros(1, 2, 4)
+        self.agree({"inputs_embeds": zeros}, {"inputs_embeds": zeros.clone()})  # equal: nothing raised
+        with self.assertRaisesRegex(ValueError, r"different inputs \(same shapes, different values\)"):
+            self.agree({"inputs_embeds": zeros}, {"inputs_embeds": -zeros})  # -0.0 == 0.0, but not its bits
