@@ -13,7 +13,7 @@ import torch
 from transformers.utils import logging
 
 from . import _compat
-from .aot_key import dispatch_key, is_on_code, uncovered
+from .aot_key import dispatch_key, is_on_code, module_functions, uncovered
 
 
 logger = logging.get_logger(__name__)
@@ -84,6 +84,7 @@ class AOTForward:
         self.eager = types.MethodType(type(model).forward, model)
         functools.update_wrapper(self, self.eager)  # the forward's signature, which `generate` inspects
         self._torchdynamo_orig_callable = self.eager  # reads as a compiled forward to `prefill_buckets`
+        self.module_functions = module_functions(model)
         self.fingerprint = model_fingerprint(model)
         self.options = dict(options or {})
         # By dispatch key (`aot_key.py`): the compiled functions, each with what saving it needs (`None` once loaded from a file).
@@ -121,7 +122,7 @@ class AOTForward:
                 self.calls += 1
                 return function(self.model, *args, **kwargs)
         function, state_guards = self._compile(args, kwargs)
-        missing = uncovered(dispatch, state_guards)
+        missing = uncovered(dispatch, state_guards, self.module_functions)
         if missing:
             self.unkeyed[key] = missing
             logger.warning(
@@ -247,12 +248,15 @@ def _no_forward() -> None:
 
 
 def model_fingerprint(model) -> str:
-    """What a compiled graph of `model` depends on besides the code: class, config, parameters, dtypes, device."""
+    """
+    What a compiled graph of `model` depends on besides the code: class, config, parameters, dtypes, device, and the
+    functions set on its modules' instances (`aot_key.module_functions`: tensor parallelism's).
+    """
     config = {k: v for k, v in model.config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
     tensors = [
         (name, list(t.shape), str(t.dtype), t.device.type) for name, t in model.state_dict(keep_vars=True).items()
     ]
-    description = [f"{type(model).__module__}.{type(model).__qualname__}", config, tensors]
+    description = [f"{type(model).__module__}.{type(model).__qualname__}", config, tensors, module_functions(model)]
     return hashlib.sha256(json.dumps(description, sort_keys=True, default=repr).encode()).hexdigest()[:32]
 
 

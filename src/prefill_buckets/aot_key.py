@@ -17,8 +17,11 @@ A call is dispatched to the graphs of its key first, then to one whose saved gua
 each new graph: a dropped guard on a state the key doesn't name means that the graph can't be told apart from another
 one's, and `AOTForward` runs the calls of that key eagerly (with a warning) rather than reuse or save it.
 
+Functions set on the model's modules when it is built (tensor parallelism sets `forward` on each sharded layer) are
+part of the model: its fingerprint names them (`module_functions`), and the audit counts guards on them as covered.
+
 What the package sets on instances while a bucketed call runs, and how each is covered (torch 2.13, transformers
-5.24; `test_aot_compiled.py` runs every path below through `aot_forward` and checks that no guard is uncovered):
+5.24; the conversations of `test_aot_compiled.py`, right- and left-padded, check that no guard is uncovered):
 
 | set on | attribute | does the forward read it? | covered by |
 |---|---|---|---|
@@ -41,27 +44,24 @@ import types
 import torch
 
 
-# Where a name of a guard is on the code, not on the state of an input (torch's guard names are Python expressions).
-_CODE_PARTS = (
-    "type(",
-    "__class__",
-    "__closure__",
-    "__code__",
-    "__defaults__",
-    "__kwdefaults__",
-    "__mro__",
-    "__func__",
-)
-# A guard on an attribute of an argument of the traced forward: `kwargs['cache'].get_query_offset` (a decorated
-# forward, traced as `wrapper(*args, **kwargs)`), `cache.get_query_offset` (a plain one), `args[1].x` (`args[0]` is the
-# model, the call's positional arguments come after it).
+# Where a name of a guard is on the code, not on the state of an input (torch's guard names are Python expressions):
+# reached through a class. Functions set on instances, and their closures, are state.
+_CODE_PARTS = ("type(", "__class__", "__mro__")
+# A guard on an attribute of an argument of the traced forward, or on what that attribute holds:
+# `kwargs['cache'].get_query_offset` (a decorated forward, traced as `wrapper(*args, **kwargs)`),
+# `cache.get_query_offset` (a plain one), `args[1].x` (`args[0]` is the model, the call's positional arguments come
+# after it).
 _ARGUMENT_ATTRIBUTE = re.compile(
-    r"(?:kwargs\['(?P<keyword>\w+)'\]|args\[(?P<index>\d+)\]|(?P<parameter>\w+))\.(?P<attribute>\w+)"
+    r"(?:kwargs\['(?P<keyword>\w+)'\]|args\[(?P<index>\d+)\]|(?P<parameter>\w+))\.(?P<attribute>\w+)(?P<rest>[.\[].*)?"
 )
+# A guard on an attribute of one of the model's modules: `args[0]._modules['model']._modules['embed_tokens'].forward`.
+_MODULE_ATTRIBUTE = re.compile(r"args\[0\](?P<path>(?:\._modules\['[^']+'\])*)\.(?P<attribute>\w+)(?P<rest>[.\[].*)?")
+_MODULE_NAME = re.compile(r"\._modules\['([^']+)'\]")
 # What the key says of a function it can't name across processes (a lambda, a closure, a bound method): a state the
 # key can't tell apart, if the graph reads it.
 UNNAMED = "<unnamed>"
 _PLAIN_VALUES = (type(None), bool, int, float, str, torch.dtype, torch.device)
+_FUNCTIONS = (types.FunctionType, types.MethodType, types.BuiltinFunctionType)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +99,7 @@ def dispatch_key(args: tuple, kwargs: dict) -> DispatchKey:
         inputs.append((name, type(value).__name__))
         if not isinstance(value, _PLAIN_VALUES + (tuple, list, dict)):
             for attribute, member in sorted(getattr(value, "__dict__", {}).items()):
-                if isinstance(member, (types.FunctionType, types.MethodType, types.BuiltinFunctionType)):
+                if isinstance(member, _FUNCTIONS):
                     functions.append((name, attribute, qualified_name(member)))
     return DispatchKey(inputs=tuple(inputs), instance_functions=tuple(functions))
 
@@ -115,19 +115,43 @@ def qualified_name(function) -> str:
     return f"{module_name}:{qualname}" if found is function else UNNAMED
 
 
+def module_functions(model) -> tuple:
+    """
+    `(module path, attribute, code)` of each function set on the instance of one of `model`'s modules (the model's own
+    `forward` excepted): tensor parallelism sets `forward` on every sharded layer, a closure over its mesh and plan.
+    Part of the model's fingerprint: the same class, config and parallel plan set the same closures.
+    """
+    found = []
+    for path, module in model.named_modules():
+        for attribute, member in sorted(vars(module).items()):
+            if isinstance(member, _FUNCTIONS) and not (module is model and attribute == "forward"):
+                function = getattr(member, "__func__", member)
+                code = f"{getattr(function, '__module__', None)}:{getattr(function, '__qualname__', type(function))}"
+                found.append((path, attribute, code))
+    return tuple(found)
+
+
 def is_on_code(guard_name: str, is_global: bool, closure_names: set[str]) -> bool:
     """Whether a guard is on the model's code (see the module docstring), given the forward's closure variables."""
     root = guard_name.split(".")[0].split("[")[0]
     return is_global or root in closure_names or any(part in guard_name for part in _CODE_PARTS)
 
 
-def uncovered(key: DispatchKey, state_guards: list[str]) -> list[str]:
+def uncovered(key: DispatchKey, state_guards: list[str], model_functions: tuple) -> list[str]:
     """
-    The dropped guards on the state of a call's inputs that `key` doesn't name: those of a graph that can't be told
-    apart from another graph of the same key. A guard on a function the key names is covered; any other is not.
+    The dropped guards on the state of a call's inputs that neither `key` nor the model's fingerprint names: those of
+    a graph that can't be told apart from another graph of the same key. A guard on a function the key names (a
+    module-level one), or on a function set on one of the model's modules at its fingerprint (`module_functions`),
+    and on what it holds, is covered; any other is not.
     """
+    on_modules = {(path, attribute) for path, attribute, _ in model_functions}
     missing = set()
     for guard_name in state_guards:
+        module = _MODULE_ATTRIBUTE.fullmatch(guard_name)
+        if module is not None:
+            path = ".".join(_MODULE_NAME.findall(module["path"]))
+            if (path, module["attribute"]) in on_modules:
+                continue
         match = _ARGUMENT_ATTRIBUTE.fullmatch(guard_name)
         if match is None:
             missing.add(guard_name)

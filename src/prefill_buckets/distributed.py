@@ -1,30 +1,52 @@
-"""Tensor parallelism: the ranks of a sharded model must run `generate` on the same padded inputs, and keep their own
-compile caches.
+"""Tensor parallelism: the ranks of a sharded model must run `generate` on the same inputs and settings, agree before
+any of them raises, and keep their own compile caches.
 
 Under transformers' tensor parallelism (`from_pretrained(..., distributed_config=DistributedConfig(tp_plan="auto"))`,
 launched with `torchrun`) every rank holds a shard of each weight and runs the whole of `generate`; the sharded layers
-all-reduce their partial outputs at every forward. Every rank must therefore pass the same prompt:
+all-reduce their partial outputs at every forward. Every rank must therefore pass the same call:
 
 - prompts padded to different buckets send all-reduces of different sizes: gloo aborts the process that receives
   the larger message (`SIGABRT`, "Received data size doesn't match expected size") and its peers fail on the
   broken connection; NCCL (not tried here) has no such size check: expect a hang until the process group's timeout;
-- different prompts padded to the same bucket (or the same shape with other tokens) all-reduce partial activations
-  of different prompts: no error, and every rank returns the same wrong tokens.
+- different prompts padded to the same bucket (or the same shape with other tokens, or other `inputs_embeds`)
+  all-reduce partial activations of different prompts: no error, and every rank returns the same wrong tokens;
+- other settings (`max_new_tokens`, ...) run a different number of forwards: a rank waits for all-reduces its peers
+  never send;
+- a bad input on one rank (an empty prompt, an id outside the vocabulary) raises there, and its peers wait in the
+  next collective until the process group's timeout.
 
-`check_same_inputs_across_ranks` turns both into one clear `ValueError` on every rank, for one small all-gather.
+`ranks_agree` turns all of these into one clear error, the same on every rank, for one all-gather at the start of each
+bucketed call (`generation.generate`): each rank sends a summary of its call (the shape and a fingerprint of the bits
+of every tensor input, the settings) and the error its checks raised, if any. `check_same_inputs_across_ranks` is the
+same check for the inputs alone.
 """
 
+import contextlib
+import json
 import os
 
 import torch
 import torch.distributed as dist
 
 from . import _compat
+from .cache import cache_seq_length
 
 
-# Per input: present, then up to `_MAX_DIMS` sizes (0 past the tensor's rank), then a fingerprint of integer values.
-_MAX_DIMS = 3
 _RANK_FIELD = "{rank}"
+# Raised on every rank as the type a check raised on one, when it is one of these; otherwise as a `RuntimeError`.
+_SHARED_ERRORS = {
+    error.__name__: error for error in (ValueError, TypeError, IndexError, KeyError, NotImplementedError)
+}
+# Arguments of `generate` that `generate_call` doesn't compare: the config (compared field by field), and a streamer,
+# which only sees the tokens (rank 0 alone often prints them).
+_NOT_COMPARED = ("generation_config", "streamer")
+# Advice at the end of every "different calls" error.
+_SAME_CALL_ADVICE = (
+    "Every rank holds a shard of the weights and all-reduces its partial results, so every rank must get the same "
+    "call: send each request to all ranks of the group (for example, read it on rank 0 and "
+    "`torch.distributed.broadcast_object_list` it). Different buckets or settings break or hang the collectives; "
+    "different prompts in one bucket give every rank the same wrong tokens."
+)
 
 
 def tensor_parallel_group(model) -> "dist.ProcessGroup | None":
@@ -46,22 +68,79 @@ def tensor_parallel_group(model) -> "dist.ProcessGroup | None":
     return mesh.get_group() if mesh.ndim == 1 else dist.group.WORLD
 
 
+@contextlib.contextmanager
+def ranks_agree(model, inputs: dict, settings: dict):
+    r"""
+    Runs the checks of a call (the body of the `with`) so that the tensor-parallel ranks of `model` agree before any
+    raises: at the end of the block each rank all-gathers its `inputs` and `settings` and the error the block raised,
+    if any. If a rank raised, every rank raises that error (the first rank's, by rank); else if the ranks' calls
+    differ, every rank raises the same `ValueError`, which names what differs. Does nothing more than the block when
+    `model` is not tensor-parallel. Every rank must enter it at the same point.
+
+    Args:
+        model ([`PreTrainedModel`]):
+            The model `generate` runs, or its `torch.compile(model)` wrapper.
+        inputs (`dict`):
+            The tensor inputs of the call by name (`None` for an absent one): their shapes and the bits of their values
+            are compared.
+        settings (`dict`):
+            The other values that shape the call by name (the generation config's fields, `max_new_tokens`, ...):
+            compared by their JSON form, objects by their type.
+    """
+    group = tensor_parallel_group(model)
+    if group is None:
+        yield
+        return
+    error = None
+    try:
+        summary = _summarize_call(inputs, settings)
+    except Exception as raised:  # the ranks must still meet in the all-gather
+        summary, error = {"inputs": {}, "settings": {}}, raised
+    try:
+        yield
+    except Exception as raised:
+        error = error or raised
+    _agree(group, summary, error)  # raises on every rank when any rank raised
+
+
+def generate_call(model, arguments: dict, model_kwargs: dict, field_kwargs: dict) -> tuple[dict, dict]:
+    """
+    The `inputs` and `settings` of a `generate` call for `ranks_agree`: every tensor argument (the prompt as
+    `input_ids`), and everything else that shapes the call: the generation config (the model's when none is passed),
+    the other arguments and keyword arguments (a streamer excepted), the bucket fields.
+    """
+    inputs = {"input_ids": None, "inputs_embeds": None, "attention_mask": None}
+    settings = {}
+    config = arguments.get("generation_config")
+    settings["generation_config"] = config if config is not None else getattr(model, "generation_config", None)
+    for name, value in {**arguments, **model_kwargs, **field_kwargs}.items():
+        if name in _NOT_COMPARED:
+            continue
+        name = "input_ids" if name == "inputs" else name
+        if isinstance(value, torch.Tensor):
+            inputs[name] = value
+        elif value is not None:
+            settings[name] = value
+    return inputs, settings
+
+
 def check_same_inputs_across_ranks(model, **inputs: torch.Tensor | None) -> None:
     r"""
     Raises the same `ValueError` on every tensor-parallel rank of `model` when the ranks were not given the same
     `inputs`; does nothing when `model` is not tensor-parallel (see `tensor_parallel_group`).
 
     Every rank must call it at the same point, with the same input names (the shapes and values are what is checked):
-    it runs one all-gather of a few integers per input over the tensor-parallel group. Shapes are compared for every
-    tensor, values too for integer tensors (`input_ids`, `attention_mask`), through a position-weighted sum.
+    it runs one all-gather of a summary per input over the tensor-parallel group: its shape, and a position-weighted
+    sum of its values' bits (integer and floating-point tensors alike, so `inputs_embeds` are compared too). A bucketed
+    `generate` runs this check itself, with its settings (`ranks_agree`).
 
     Args:
         model ([`PreTrainedModel`]):
             The model `generate` runs, or its `torch.compile(model)` wrapper.
         inputs (`torch.Tensor` or `None`):
             The inputs of the call, by name (for example `input_ids=..., attention_mask=...`): as passed to
-            `generate`, or as padded (equal inputs pad equally). `None`
-            counts as an absent input, which must be absent on every rank.
+            `generate`, or as padded (equal inputs pad equally). `None` counts as an absent input, which must be absent
+            on every rank.
 
     Example:
 
@@ -69,66 +148,104 @@ def check_same_inputs_across_ranks(model, **inputs: torch.Tensor | None) -> None
     >>> check_same_inputs_across_ranks(model, input_ids=padded_ids, attention_mask=padded_mask)  # under torchrun
     ```
     """
-    group = tensor_parallel_group(model)
-    if group is None:
-        return
-    module = _compat.unwrap(model)
-    names = sorted(inputs)
-    device = _collective_device(group, module)
-    summary = torch.stack([_summarize(inputs[name], device) for name in names])  # [inputs, 2 + _MAX_DIMS]
-    gathered = [torch.empty_like(summary) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, summary, group=group)
-    if all(torch.equal(other, gathered[0]) for other in gathered[1:]):
-        return
-    lines = [f"rank {rank}: {_describe(names, summary)}" for rank, summary in enumerate(gathered)]
-    same_shapes = all(torch.equal(other[:, :-1], gathered[0][:, :-1]) for other in gathered[1:])
-    raise ValueError(
-        "The tensor-parallel ranks of this model called `generate` with different inputs"
-        + (" (same shapes, different tokens)" if same_shapes else "")
-        + ":\n  "
-        + "\n  ".join(lines)
-        + "\nEvery rank holds a shard of the weights and all-reduces its partial results, so every rank must get "
-        "the same prompt, hence the same bucket: send each request to all ranks of the group (for example, read it "
-        "on rank 0 and `torch.distributed.broadcast_object_list` it). Different buckets break or hang the collectives; "
-        "different prompts in one bucket give every rank the same wrong tokens."
-    )
+    with ranks_agree(model, inputs, {}):
+        pass
 
 
-def _collective_device(group, module) -> torch.device:
-    """Where the all-gathered tensor lives: the CPU for gloo, the model's device for NCCL and other backends."""
-    backend = str(dist.get_backend(group)).lower()
-    if backend == "gloo":
-        return torch.device("cpu")
-    return module.device
+def _summarize_call(inputs: dict, settings: dict) -> dict:
+    """What a rank sends of its call: per input `[shape, fingerprint]` (`None` when absent), per setting its JSON."""
+    return {
+        "inputs": {name: _summarize_tensor(value) for name, value in sorted(inputs.items())},
+        "settings": {name: _setting_text(value) for name, value in sorted(settings.items())},
+    }
 
 
-def _summarize(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor:
-    """`[present, size_0, ..., size_{_MAX_DIMS - 1}, fingerprint]` of one input, as int64 on `device`."""
-    row = torch.zeros(2 + _MAX_DIMS, dtype=torch.long)
+def _summarize_tensor(tensor) -> list | None:
+    """`[shape, dtype, fingerprint]` of a tensor: the fingerprint is a position-weighted sum of its values' bits."""
     if tensor is None:
-        return row.to(device)
-    if tensor.ndim > _MAX_DIMS:
-        raise ValueError(f"Inputs of up to {_MAX_DIMS} dimensions can be compared, got shape {tuple(tensor.shape)}.")
-    row[0] = 1
-    row[1 : 1 + tensor.ndim] = torch.tensor(tensor.shape, dtype=torch.long)
-    row = row.to(device)
-    if not tensor.is_floating_point() and not tensor.is_complex():
-        values = tensor.detach().reshape(-1).to(device=device, dtype=torch.long)  # [numel]
-        weights = torch.arange(1, values.numel() + 1, device=device, dtype=torch.long)  # position-weighted
-        row[-1] = (values * weights).sum()  # wraps around on overflow, the same way on every rank
-    return row
+        return None
+    if not isinstance(tensor, torch.Tensor):
+        return [None, type(tensor).__name__, None]
+    flat = tensor.detach().reshape(-1)  # [numel]
+    if flat.is_complex():
+        flat = torch.view_as_real(flat).reshape(-1)
+    if flat.is_floating_point():  # its bits, as integers of its width: -0.0 is not 0.0, a NaN equals its copy
+        flat = flat.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()])
+    values = flat.to(torch.long)
+    weights = torch.arange(1, values.numel() + 1, device=values.device, dtype=torch.long)
+    fingerprint = int((values * weights).sum())  # wraps around on overflow, the same way on every rank
+    return [list(tensor.shape), str(tensor.dtype), fingerprint]
 
 
-def _describe(names: list[str], summary: torch.Tensor) -> str:
+def _setting_text(value) -> str:
+    """A setting's JSON form, the same on every rank for the same value (an object is named by its type)."""
+    if hasattr(value, "get_seq_length"):  # a cache: its type and how many tokens it holds
+        try:
+            held = cache_seq_length(value)
+        except Exception:  # a cache that can't tell: its type alone
+            held = "?"
+        return f"{type(value).__name__} holding {held} tokens"
+    if hasattr(value, "to_dict") and not isinstance(value, torch.Tensor):  # a `GenerationConfig`, a `CompileConfig`
+        value = value.to_dict()
+        value.pop("transformers_version", None)
+    return json.dumps(value, sort_keys=True, default=lambda obj: f"<{type(obj).__qualname__}>")
+
+
+def _agree(group, summary: dict, error: Exception | None) -> None:
+    """The all-gather of every rank's summary and error, and the error every rank raises when they don't agree."""
+    mine = {**summary, "error": None if error is None else [type(error).__name__, str(error)]}
+    gathered = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, mine, group=group)
+    failed = [(rank, record["error"]) for rank, record in enumerate(gathered) if record["error"] is not None]
+    if failed:
+        name, message = failed[0][1]
+        same = [rank for rank, error_ in failed if error_ == [name, message]]
+        by = f"rank {same[0]}" if len(same) == 1 else f"ranks {', '.join(map(str, same))}"
+        others = "".join(f"\n  rank {rank}: {': '.join(error_)}" for rank, error_ in failed if rank not in same)
+        shared = _SHARED_ERRORS.get(name, RuntimeError)
+        text = message if shared.__name__ == name else f"{name}: {message}"
+        raise shared(
+            f"{text}\n(Raised by tensor-parallel {by}; every rank of the group raises it, so that none waits for the "
+            f"others in a collective.){others}"
+        ) from error
+    if all(record == gathered[0] for record in gathered[1:]):
+        return
+    raise ValueError(_different_calls(gathered))
+
+
+def _different_calls(gathered: list[dict]) -> str:
+    """The error of ranks that called `generate` differently: each rank's inputs, and the settings that differ."""
+    names = list(gathered[0]["inputs"])
+    lines = [f"rank {rank}: {_describe(names, record['inputs'])}" for rank, record in enumerate(gathered)]
+    inputs_differ = any(record["inputs"] != gathered[0]["inputs"] for record in gathered[1:])
+    same_shapes = all(
+        [None if row is None else row[:2] for row in record["inputs"].values()]
+        == [None if row is None else row[:2] for row in gathered[0]["inputs"].values()]
+        for record in gathered[1:]
+    )
+    text = "The tensor-parallel ranks of this model called `generate` with different "
+    text += "inputs" if inputs_differ else "settings"
+    if inputs_differ and same_shapes:
+        text += " (same shapes, different values)"
+    text += ":\n  " + "\n  ".join(lines)
+    settings = sorted({name for record in gathered for name in record["settings"]})
+    for name in settings:
+        values = [record["settings"].get(name, "(unset)") for record in gathered]
+        if any(value != values[0] for value in values[1:]):
+            text += f"\n  {name}: " + ", ".join(f"{value} on rank {rank}" for rank, value in enumerate(values))
+    return text + "\n" + _SAME_CALL_ADVICE
+
+
+def _describe(names: list[str], inputs: dict) -> str:
     parts = []
-    for name, row in zip(names, summary.tolist()):
-        if not row[0]:
+    for name in names:
+        row = inputs.get(name)
+        if row is None:
             parts.append(f"{name}=None")
-            continue
-        sizes = list(row[1:-1])
-        while len(sizes) > 1 and sizes[-1] == 0:
-            sizes.pop()
-        parts.append(f"{name} {sizes} (fingerprint {row[-1]})" if row[-1] else f"{name} {sizes}")
+        elif row[0] is None:
+            parts.append(f"{name} ({row[1]})")
+        else:
+            parts.append(f"{name} {row[0]} (fingerprint {row[2]})")
     return ", ".join(parts)
 
 

@@ -10,6 +10,9 @@ Upstream `generate` does all the real work. The data flow of one bucketed call:
    padding hooked on the model instance for the duration of the call.
 4. `output.strip_output`: the added columns and rows come off what the user gets back.
 
+Steps 1 and 2 run inside `distributed.ranks_agree`: under tensor parallelism the ranks compare their calls and share
+what the checks raised before any rank goes on, so no rank raises alone while the others wait in a collective.
+
 A call without bucket fields is upstream `generate`, unchanged; this module only warns when it will recompile.
 """
 
@@ -34,7 +37,7 @@ from .cache import (
 )
 from .compilation import compiled_forward, compiled_wrapper_forward
 from .config import BUCKET_FIELDS, FIELDS, PREFILL_BUCKETS, PREFILL_PAD_TO_MULTIPLE_OF
-from .distributed import check_same_inputs_across_ranks
+from .distributed import generate_call, ranks_agree
 from .hooks import active_plan, bucketed_call
 from .inputs import check_pad_token_id, pad_inputs, pad_rows, plan_right
 from .output import strip_output
@@ -98,48 +101,18 @@ def generate(model, *args, **kwargs):
         # Re-entered from inside a bucketed call (a model whose own `generate` calls ours): already padded.
         return UPSTREAM_GENERATE(model, **arguments, **model_kwargs)
 
-    settings = resolve_settings(model, generation_config, field_kwargs, model_kwargs)
-    continues = continued_padding(model_kwargs)
-    if settings.policy is None and continues is not None:
-        # The cache holds a bucketed call's padding: the prompt must get it too, bucket fields or not.
-        settings = _with_policy(settings, BucketPolicy(pad_to_multiple_of=1))
-    if settings.policy is None:
-        record = _warn_unbucketed(model, wrapper, settings, arguments, model_kwargs)
+    # Under tensor parallelism every rank must make the same call, and no rank may raise alone while the others wait
+    # in a collective: the checks run inside `ranks_agree`, which compares the calls and shares any error.
+    continues = continued_padding(model_kwargs)  # read before the call marks the cache
+    with ranks_agree(model, *generate_call(model, arguments, model_kwargs, field_kwargs)):
+        prepared = _prepare(model, wrapper, arguments, model_kwargs, field_kwargs, generation_config)
+    if prepared[0] == "upstream":
+        _, arguments, model_kwargs, record = prepared
         output = UPSTREAM_GENERATE(model, **arguments, **model_kwargs)
         if record is not None:
             record()
         return output
-
-    _compat.check_upstream(type(model))
-    skip_reason = _unsupported_reason(model, arguments, model_kwargs)
-    side = choose_side(model, settings, arguments, model_kwargs) if skip_reason is None else None
-    if skip_reason is None and side.side == "unpadded":
-        skip_reason = f"{side.reason}."
-    if skip_reason is None and side.side == "left":
-        skip_reason = _unpadded_cache_reason(model_kwargs)
-    if skip_reason is not None:
-        return _unpadded(model, skip_reason, arguments, model_kwargs)
-
-    if side.side == "right":
-        plan, arguments, model_kwargs = plan_right(model, settings, arguments, model_kwargs, side)
-    else:
-        plan, padded_arguments, padded_kwargs = pad_inputs(model, settings, arguments, model_kwargs)
-        room_reason = unpadded_for_room(plan, model_kwargs)
-        if room_reason is not None:
-            return _unpadded(model, room_reason, arguments, model_kwargs)
-        arguments, model_kwargs = padded_arguments, padded_kwargs
-    if settings.batch_policy is not None and continues is None:  # a cache's rows are fixed when it is filled
-        plan, arguments, model_kwargs = pad_rows(plan, arguments, model_kwargs)
-    model_kwargs.update(check_pad_token_id(plan, arguments))
-    # Under tensor parallelism every rank must run the same padded shapes: one all-gather says so, or raises on all.
-    # (The right-padded path hands upstream the prompt as the user passed it, possibly as the `inputs` argument.)
-    input_ids = model_kwargs.get("input_ids")
-    check_same_inputs_across_ranks(
-        model,
-        input_ids=input_ids if input_ids is not None else arguments.get("inputs"),
-        inputs_embeds=model_kwargs.get("inputs_embeds"),
-        attention_mask=model_kwargs.get("attention_mask"),
-    )
+    _, plan, arguments, model_kwargs = prepared
     compiled_wrapper = compiled_wrapper_forward(wrapper) if wrapper is not None else contextlib.nullcontext()
     try:
         with compiled_wrapper, bucketed_call(plan):
@@ -155,12 +128,49 @@ def generate(model, *args, **kwargs):
     return strip_output(output, plan)
 
 
-def _unpadded(model, reason: str, arguments: dict, model_kwargs: dict):
+def _prepare(model, wrapper, arguments: dict, model_kwargs: dict, field_kwargs: dict, generation_config) -> tuple:
+    """
+    The checks and padding of a call: `("upstream", arguments, model_kwargs, record)` for a call upstream runs as it
+    is (`record`: what to note after it, or `None`), `("bucketed", plan, arguments, model_kwargs)` for a padded one.
+    """
+    settings = resolve_settings(model, generation_config, field_kwargs, model_kwargs)
+    continues = continued_padding(model_kwargs)
+    if settings.policy is None and continues is not None:
+        # The cache holds a bucketed call's padding: the prompt must get it too, bucket fields or not.
+        settings = _with_policy(settings, BucketPolicy(pad_to_multiple_of=1))
+    if settings.policy is None:
+        return "upstream", arguments, model_kwargs, _warn_unbucketed(model, wrapper, settings, arguments, model_kwargs)
+
+    _compat.check_upstream(type(model))
+    skip_reason = _unsupported_reason(model, arguments, model_kwargs)
+    side = choose_side(model, settings, arguments, model_kwargs) if skip_reason is None else None
+    if skip_reason is None and side.side == "unpadded":
+        skip_reason = f"{side.reason}."
+    if skip_reason is None and side.side == "left":
+        skip_reason = _unpadded_cache_reason(model_kwargs)
+    if skip_reason is not None:
+        return _unpadded(skip_reason, arguments, model_kwargs)
+
+    if side.side == "right":
+        plan, arguments, model_kwargs = plan_right(model, settings, arguments, model_kwargs, side)
+    else:
+        plan, padded_arguments, padded_kwargs = pad_inputs(model, settings, arguments, model_kwargs)
+        room_reason = unpadded_for_room(plan, model_kwargs)
+        if room_reason is not None:
+            return _unpadded(room_reason, arguments, model_kwargs)
+        arguments, model_kwargs = padded_arguments, padded_kwargs
+    if settings.batch_policy is not None and continues is None:  # a cache's rows are fixed when it is filled
+        plan, arguments, model_kwargs = pad_rows(plan, arguments, model_kwargs)
+    model_kwargs.update(check_pad_token_id(plan, arguments))
+    return "bucketed", plan, arguments, model_kwargs
+
+
+def _unpadded(reason: str, arguments: dict, model_kwargs: dict) -> tuple:
     """Upstream's call, as the user made it, after a warning (once) that says why it is not bucketed."""
     logger.warning_once(
         f"The prefill bucket fields ({', '.join(f'`{f}`' for f in BUCKET_FIELDS)}) are ignored for this call: {reason}"
     )
-    return UPSTREAM_GENERATE(model, **arguments, **model_kwargs)
+    return "upstream", arguments, model_kwargs, None
 
 
 def _with_policy(settings: CallSettings, policy: BucketPolicy) -> CallSettings:

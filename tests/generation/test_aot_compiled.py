@@ -248,6 +248,22 @@ class AOTForwardTest(unittest.TestCase):
         self.assertEqual(captured.out.count("can't tell this call's graph apart"), 1)
         self.assertIn("kwargs['cache'].get_mask_sizes", captured.out)
 
+    def test_functions_set_on_modules_are_in_the_fingerprint(self):
+        # Tensor parallelism sets `forward` on each sharded layer: a closure over the layer, its mesh and its plan.
+        # Set when the model is built, it is part of the model (its fingerprint), and its graphs are kept.
+        model = tiny_llama()
+        mlp = model.model.layers[0].mlp
+        original = mlp.forward
+
+        def forward(*args, **kwargs):
+            return original(*args, **kwargs)
+
+        mlp.forward = forward
+        self.assertNotEqual(aot_compiled.model_fingerprint(model), aot_compiled.model_fingerprint(tiny_llama()))
+        model.forward = prefill_buckets.aot_forward(model, backend="aot_eager")
+        self.assertEqual(self.run_prompts(model), self.expected())
+        self.assertEqual((model.forward.graphs_compiled, model.forward.eager_calls, model.forward.unkeyed), (3, 0, {}))
+
     def test_dispatch_key(self):
         cache = StaticCache(config=tiny_llama_config(), max_cache_len=64)
         ids = torch.ones(1, 8, dtype=torch.long)

@@ -8,6 +8,7 @@
 # `RUN_TIMEOUT_S` is killed, and the process group's own timeout turns a stuck collective into an error sooner.
 # The last phase gives the ranks prompts of different buckets on purpose, and gloo aborts a rank: it comes last.
 
+import contextlib
 import datetime
 import json
 import os
@@ -22,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers.generation.streamers import BaseStreamer
 from transformers.utils import is_accelerate_available
 
 import prefill_buckets
@@ -105,6 +107,46 @@ def _check_phase(model, rank: int) -> dict:
             outcomes[name] = None
         except ValueError as error:
             outcomes[name] = str(error)
+    return outcomes
+
+
+class _Tokens(BaseStreamer):
+    """A streamer that keeps nothing: rank 0's alone, as a server that prints from rank 0 passes one."""
+
+    def put(self, value):
+        pass
+
+    def end(self):
+        pass
+
+
+def _bad_input_phase(model, rank: int) -> dict:
+    """
+    Calls that only one rank gets wrong: a bad input (an empty prompt, an id outside the vocabulary), other
+    `inputs_embeds` of the same shape, another `max_new_tokens`. What each rank raised, and how soon.
+    """
+    config = generation_config()
+    good = prompt(1, 9)
+    embeds = torch.randn(1, 9, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    other_embeds = embeds.clone()
+    other_embeds[0, 4, 7] = torch.nextafter(other_embeds[0, 4, 7], torch.tensor(1.0))  # one bit, on rank 1
+    cases = {
+        "empty_prompt": {"inputs": good if rank == 0 else good[:, :0]},
+        "out_of_vocabulary": {"inputs": good if rank == 1 else torch.cat([good, torch.tensor([[999]])], dim=1)},
+        "inputs_embeds": {"inputs_embeds": embeds if rank == 0 else other_embeds},
+        "max_new_tokens": {"inputs": good, "max_new_tokens": MAX_NEW_TOKENS + rank},
+        "streamer_on_rank_0": {"inputs": good, "streamer": _Tokens() if rank == 0 else None},  # not compared
+    }
+    outcomes = {}
+    for name, kwargs in cases.items():
+        dist.barrier()  # both ranks start the case together: the time is the call's
+        start = time.perf_counter()
+        try:
+            prefill_buckets.generate(model, generation_config=config, prefill_buckets=BUCKETS, **kwargs)
+            outcomes[name] = {"outcome": "returned"}
+        except Exception as error:  # noqa: BLE001 - what each rank raises is the finding
+            outcomes[name] = {"outcome": f"{type(error).__name__}: {error}"}
+        outcomes[name]["seconds"] = time.perf_counter() - start
     return outcomes
 
 
@@ -211,13 +253,14 @@ def _worker(rank: int, directory: str, port: int) -> None:
         model.compile(backend=counter, dynamic=False, fullgraph=True)
         record("workload", run_workload(model, counter))
         record("check", _check_phase(model, rank))
+        record("bad_input", _bad_input_phase(model, rank))
         record("compile_cache", _compile_cache_phase(directory))
         record("aot_warm_start", _aot_warm_start_phase(directory))
 
         # Other prompts in one bucket: without `generate`'s check the collectives match, and the activations they
         # sum don't...
         length = 10 if rank == 0 else 12
-        with mock.patch("prefill_buckets.generation.check_same_inputs_across_ranks"):
+        with mock.patch("prefill_buckets.generation.ranks_agree", lambda *args: contextlib.nullcontext()):
             out = prefill_buckets.generate(
                 model, prompt(1, length), generation_config=generation_config(), prefill_buckets=BUCKETS
             )
@@ -347,8 +390,35 @@ class TensorParallelTest(unittest.TestCase):
             self.assertIn("rank 0: attention_mask [1, 16]", outcomes["other_shape"])
             self.assertIn("rank 1: attention_mask [1, 32]", outcomes["other_shape"])
             self.assertIn("inputs_embeds=None", outcomes["other_shape"])
-            self.assertIn("same shapes, different tokens", outcomes["other_tokens"])
+            self.assertIn("same shapes, different values", outcomes["other_tokens"])
         self.assertEqual(self.ranks[0]["check"], self.ranks[1]["check"])  # the same error on every rank
+
+    def test_bad_input_on_one_rank_raises_on_every_rank(self):
+        # Without the agreement, the rank with the bad input raised alone and its peer waited in the next collective
+        # until the process group's timeout (PROCESS_GROUP_TIMEOUT_S).
+        phases = self.rank_results("bad_input")
+        expected = {
+            "empty_prompt": "ValueError: The prompt is empty (0 tokens).",
+            "out_of_vocabulary": "ValueError: `input_ids` holds the id 999, outside the model's vocabulary",
+            "inputs_embeds": "ValueError: The tensor-parallel ranks of this model called `generate` with different "
+            "inputs (same shapes, different values)",
+            "max_new_tokens": "ValueError: The tensor-parallel ranks of this model called `generate` with different "
+            "settings",
+        }
+        for name, opening in expected.items():
+            with self.subTest(name):
+                for rank, phase in enumerate(phases):
+                    self.assertTrue(phase[name]["outcome"].startswith(opening), f"rank {rank}: {phase[name]}")
+                    self.assertLess(phase[name]["seconds"], PROCESS_GROUP_TIMEOUT_S / 3, f"rank {rank}")
+                self.assertEqual(phases[0][name]["outcome"], phases[1][name]["outcome"])  # the same error on both
+        self.assertIn("Raised by tensor-parallel rank 1", phases[0]["empty_prompt"]["outcome"])
+        self.assertIn("Raised by tensor-parallel rank 0", phases[1]["out_of_vocabulary"]["outcome"])
+        self.assertRegex(phases[0]["inputs_embeds"]["outcome"], r"rank 1: .*inputs_embeds \[1, 9, 32\]")
+        self.assertIn(
+            f"max_new_tokens: {MAX_NEW_TOKENS} on rank 0, {MAX_NEW_TOKENS + 1} on rank 1",
+            phases[0]["max_new_tokens"]["outcome"],
+        )
+        self.assertEqual([phase["streamer_on_rank_0"]["outcome"] for phase in phases], ["returned"] * WORLD_SIZE)
 
     def test_check_same_inputs_is_a_no_op_without_tensor_parallelism(self):
         model = tiny_llama(**MODEL)
@@ -411,3 +481,47 @@ class TensorParallelTest(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class RanksAgreeTest(unittest.TestCase):
+    """`ranks_agree`'s verdict on what the ranks gathered, played in one process: this rank 0, a peer as rank 1."""
+
+    def agree(self, inputs: dict, peer_inputs: dict, error: Exception | None = None, peer_error=None):
+        from prefill_buckets import distributed
+
+        peer = distributed._summarize_call(peer_inputs, {})
+        peer["error"] = peer_error
+
+        def all_gather_object(gathered, mine, group=None):
+            gathered[:] = [mine, peer]
+
+        with (
+            mock.patch.object(distributed, "tensor_parallel_group", return_value=object()),
+            mock.patch.object(dist, "get_world_size", return_value=2),
+            mock.patch.object(dist, "all_gather_object", side_effect=all_gather_object) as gather,
+        ):
+            try:
+                with distributed.ranks_agree(None, inputs, {}):
+                    if error is not None:
+                        raise error
+            finally:
+                self.assertEqual(gather.call_count, 1)  # every rank meets in the all-gather, whatever it raised
+
+    def test_the_same_error_on_both_ranks(self):
+        ids = {"input_ids": torch.ones(1, 3, dtype=torch.long)}
+        with self.assertRaisesRegex(ValueError, r"bad prompt\n\(Raised by tensor-parallel ranks 0, 1;") as raised:
+            self.agree(ids, ids, error=ValueError("bad prompt"), peer_error=["ValueError", "bad prompt"])
+        self.assertIsInstance(raised.exception.__cause__, ValueError)
+
+    def test_a_peer_s_error_is_raised_here(self):
+        ids = {"input_ids": torch.ones(1, 3, dtype=torch.long)}
+        with self.assertRaisesRegex(TypeError, r"^wrong type\n\(Raised by tensor-parallel rank 1;"):
+            self.agree(ids, ids, peer_error=["TypeError", "wrong type"])
+        with self.assertRaisesRegex(RuntimeError, r"^OwnError: odd\n\(Raised by tensor-parallel rank 1;"):
+            self.agree(ids, ids, peer_error=["OwnError", "odd"])
+
+    def test_float_inputs_compared_by_their_bits(self):
+        zeros = torch.zeros(1, 2, 4)
+        self.agree({"inputs_embeds": zeros}, {"inputs_embeds": zeros.clone()})  # equal: nothing raised
+        with self.assertRaisesRegex(ValueError, r"different inputs \(same shapes, different values\)"):
+            self.agree({"inputs_embeds": zeros}, {"inputs_embeds": -zeros})  # -0.0 == 0.0, but not its bits
