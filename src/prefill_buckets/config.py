@@ -47,8 +47,9 @@ FIELD_DOCS = """
             the prompt, with no attention mask (prefill runs causal attention as for an unpadded prompt, the first
             token comes from the logits at the prompt's last position, and decode overwrites the pad slots).
             `"left"`: in front of the prompt, masked. `"auto"` (or `None`): right where that is exact (a static cache,
-            rows of one length, attention layers only, sdpa or eager attention; see the guide's "Padding side"),
-            left elsewhere. An explicit `"right"` where it is not exact logs why and pads on the left.
+            attention layers only, sdpa or eager attention, rows of one length or left-padded rows of different
+            lengths, each then padded after its own end; see the guide's "Padding side"), left elsewhere. An explicit
+            `"right"` where it is not exact logs why and pads on the left.
 """
 
 

@@ -3,8 +3,10 @@
 Right padding puts the pad tokens after the prompt: prefill runs the prompt with no attention mask (causal SDPA, as
 upstream runs an unpadded prompt), the first new token comes from the logits at the prompt's last position, and
 decode starts at the prompt's length, overwriting the pad slots of the static cache one by one (the causal mask hides
-those not yet written). That is exact only where every row of the cache holds one length of real tokens and every
-layer can forget the pads. Where it is not, the call is left-padded (masked), as before. The cases, and why:
+those not yet written). Rows of different lengths (a batch the tokenizer padded on the left) are padded each after its
+own end, and decode masks each row's pad slots (`prefill_right.py`). That is exact only where every layer can forget
+the pads and each row's positions follow its tokens. Where it is not, the call is left-padded (masked), as before. The
+cases, and why:
 
 | case | side | why |
 |---|---|---|
@@ -17,12 +19,14 @@ layer can forget the pads. Where it is not, the call is left-padded (masked), as
 | a forward without `logits_to_keep` | left | it would compute logits for every pad position |
 | recurrent, convolutional or chunked-attention layers | left | the pads would run through their state |
 | a sliding window shorter than the cached tokens plus the bucket | left | the ring buffer would drop real tokens |
-| rows of different lengths (zeros in the mask, or pad tokens to infer one from) | left | one cache length for all rows |
-| a cache filled by a left-padded call | left | the prompt must line up with the padding in the cache |
+| rows of different lengths padded on the right, with zeros between tokens, or an empty row | left | upstream reads a short right-padded row's first token at a pad: only its mask gives that |
+| rows of different lengths with a sliding window, continuing a cache, or a forward without `position_ids` | left | the window counts slots; the cache's rows need the mask; positions must follow each row |
+| a cache filled by a left-padded call, or by rows of different lengths | left | the prompt must line up with the padding in the cache |
 | `inputs_embeds` continuing from a cache, other per-token or multimodal inputs | left | not padded on the right |
 | pad positions past `max_position_embeddings` | left | the model has no such positions |
 | attention that is not causal (`is_decoder=False`, as BERT-style models) | left | the prompt would attend to the pads |
 | everything else: beam search, `num_return_sequences`, streamers, scores, lengths, a continued conversation, `inputs_embeds`, `prefill_batch_buckets` | right | exact (tested) |
+| rows of different lengths, left-padded (each row's mask zeros then ones; passed, or inferred from pad tokens) | right | each row after its own end, first tokens gathered per row (tested) |
 
 With `"auto"` (the default) the rule picks; an explicit `"right"` where the rule says left logs the reason, once, and
 pads on the left: never silently wrong.
@@ -250,7 +254,7 @@ def _ragged_reason(
             )
         return "the attention mask has zeros between a row's tokens"
     if "position_ids" not in inspect.signature(model.forward).parameters:
-        return f"`{type(model).__name__}.forward` takes no `position_ids`: a row's positions would not continue at its end"
+        return f"`{type(model).__name__}.forward` takes no `position_ids`: each row's positions must follow its tokens"
     if _has_sliding_layers(model, cache, slots):
         return "a sliding window counts cache slots, and a short row's pads would sit after its tokens, not before"
     return None

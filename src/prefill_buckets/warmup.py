@@ -76,9 +76,10 @@ def precompile(
     counting the buckets of `min_prompt_length` and `max_prompt_length` themselves (on the left, one fewer per batch
     size when 1 is one of these buckets: a 1-token prefill into the allocated cache is the decode graph). The warm-up
     calls take the padding side later calls with this config take (`prefill_padding_side`, see the guide's "Padding
-    side"). With `"auto"`, a batch size above 1 is also warmed up with rows of different lengths, which take the left
-    side: one more prefill graph per bucket above 1 (decode shares its graph), so tokenizer-padded batches compile
-    nothing either. A later prompt shorter than `min_prompt_length`, in a bucket below, compiles its prefill graph when it comes. As in `generate`, a bucket past
+    side"). With `"auto"`, a batch size above 1 is also warmed up with rows of different lengths, so tokenizer-padded
+    batches compile nothing either: where they take the right side, as rows of one length do, that shares their graphs;
+    where they take the left (a sliding window, for example), one more prefill graph per bucket above 1 (decode shares
+    its graph). A later prompt shorter than `min_prompt_length`, in a bucket below, compiles its prefill graph when it comes. As in `generate`, a bucket past
     the model's `max_position_embeddings` is capped there, and prompts longer than that are not padded (each length
     compiles its own graph), so none is warmed up.
 
@@ -204,8 +205,8 @@ def precompile(
         start = time.perf_counter()
         generate(wrapper, input_ids, attention_mask=attention_mask, generation_config=generation_config)
         if batch_size > 1 and length > 1 and settings.padding_side == "auto":
-            # Batches usually come with rows of different lengths, which take the left side (its own prefill graph
-            # per bucket; decode shares the graph): warm that one too, with a last row one token shorter.
+            # Batches usually come with rows of different lengths: where they take the left side (its own prefill
+            # graph per bucket; decode shares the graph), warm that one too, with a last row one token shorter.
             attention_mask[-1, 0] = 0
             generate(wrapper, input_ids, attention_mask=attention_mask, generation_config=generation_config)
         cache_length = getattr(module, "_previous_max_cache_length", None)

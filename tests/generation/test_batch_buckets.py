@@ -111,11 +111,15 @@ class BatchBucketsTest(unittest.TestCase):
         shapes = prefill_buckets.precompile(model, config, batch_sizes=(1, 3), progress=False)
         self.assertEqual(sorted({shape.batch_size for shape in shapes}), [2, 4])
         graphs = counter.graphs
-        # Per batch bucket: a prefill graph per bucket and a decode graph, and (issue 12) the left side's prefill graph
-        # per bucket for rows of different lengths, which precompile warms up too for batch sizes above 1.
-        self.assertEqual(graphs, 2 * (2 + 1) + 2 * 2)
+        # Per batch bucket: a prefill graph per bucket and a decode graph. Rows of different lengths, which precompile
+        # warms up too for batch sizes above 1, share them (issue 24: they take the right side too).
+        self.assertEqual(graphs, 2 * (2 + 1))
         for batch_size in (1, 2, 3, 4):
             prefill_buckets.generate(model, self.prompts(batch_size, length=5 + batch_size), generation_config=config)
+            input_ids = self.prompts(batch_size, length=9)
+            attention_mask = torch.ones_like(input_ids)
+            attention_mask[-1, : batch_size + 1] = 0
+            prefill_buckets.generate(model, input_ids, attention_mask=attention_mask, generation_config=config)
         self.assertEqual(counter.graphs, graphs)
 
     def test_precompile_needs_a_prompt_field(self):
