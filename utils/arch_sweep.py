@@ -263,13 +263,32 @@ class _SideRecorder:
 
 
 _UNPADDED = re.compile(r"are ignored for this call: (.*)", re.S)
+# The package's reasons for an unpadded call, as the table's short labels (the first that matches; else the reason).
+SHORT_REASONS = (
+    ("is_decoder=False", "bidirectional attention"),
+    ("takes no `position_ids`", "positions from the cache length"),
+    ("does not pass the attention mask on", "its step drops the mask"),
+    ("made no static cache", "no cache object to pad"),
+    ("takes no `attention_mask`", "no attention mask"),
+    ("only recurrent", "recurrent cache"),
+)
+
+
+def short_reason(reason: str) -> str:
+    label = next((label for key, label in SHORT_REASONS if key in reason), None)
+    if label is None:
+        reason = reason.split(". ")[0].rstrip(".")
+        label = reason if len(reason) <= 80 else reason[:79] + "…"
+    return label.replace("|", "/")
 
 
 def _bucketed_cell(recorder: _SideRecorder) -> str:
     for message in recorder.logs:
         found = _UNPADDED.search(message)
         if found:
-            return "unpadded: " + found.group(1).split(". ")[0].rstrip(".").replace("|", "/")
+            return "unpadded: " + short_reason(found.group(1))
+        if "made no static cache" in message:
+            return "unpadded: " + short_reason(message)
     if not recorder.sides:
         return "unpadded"
     return recorder.sides[-1].side

@@ -59,7 +59,7 @@ class ArchitectureSweepTest(unittest.TestCase):
         # A bucketed call that runs unpadded says why; one that is padded names the side.
         bidirectional = arch_sweep.sweep_one("megatron-bert")
         self.assertTrue(bidirectional.one_prompt.startswith("unpadded: "), bidirectional.one_prompt)
-        self.assertIn("is_decoder=False", bidirectional.one_prompt)
+        self.assertIn("bidirectional", bidirectional.one_prompt)
         llama = arch_sweep.sweep_one("llama")
         self.assertEqual(llama.cells, ("right", "left"))
 
