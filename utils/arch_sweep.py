@@ -171,6 +171,8 @@ def _tiny_kwargs(config) -> dict:
         if isinstance(values.get(expand), int) and heads in values and head_dim in values:
             kwargs[heads] = 4
             kwargs[head_dim] = kwargs.get("hidden_size", 32) * values[expand] // 4
+            if isinstance(values.get("mamba_d_ssm"), int):  # Falcon-H1 states the expanded size itself
+                kwargs["mamba_d_ssm"] = kwargs.get("hidden_size", 32) * values[expand]
     kwargs.update(MODEL_OVERRIDES.get(config.model_type, {}))
     for name in getattr(config, "sub_configs", {}) or {}:
         sub_config = getattr(config, name, None)
