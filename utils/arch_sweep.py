@@ -171,6 +171,8 @@ def _tiny_kwargs(config) -> dict:
         if isinstance(values.get(expand), int) and heads in values and head_dim in values:
             kwargs[heads] = 4
             kwargs[head_dim] = kwargs.get("hidden_size", 32) * values[expand] // 4
+            if isinstance(values.get("mamba_d_ssm"), int):  # Falcon-H1 states the expanded size itself
+                kwargs["mamba_d_ssm"] = kwargs.get("hidden_size", 32) * values[expand]
     kwargs.update(MODEL_OVERRIDES.get(config.model_type, {}))
     for name in getattr(config, "sub_configs", {}) or {}:
         sub_config = getattr(config, name, None)
@@ -263,13 +265,32 @@ class _SideRecorder:
 
 
 _UNPADDED = re.compile(r"are ignored for this call: (.*)", re.S)
+# The package's reasons for an unpadded call, as the table's short labels (the first that matches; else the reason).
+SHORT_REASONS = (
+    ("is_decoder=False", "bidirectional attention"),
+    ("takes no `position_ids`", "positions from the cache length"),
+    ("does not pass the attention mask on", "its step drops the mask"),
+    ("made no static cache", "no cache object to pad"),
+    ("takes no `attention_mask`", "no attention mask"),
+    ("only recurrent", "recurrent cache"),
+)
+
+
+def short_reason(reason: str) -> str:
+    label = next((label for key, label in SHORT_REASONS if key in reason), None)
+    if label is None:
+        reason = reason.split(". ")[0].rstrip(".")
+        label = reason if len(reason) <= 80 else reason[:79] + "…"
+    return label.replace("|", "/")
 
 
 def _bucketed_cell(recorder: _SideRecorder) -> str:
     for message in recorder.logs:
         found = _UNPADDED.search(message)
         if found:
-            return "unpadded: " + found.group(1).split(". ")[0].rstrip(".").replace("|", "/")
+            return "unpadded: " + short_reason(found.group(1))
+        if "made no static cache" in message:
+            return "unpadded: " + short_reason(message)
     if not recorder.sides:
         return "unpadded"
     return recorder.sides[-1].side

@@ -214,6 +214,7 @@ def _shape_is_held(model, cache, num_heads, head_dim) -> bool:
 _HEAD_DIMS = ("head_dim", "head_size", "attention_head_size", "d_head")
 _KEY_PROJECTIONS = ("k_proj", "key", "k", "key_proj", "wk", "k_lin")
 _FUSED_PROJECTIONS = ("query_key_value", "c_attn", "qkv_proj", "Wqkv", "qkv", "W_pack")
+_OUTPUT_PROJECTIONS = ("dense", "o_proj", "out_proj", "c_proj")
 _QUERY_HEAD_COUNTS = ("num_heads", "num_attention_heads", "n_head", "n_heads")
 _KV_HEAD_COUNTS = ("num_key_value_heads", "num_kv_heads", "kv_heads", "n_kv_heads")
 
@@ -237,6 +238,17 @@ def _output_rows(projection) -> int | None:
     return local.shape[0]
 
 
+def _output_projection_inputs(module) -> int | None:
+    """The input features of an attention module's output projection: its query heads times `head_dim`."""
+    for name in _OUTPUT_PROJECTIONS:
+        projection = module._modules.get(name)
+        weight = getattr(projection, "weight", None)
+        if isinstance(weight, torch.Tensor) and weight.ndim == 2 and not hasattr(projection, "nf"):
+            local = weight.to_local() if hasattr(weight, "to_local") else weight
+            return local.shape[1]  # nn.Linear: [out, in]
+    return None
+
+
 def _module_kv_shape(module) -> tuple[int, int] | None:
     """`(key/value heads, head_dim)` of an attention module, read from its own projections, or `None`."""
     head_dim = _int_attribute(module, _HEAD_DIMS)
@@ -247,10 +259,11 @@ def _module_kv_shape(module) -> tuple[int, int] | None:
         if rows is not None:
             return (rows // head_dim, head_dim) if rows % head_dim == 0 else None
     query_heads = _int_attribute(module, _QUERY_HEAD_COUNTS)
+    query_rows = query_heads * head_dim if query_heads is not None else _output_projection_inputs(module)
     for name in _FUSED_PROJECTIONS:
         rows = _output_rows(module._modules.get(name))
-        if rows is not None and query_heads is not None:
-            kv_rows = rows - query_heads * head_dim  # queries first, then keys and values of one size
+        if rows is not None and query_rows is not None:
+            kv_rows = rows - query_rows  # queries first, then keys and values of one size
             if kv_rows <= 0 or kv_rows % (2 * head_dim):
                 return None
             return kv_rows // (2 * head_dim), head_dim

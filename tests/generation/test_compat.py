@@ -45,7 +45,62 @@ class ReshapedHookTarget(LlamaForCausalLM):
         )
 
 
+class KwargsOverride(LlamaForCausalLM):
+    """A model's own step that takes the cache and the mask through `**kwargs`, and passes them on (Zamba2 on 5.24)."""
+
+    def prepare_inputs_for_generation(self, input_ids, **kwargs):
+        return super().prepare_inputs_for_generation(input_ids, **kwargs)
+
+
+class StepWithoutMask(LlamaForCausalLM):
+    """A model's own step that really takes no mask: it names its parameters and passes nothing on."""
+
+    def prepare_inputs_for_generation(self, input_ids, cache=None, inputs_embeds=None, use_cache=None):
+        return super().prepare_inputs_for_generation(input_ids, cache=cache, use_cache=use_cache)
+
+
+class KwargsOverOverrideWithoutMask(StepWithoutMask):
+    """A `**kwargs` pass-through over that step: what it passes on still can't take the mask."""
+
+    def prepare_inputs_for_generation(self, input_ids, **kwargs):
+        return super().prepare_inputs_for_generation(input_ids, **kwargs)
+
+
+class PositionalTargetThroughKwargs(LlamaForCausalLM):
+    """The hook calls `_prepare_generated_length` by position: `**kwargs` can't take those arguments."""
+
+    def _prepare_generated_length(self, generation_config, **kwargs):
+        return super()._prepare_generated_length(generation_config, **kwargs)
+
+
 class CheckUpstreamTest(unittest.TestCase):
+    def test_kwargs_override_is_exact(self):
+        # Upstream generates with it; so must the package, on the right (one prompt) and the left (a ragged batch).
+        torch.manual_seed(0)
+        model = KwargsOverride(tiny_llama_config()).eval()
+        batch = torch.cat([random_ids(9, seed=1), random_ids(9, seed=2)])
+        mask = torch.ones_like(batch)
+        mask[1, :3] = 0
+        for input_ids, attention_mask in ((random_ids(5), None), (batch, mask)):
+            kwargs = {"attention_mask": attention_mask, "max_new_tokens": 4, "do_sample": False}
+            kwargs["cache_implementation"] = "static"
+            expected = model.generate(input_ids, **kwargs)
+            actual = prefill_buckets.generate(model, input_ids, prefill_buckets=[8, 16], **kwargs)
+            self.assertTrue(torch.equal(actual, expected), f"\n{actual}\n!=\n{expected}")
+
+    def test_step_without_the_parameter_raises(self):
+        for model_class in (StepWithoutMask, KwargsOverOverrideWithoutMask):
+            with self.subTest(model_class.__name__):
+                with self.assertRaisesRegex(
+                    RuntimeError,
+                    r"`StepWithoutMask\.prepare_inputs_for_generation` takes no parameter `attention_mask`",
+                ):
+                    _compat.check_upstream(model_class)
+
+    def test_positional_target_through_kwargs_raises(self):
+        with self.assertRaisesRegex(RuntimeError, "takes no parameter `has_default_max_length`"):
+            _compat.check_upstream(PositionalTargetThroughKwargs)
+
     def test_tested_version_passes(self):
         _compat.check_upstream()
         _compat.check_upstream(LlamaForCausalLM)

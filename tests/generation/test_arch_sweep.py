@@ -1,0 +1,70 @@
+# The architecture sweep (`utils/arch_sweep.py`): bucketed `generate` against upstream on tiny models of the
+# transformers causal-LM architectures. CI runs a fixed sample that covers every cache and attention kind; `RUN_SLOW=1`
+# runs every `model_type` of the auto mapping. The target: no row where upstream runs and the bucketed call crashes or
+# returns other tokens.
+
+import importlib.util
+import unittest
+from pathlib import Path
+
+from parameterized import parameterized
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers.testing_utils import slow
+
+
+_SWEEP = Path(__file__).resolve().parents[2] / "utils" / "arch_sweep.py"
+_spec = importlib.util.spec_from_file_location("arch_sweep", _SWEEP)
+arch_sweep = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(arch_sweep)
+
+# One architecture per cache and attention kind (each is in both tested transformers versions' mapping).
+CI_SAMPLE = {
+    "llama": "full attention, grouped-query",
+    "gpt2": "learned positions, fused query/key/value",
+    "gpt_bigcode": "multi-query: the config's head count is not the cache's",
+    "falcon": "multi-query, a config that states more key/value heads than it uses",
+    "gpt_neox": "multi-head, fused projection",
+    "gpt_neo": "a causal-mask buffer of max_position_embeddings",
+    "mistral": "sliding window",
+    "gemma2": "alternating sliding and full layers",
+    "qwen3_moe": "mixture of experts",
+    "mamba": "recurrent state only",
+    "jamba": "hybrid: attention and recurrent layers",
+    "zamba2": "hybrid, `prepare_inputs_for_generation` takes the mask through **kwargs",
+    "falcon_h1": "hybrid, **kwargs override",
+    "trocr": "no position_ids, no logits_to_keep: neither side",
+    "bart": "a decoder of an encoder-decoder family: positions from the cache length",
+    "megatron-bert": "bidirectional attention (is_decoder=False)",
+    "ctrl": "an old model, **kwargs override",
+    "openai-gpt": "an old model, **kwargs override",
+    "xlnet": "its own prepare_inputs_for_generation drops the mask",
+    "mpt": "ALiBi, no static cache object from generate",
+    "bloom": "ALiBi, no position_ids",
+}
+
+
+class ArchitectureSweepTest(unittest.TestCase):
+    def assertNoFailedRow(self, row):
+        self.assertFalse(row.failed, f"{row.model_type}: one prompt: {row.one_prompt}; batch of 2: {row.batch_of_2}")
+
+    @parameterized.expand(
+        [(model_type,) for model_type in CI_SAMPLE if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES]
+    )
+    def test_sample(self, model_type):
+        row = arch_sweep.sweep_one(model_type, timeout=120)
+        self.assertNoFailedRow(row)
+        self.assertTrue(row.cache, f"{model_type}: upstream should run on the tiny model: {row.one_prompt}")
+
+    def test_cells_say_what_ran(self):
+        # A bucketed call that runs unpadded says why; one that is padded names the side.
+        bidirectional = arch_sweep.sweep_one("megatron-bert")
+        self.assertTrue(bidirectional.one_prompt.startswith("unpadded: "), bidirectional.one_prompt)
+        self.assertIn("bidirectional", bidirectional.one_prompt)
+        llama = arch_sweep.sweep_one("llama")
+        self.assertEqual(llama.cells, ("right", "left"))
+
+    @slow
+    def test_every_architecture(self):
+        rows = [arch_sweep.sweep_one(model_type) for model_type in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)]
+        failed = [row for row in rows if row.failed]
+        self.assertEqual(failed, [], arch_sweep.markdown_table(failed))

@@ -1,0 +1,142 @@
+# Architectures whose layout breaks an assumption of the package, each exact against upstream `generate` (issue 27):
+# a config that misstates its key/value heads (the early cache allocation), a model with buffers as long as its
+# positions (the cache length), a model for which generate makes no cache object, and models that can't be padded on
+# one side or on either (`padding_side.SIDE_ASSUMPTIONS`).
+
+import logging as std_logging
+import unittest
+
+import torch
+from parameterized import parameterized
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.testing_utils import CaptureLogger
+from transformers.utils import logging
+
+import prefill_buckets
+
+
+package_logger = logging.get_logger("prefill_buckets")
+SPECIAL_TOKENS = {"pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2}
+NEW_TOKENS = 4
+
+
+def tiny(model_type: str, **values):
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(model_type, vocab_size=128, **SPECIAL_TOKENS, **values)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def prompts():
+    generator = torch.Generator().manual_seed(0)
+    one = torch.randint(3, 128, (1, 11), generator=generator)
+    batch = torch.randint(3, 128, (2, 11), generator=generator)
+    mask = torch.ones_like(batch)
+    batch[1, :4], mask[1, :4] = 0, 0  # ragged: left-padded by the user
+    return [("one_prompt", one, torch.ones_like(one)), ("batch_of_2", batch, mask)]
+
+
+class ArchitectureTestBase(unittest.TestCase):
+    def assertExact(self, model, cache_implementation="static", **fields):
+        """Bucketed `generate` gives upstream's tokens on one prompt and a ragged batch; returns the package's logs."""
+        logs = []
+        for name, input_ids, attention_mask in prompts():
+            kwargs = {
+                "attention_mask": attention_mask,
+                "max_new_tokens": NEW_TOKENS,
+                "do_sample": False,
+                "cache_implementation": cache_implementation,
+            }
+            expected = model.generate(input_ids, **kwargs)
+            std_logging.Logger.warning_once.cache_clear()
+            with CaptureLogger(package_logger) as captured:
+                actual = prefill_buckets.generate(model, input_ids, prefill_buckets="pow2", **kwargs, **fields)
+            logs.append(captured.out)
+            self.assertTrue(torch.equal(actual, expected), f"{name}:\n{actual}\n!=\n{expected}")
+        return logs
+
+
+class MisstatedHeadsTest(ArchitectureTestBase):
+    @parameterized.expand(
+        [
+            # GPT-NeoX attends with every head, whatever `num_key_value_heads` its config carries.
+            ("gpt_neox_unused_kv_heads", "gpt_neox", {"num_key_value_heads": 1}),
+            # Multi-query: one key/value head, where the config's head count says 4.
+            ("gpt_bigcode_multi_query", "gpt_bigcode", {"multi_query": True}),
+            # BART's decoder has its own head count; `num_attention_heads` maps to the encoder's.
+            ("bart_decoder_heads", "bart", {"decoder_attention_heads": 2, "encoder_attention_heads": 8}),
+        ]
+    )
+    def test_exact(self, _, model_type, values):
+        sizes = {"hidden_size": 32, "num_attention_heads": 4, "num_hidden_layers": 2, "intermediate_size": 64}
+        if model_type == "bart":
+            sizes = {"d_model": 32, "decoder_layers": 2, "encoder_layers": 2, "decoder_ffn_dim": 64}
+        if model_type == "gpt_bigcode":
+            sizes = {"n_embd": 32, "n_head": 4, "n_layer": 2}
+        model = tiny(model_type, **sizes, **values)
+        self.assertExact(model)
+
+    def test_held_shapes_come_from_the_modules(self):
+        from prefill_buckets.cache import held_kv_shapes
+
+        model = tiny("gpt_neox", hidden_size=32, num_attention_heads=4, num_hidden_layers=2, num_key_value_heads=1)
+        self.assertEqual(held_kv_shapes(model), {0: {(4, 8)}, 1: {(4, 8)}})  # 4 heads of 8, not the config's 1
+        model = tiny("gpt_bigcode", n_embd=32, n_head=4, n_layer=2, multi_query=True)
+        self.assertEqual(held_kv_shapes(model), {0: {(1, 8)}, 1: {(1, 8)}})
+
+
+class CacheLengthTest(ArchitectureTestBase):
+    def test_never_past_the_positions(self):
+        # GPT-Neo's causal mask is a buffer of `max_position_embeddings` rows: a cache longer than that can't run.
+        model = tiny(
+            "gpt_neo",
+            hidden_size=32,
+            num_heads=4,
+            num_layers=2,
+            attention_types=[[["global", "local"], 1]],
+            max_position_embeddings=100,
+            window_size=256,  # longer than any cache here: upstream's local layers then don't depend on its length
+        )
+        self.assertExact(model)
+
+    @parameterized.expand([("mpt", {"d_model": 32, "n_heads": 4, "n_layers": 2, "expansion_ratio": 2})])
+    def test_model_without_a_cache_object(self, model_type, values):
+        # `generate` makes no cache object for MPT (the model keeps its own state): left-padded, exact.
+        self.assertExact(tiny(model_type, **values))
+
+    def test_right_padding_without_a_cache_object(self):
+        # Nor for RWKV: one prompt, sent right, runs unpadded (nothing to rewind after the pads) and says so.
+        model = tiny("rwkv", hidden_size=32, num_hidden_layers=2, attention_hidden_size=32, intermediate_size=64)
+        logs = self.assertExact(model)
+        self.assertIn("made no static cache", logs[0])
+
+
+class NeitherSideTest(ArchitectureTestBase):
+    def test_positions_from_the_cache_length(self):
+        # TrOCR counts positions from the cache and takes no `logits_to_keep`: padded on neither side.
+        model = tiny("trocr", d_model=32, decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=64)
+        logs = self.assertExact(model)
+        for log in logs:
+            self.assertIn("are ignored for this call", log)
+            self.assertIn("takes no `position_ids`", log)
+
+    def test_bidirectional_attention(self):
+        # Without `is_decoder`, XLM-RoBERTa-XL attends both ways: padded on neither side.
+        model = tiny(
+            "xlm-roberta-xl", hidden_size=32, num_attention_heads=4, num_hidden_layers=2, intermediate_size=64
+        )
+        logs = self.assertExact(model)
+        self.assertIn("is_decoder=False", logs[0])
+
+    def test_right_where_left_shifts_positions(self):
+        # BART's decoder counts positions from the cache: one prompt goes right (exact), a ragged batch unpadded.
+        model = tiny("bart", d_model=32, decoder_layers=2, encoder_layers=2, decoder_attention_heads=4)
+        logs = self.assertExact(model)
+        self.assertNotIn("are ignored for this call", logs[0])
+        self.assertIn("takes no `position_ids`", logs[1])
+
+    def test_mask_dropped_by_the_model(self):
+        # XLNet's own `prepare_inputs_for_generation` builds its inputs without the mask: a ragged batch runs
+        # unpadded, one prompt right-padded (no mask needed).
+        model = tiny("xlnet", d_model=32, n_head=4, n_layer=2, d_inner=64)
+        logs = self.assertExact(model)
+        self.assertIn("does not pass the attention mask on", logs[1])
