@@ -54,8 +54,11 @@ _CODE_PARTS = ("type(", "__class__", "__mro__")
 _ARGUMENT_ATTRIBUTE = re.compile(
     r"(?:kwargs\['(?P<keyword>\w+)'\]|args\[(?P<index>\d+)\]|(?P<parameter>\w+))\.(?P<attribute>\w+)(?P<rest>[.\[].*)?"
 )
-# A guard on an attribute of one of the model's modules: `args[0]._modules['model']._modules['embed_tokens'].forward`.
-_MODULE_ATTRIBUTE = re.compile(r"args\[0\](?P<path>(?:\._modules\['[^']+'\])*)\.(?P<attribute>\w+)(?P<rest>[.\[].*)?")
+# A guard on an attribute of one of the model's modules: `args[0]._modules['model']._modules['embed_tokens'].forward`
+# (a decorated forward), `self._modules['model']...` (a plain one).
+_MODULE_ATTRIBUTE = re.compile(
+    r"(?:args\[0\]|self)(?P<path>(?:\._modules\['[^']+'\])*)\.(?P<attribute>\w+)(?P<rest>[.\[].*)?"
+)
 _MODULE_NAME = re.compile(r"\._modules\['([^']+)'\]")
 # What the key says of a function it can't name across processes (a lambda, a closure, a bound method): a state the
 # key can't tell apart, if the graph reads it.

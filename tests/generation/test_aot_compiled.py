@@ -192,7 +192,7 @@ class AOTForwardTest(unittest.TestCase):
         with zipfile.ZipFile(self.path) as archive:
             keys = [json.loads(meta["key"]) for meta in json.loads(archive.read("manifest.json"))["aot_forwards"]]
         self.assertEqual(len(keys), 3)
-        self.assertIn([["cache", "get_query_offset", "prefill_buckets._compat:_empty_query_offset"]],
+        self.assertIn([[CACHE, "get_query_offset", "prefill_buckets._compat:_empty_query_offset"]],
                       [key["instance_functions"] for key in keys])  # fmt: skip
         self.new_process()
         self.assertTrue(prefill_buckets.load_compile_cache(self.path))
@@ -246,7 +246,7 @@ class AOTForwardTest(unittest.TestCase):
             self.assertEqual(tokens.tolist(), self.expected()[0])
             self.assertEqual((forward.eager_calls, forward.calls, forward.graphs_compiled), (2, 4, 1))
         self.assertEqual(captured.out.count("can't tell this call's graph apart"), 1)
-        self.assertIn("kwargs['cache'].get_mask_sizes", captured.out)
+        self.assertIn(f"kwargs['{CACHE}'].get_mask_sizes", captured.out)
 
     def test_functions_set_on_modules_are_in_the_fingerprint(self):
         # Tensor parallelism sets `forward` on each sharded layer: a closure over the layer, its mesh and its plan.
