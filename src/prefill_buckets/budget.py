@@ -21,29 +21,30 @@ class GraphBudget:
     The graphs a compiled model has needed so far, by shape, for one static-cache generation workload.
 
     A compiled forward compiles one graph per distinct input shape: a prefill graph per `(rows, prompt length,
-    cache length)` and a decode graph per `(rows, cache length)`, where rows are `batch * max(num_beams,
-    num_return_sequences)`.
+    cache length, window)` and a decode graph per `(rows, cache length, window)`, where rows are `batch *
+    max(num_beams, num_return_sequences)` and the window is the slots the forward reads (`windows.py`; `None`
+    where the cache has no windowed layers).
     """
 
     def __init__(self):
-        self.prefill: set[tuple[int, int, int]] = set()
-        self.decode: set[tuple[int, int]] = set()
+        self.prefill: set[tuple[int, int, int, int | None]] = set()
+        self.decode: set[tuple[int, int, int | None]] = set()
         self.warned_near_limit = False
 
     @property
     def graphs(self) -> int:
         return len(self.prefill) + len(self.decode)
 
-    def add(self, rows: int, prompt_length: int, cache_length: int) -> bool:
+    def add(self, rows: int, prompt_length: int, cache_length: int, window=None, decode_windows=(None,)) -> bool:
         """Records one call's shapes; returns whether they need a graph not seen before."""
         before = self.graphs
-        self.prefill.add((rows, prompt_length, cache_length))
-        self.decode.add((rows, cache_length))
+        self.prefill.add((rows, prompt_length, cache_length, window))
+        self.decode.update((rows, cache_length, decode_window) for decode_window in decode_windows)
         return self.graphs > before
 
-    def account(self, rows: int, prompt_length: int, cache_length: int) -> None:
+    def account(self, rows: int, prompt_length: int, cache_length: int, window=None, decode_windows=(None,)) -> None:
         """A bucketed call's shapes: keeps the recompile limit above the graphs needed, and says so when it raises it."""
-        if not self.add(rows, prompt_length, cache_length):
+        if not self.add(rows, prompt_length, cache_length, window, decode_windows):
             return
         limit = recompile_limit()
         if self.graphs > limit:

@@ -46,6 +46,7 @@ class Plan:
     side: str = "left"  # "right": upstream sees the unpadded prompt, the `_prefill` hook pads it after the prompt
     bucket: int | None = None  # right: the length the new tokens are padded to
     past_length: int = 0  # right: the tokens the cache held before the call
+    windowed_cache: Any = None  # the static cache whose full-attention layers read windows (`windows.py`)
 
     @property
     def prompt_slots(self) -> int:

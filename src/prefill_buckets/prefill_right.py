@@ -13,6 +13,7 @@ import torch
 from . import _compat
 from .cache import CACHE_KWARGS, cache_seq_length, early_initialize
 from .inputs import Plan
+from .windows import set_window
 
 
 def prefill_right(plan: Plan, original, input_ids, generation_config, model_kwargs, *args, **kwargs):
@@ -41,6 +42,8 @@ def prefill_right(plan: Plan, original, input_ids, generation_config, model_kwar
         forward = model.get_compiled_call(generation_config.compile_config)  # as upstream decodes
     else:
         forward = model.__call__  # compiled in place, through the compiled wrapper, or eager
+    if plan.windowed_cache is not None:
+        set_window(plan.windowed_cache, past + plan.bucket)
     empty = _compat.reports_empty(cache) if past == 0 else contextlib.nullcontext()
     with empty:
         outputs = forward(

@@ -864,7 +864,7 @@ class StaticCacheLengthTest(unittest.TestCase):
         self.assertEqual(lengths, {128})
 
     def test_cache_length_is_aligned(self):
-        # No largest bucket: the first cache has `FIRST_CACHE_SLOTS`, capped at the longest sequence the model takes
+        # No largest bucket: the first cache has `DEFAULT_CACHE_SLOTS`, capped at the longest sequence the model takes
         # (256 positions + 4 - 1 new slots = 259), and aligned to 24: 264.
         self.assertEqual(self.cache_length(5, prefill_pad_to_multiple_of=24), 264)
 
