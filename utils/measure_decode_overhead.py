@@ -3,10 +3,10 @@
     python utils/measure_decode_overhead.py [--rounds 4] [--prompt-length 100] [--bucket 128]
     python utils/measure_decode_overhead.py --cache-lengths 1024 2048 4096 8192
 
-With `--cache-lengths`, it measures upstream's decode time against the static cache's length instead (each length
-pinned with `max_cache_len` in turn): a static cache's decode step attends over every slot, so a longer cache is
-slower decode, and more memory. That is the price of sizing the cache for the longest prompt up front (the guide's
-"Cache sizing").
+With `--cache-lengths`, it measures decode time against the static cache's length instead (each length pinned with
+`max_cache_len` in turn), upstream's and the bucketed call's side by side: upstream's decode step attends over every
+slot, so a longer cache is slower decode; a bucketed call's attends over a window of the slots that hold tokens
+(`prefill_buckets/windows.py`), so its cache costs memory, not time (the guide's "Cache sizing").
 
 SmolLM2-135M-Instruct (converted once by `python -m prefill_buckets bench`, see its `--help`), `model.forward`
 compiled with inductor (`dynamic=False`), a static cache pinned at 1088 slots. One prompt runs through upstream
@@ -53,18 +53,24 @@ def main() -> None:
     )
 
     def decode_ms_per_token(kind) -> float:
+        way, cache_length = kind
         streamer = TokenClock()
-        if kind == "bucketed":
+        if way == "bucketed":
             prefill_buckets.generate(
-                model, input_ids, generation_config=config, streamer=streamer, prefill_buckets=[args.bucket]
+                model,
+                input_ids,
+                generation_config=config,
+                streamer=streamer,
+                prefill_buckets=[args.bucket],
+                max_cache_len=cache_length,
             )
-        else:  # "upstream", or a cache length
-            cache_length = config.max_cache_len if kind == "upstream" else kind
+        else:
             model.generate(input_ids, generation_config=config, streamer=streamer, max_cache_len=cache_length)
         return streamer.decode_seconds_per_token() * 1000  # the decode steps: first new token to the last
 
-    kinds = tuple(args.cache_lengths) if args.cache_lengths else ("upstream", "bucketed")
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(kinds))
+    lengths = tuple(args.cache_lengths) if args.cache_lengths else (config.max_cache_len,)
+    kinds = tuple((way, length) for length in lengths for way in ("upstream", "bucketed"))
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 3 * len(kinds))
     for kind in kinds:
         start = time.perf_counter()
         decode_ms_per_token(kind)
@@ -76,18 +82,22 @@ def main() -> None:
     medians = {kind: statistics.median(values) for kind, values in results.items()}
     for kind in kinds:
         print(
-            f"{kind!s:9s} decode ms/token: {', '.join(f'{v:.1f}' for v in results[kind])}  median {medians[kind]:.1f}"
+            f"{kind!s:22s} decode ms/token: {', '.join(f'{v:.1f}' for v in results[kind])}  median {medians[kind]:.1f}"
         )
     if not args.cache_lengths:
-        print(f"bucketed / upstream: {medians['bucketed'] / medians['upstream']:.3f}; graphs: {counter.graphs}")
+        ratio = medians[("bucketed", lengths[0])] / medians[("upstream", lengths[0])]
+        print(f"bucketed / upstream: {ratio:.3f}; graphs: {counter.graphs}")
         return
     text = model.config
     bytes_per_slot = 2 * text.num_hidden_layers * text.num_key_value_heads * text.head_dim * model.dtype.itemsize
-    print(f"\n| cache slots | decode ms/token (median of {args.rounds}) | vs {kinds[0]} | cache MB per row |")
-    print("| --- | --- | --- | --- |")
-    for kind in kinds:
+    first = lengths[0]
+    print(f"\n| cache slots | upstream ms/token | vs {first} | bucketed ms/token | vs {first} | cache MB per row |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for length in lengths:
+        upstream, bucketed = medians[("upstream", length)], medians[("bucketed", length)]
         print(
-            f"| {kind} | {medians[kind]:.1f} | {medians[kind] / medians[kinds[0]]:.2f}x | {kind * bytes_per_slot / 1e6:.0f} |"
+            f"| {length} | {upstream:.1f} | {upstream / medians[('upstream', first)]:.2f}x | {bucketed:.1f} | "
+            f"{bucketed / medians[('bucketed', first)]:.2f}x | {length * bytes_per_slot / 1e6:.0f} |"
         )
 
 

@@ -17,7 +17,7 @@ import threading
 import torch
 import transformers
 from packaging import version
-from transformers import PreTrainedModel, StaticCache, masking_utils
+from transformers import PreTrainedModel, StaticCache, StaticLayer, masking_utils
 from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS
 from transformers.generation.utils import GenerationMixin
 from transformers.utils import logging
@@ -32,7 +32,7 @@ TRANSFORMERS_VERSION = version.parse(transformers.__version__)
 # holds their start: a call continuing from a cache must then prefill in one (eager) forward.
 CHUNKED_PREFILL_RESUMES = TRANSFORMERS_VERSION.release >= (5, 21)
 
-__all__ = ["ALL_STATIC_CACHE_IMPLEMENTATIONS", "UPSTREAM_GENERATE", "UPSTREAM_GENERATE_SIGNATURE"]
+__all__ = ["ALL_STATIC_CACHE_IMPLEMENTATIONS", "StaticLayer", "UPSTREAM_GENERATE", "UPSTREAM_GENERATE_SIGNATURE"]
 
 # Captured at import, before `enable()` can replace it.
 UPSTREAM_GENERATE = GenerationMixin.generate
@@ -113,6 +113,7 @@ def _problems_message(model_class: type) -> str | None:
             problems.append(f"`{model_class.__name__}.{name}` does not exist")
     if not callable(getattr(StaticCache, "get_query_offset", None)):
         problems.append("`transformers.StaticCache.get_query_offset` does not exist")
+    problems.extend(_static_layer_problems())
     if not callable(getattr(masking_utils, "_ignore_causal_mask_sdpa", None)):
         problems.append("`transformers.masking_utils._ignore_causal_mask_sdpa` does not exist")
     if not hasattr(torch._dynamo.config, "recompile_limit"):
@@ -186,6 +187,25 @@ def _hook_target_problem(model_class: type, name: str, parameters: tuple[str, ..
     if getattr(model_class, name, None) is None:
         return f"`{model_class.__name__}.{name}` does not exist"
     return f"`{model_class.__name__}.{name}` takes no parameter `{parameters[0]}` (only through `**kwargs`)"
+
+
+def _static_layer_problems() -> list[str]:
+    """
+    What attention windows (`windows.py`) rely on: `StaticLayer.update(key_states, value_states)` returns the keys and
+    values of every slot, and `get_mask_sizes(query_length)` says the mask spans `max_cache_len` slots from 0.
+    """
+    problems = []
+    for name, parameters in (("update", ("key_states", "value_states")), ("get_mask_sizes", ("query_length",))):
+        method = getattr(StaticLayer, name, None)
+        accepted = inspect.signature(method).parameters if callable(method) else {}
+        if not all(p in accepted for p in parameters):
+            problems.append(f"`transformers.StaticLayer.{name}` does not take `{', '.join(parameters)}`")
+    if not problems:
+        layer = StaticLayer(max_cache_len=8)
+        keys = torch.zeros(1, 1, 2, 4)
+        if tuple(layer.get_mask_sizes(2)) != (8, 0) or layer.update(keys, keys)[0].shape[-2] != 8:
+            problems.append("`transformers.StaticLayer` no longer reads every slot of its cache")
+    return problems
 
 
 def _is_tested_range() -> bool:

@@ -45,39 +45,53 @@ class GraphBudget:
     The graphs a compiled model has needed so far, by shape, for one static-cache generation workload.
 
     A compiled forward compiles one graph per distinct input shape: a prefill graph per `(rows, prompt length,
-    cache length)` and side (a right-padded prefill has no mask: another graph), and a decode graph per `(rows,
-    cache length)`, where rows are `batch * max(num_beams, num_return_sequences)`.
+    cache length, side, window)` (a right-padded prefill has no mask: another graph) and a decode graph per `(rows,
+    cache length, window)`, where rows are `batch * max(num_beams, num_return_sequences)` and the window is the slots
+    the forward reads (`windows.py`; `None` where the cache has no windowed layers).
     """
 
     def __init__(self):
-        self.prefill: set[tuple[int, int, int, str]] = set()  # (rows, prompt length, cache length, side)
-        self.decode: set[tuple[int, int]] = set()  # (rows, cache length)
+        self.prefill: set[tuple[int, int, int, str, int | None]] = (
+            set()
+        )  # (rows, prompt length, cache length, side, window)
+        self.decode: set[tuple[int, int, int | None]] = set()  # (rows, cache length, window)
         self.warned_near_limit = False
 
     @property
     def graphs(self) -> int:
         return len(self.prefill) + len(self.decode)
 
-    def add(self, rows: int, prompt_lengths, cache_length: int, side: str = "left") -> list[str]:
-        """Records one call's shapes; returns those not seen before, in words."""
+    def add(
+        self, rows: int, prefill_shapes, cache_length: int, side: str = "left", decode_windows=(None,)
+    ) -> list[str]:
+        """
+        Records one call's shapes: `prefill_shapes` holds a `(prompt length, window)` per prefill forward, and
+        `decode_windows` the windows its decode steps read. Returns the shapes not seen before, in words.
+        """
         new = []
-        for prompt_length in sorted(prompt_lengths):
-            if (rows, prompt_length, cache_length, side) not in self.prefill:
-                self.prefill.add((rows, prompt_length, cache_length, side))
-                new.append(f"prefill [{rows}, {prompt_length}] with a {cache_length}-slot cache ({side})")
-        if (rows, cache_length) not in self.decode:
-            self.decode.add((rows, cache_length))
-            new.append(f"decode [{rows}, 1] with a {cache_length}-slot cache")
+        for prompt_length, window in sorted(prefill_shapes, key=str):
+            if (rows, prompt_length, cache_length, side, window) not in self.prefill:
+                self.prefill.add((rows, prompt_length, cache_length, side, window))
+                new.append(
+                    f"prefill [{rows}, {prompt_length}] with a {cache_length}-slot cache ({side}{_read(window)})"
+                )
+        for window in sorted(decode_windows, key=str):
+            if (rows, cache_length, window) not in self.decode:
+                self.decode.add((rows, cache_length, window))
+                new.append(f"decode [{rows}, 1] with a {cache_length}-slot cache{_read(window)}")
         return new
 
-    def account(self, model, rows: int, prompt_lengths, cache_length: int, side: str = "left") -> CallGraphs:
+    def account(
+        self, model, rows: int, prefill_shapes, cache_length: int, side: str = "left", decode_windows=(None,)
+    ) -> CallGraphs:
         """
-        A bucketed call's shapes: keeps the recompile limit above the graphs the process needs on the model's
-        forward, and says so when it raises it. Returns what the call expects to compile, for `check_compiled`.
+        A bucketed call's shapes (as `add` takes them): keeps the recompile limit above the graphs the process needs
+        on the model's forward, and says so when it raises it. Returns what the call expects to compile, for
+        `check_compiled`.
         """
         with _LIMIT_LOCK:
             held = held_graphs(model)
-            new = self.add(rows, prompt_lengths, cache_length, side)
+            new = self.add(rows, prefill_shapes, cache_length, side, decode_windows)
             make_room(model, held + _in_flight["graphs"], len(new), "Bucketed calls")
             _in_flight["graphs"] += len(new)
         return CallGraphs(held_before=held, new_shapes=new)
@@ -89,7 +103,7 @@ class GraphBudget:
         """
         from .config import PREFILL_BUCKETS
 
-        self.add(rows, (prompt_length,), cache_length)
+        self.add(rows, ((prompt_length, None),), cache_length)
         held = held_graphs(model)
         limit = recompile_limit()
         if held + 1 >= limit and not self.warned_near_limit:
@@ -100,6 +114,10 @@ class GraphBudget:
                 f"`torch._dynamo.config.recompile_limit` is {limit}: past it, torch silently runs the forward eagerly. "
                 f"Set `{PREFILL_BUCKETS}` to bound the graphs."
             )
+
+
+def _read(window: int | None) -> str:
+    return "" if window is None else f", reading {window} slots"
 
 
 def held_graphs(model) -> int:

@@ -1,30 +1,37 @@
 """The KV cache of a bucketed call: how long a static cache is, and how a later call continues from a filled one.
 
 The cache-length rule, in one place (`static_cache_length`), for a static cache whose `max_cache_len` is not set.
-Every cache length is a compiled decode graph, and every bucket's prefill graph is compiled for one cache length, so
-the rule allocates once, for the whole workload when it can tell, and grows at most once:
+Every forward of a bucketed call reads only a window of the cache (`windows.py`), so a slot costs memory, not time:
+the rule allocates once, for the whole workload when it can tell, grows rarely, and never allocates the model's whole
+context unasked:
 
 1. The cache the model already has, when the call fits in it (upstream keeps the largest static cache it has made
    on the model): no new graph.
 2. The first cache of the model holds every prompt the policy bounds: with a list of buckets, the largest bucket
    plus the new tokens. `"pow2"` and `prefill_pad_to_multiple_of` alone have no largest bucket: the first cache then
-   holds `FIRST_CACHE_SLOTS` slots (or the call, when it needs more).
-3. A call that does not fit grows the cache once, to the longest sequence the model takes: its
-   `max_position_embeddings`. Later calls all fit. A model that states no maximum grows geometrically instead (the
-   next power of two), which bounds its cache lengths by log2 of the longest sequence.
+   holds `DEFAULT_CACHE_SLOTS` (8,192) slots, or the call, when it needs more.
+3. A call that does not fit grows the cache: to the longest sequence the model takes (its `max_position_embeddings`)
+   when that is at most `MAX_UNASKED_SLOTS` (16,384) slots, else to the next power of two the call needs, which
+   bounds the cache lengths by log2 of the longest sequence. A model that states no maximum grows geometrically too.
 
 Every length is rounded up to a multiple of 64 (or of `prefill_pad_to_multiple_of`), and capped at what the model
-takes (step 3's length): never past `max_position_embeddings`, which some models size buffers by (GPT-Neo's causal
-mask), unless the call itself needs more slots, as it would unbucketed. `precompile` pins the cache to its longest bucket instead (`pinned_cache_length`).
-The price of a large cache is decode time (a static cache's decode step attends over every slot) and memory: pin
-`max_cache_len` to the largest bucket plus `max_new_tokens` to pay only for that (`unpadded_for_room` checks a call
-against a pinned or passed cache).
+takes: never past `max_position_embeddings`, which some models size buffers by (GPT-Neo's causal mask), unless the
+call itself needs more slots, as it would unbucketed. `precompile` pins the cache to its longest bucket instead
+(`pinned_cache_length`). A cache the user did not ask for that is longer than `DEFAULT_CACHE_SLOTS` logs its size in
+bytes when it is made. Pin `max_cache_len` to the largest bucket plus `max_new_tokens` to choose the memory yourself
+(`unpadded_for_room` checks a call against a pinned or passed cache).
 """
 
 import torch
 from transformers.utils import logging
 
-from ._compat import is_static_cache, previous_max_cache_length, static_cache_init_shape, static_cache_slots
+from ._compat import (
+    is_static_cache,
+    lazy_static_cache,
+    previous_max_cache_length,
+    static_cache_init_shape,
+    static_cache_slots,
+)
 from .buckets import BucketPolicy, round_up
 from .config import PREFILL_BUCKETS
 from .settings import CallSettings
@@ -38,9 +45,12 @@ logger = logging.get_logger(__name__)
 CACHE_KWARGS = ("cache", "past_key_values", "cache_params")
 # A static cache's length is a multiple of this (or of `prefill_pad_to_multiple_of`): sizes kernels like.
 CACHE_ALIGNMENT = 64
-# The first cache of a policy without a largest bucket: a few thousand slots serve most chat prompts without a growth
-# (SmolLM2-135M, fp32: 94 MB per row; decode time against the cache length is in the guide's "Cache sizing").
-FIRST_CACHE_SLOTS = 2048
+# The first cache of a policy without a largest bucket: prompts of up to 4k tokens with as many new tokens fit it
+# without a growth. Windows make its slots cost no time (the guide's "Cache sizing" has the figures); its memory is
+# SmolLM2-135M, fp32: 377 MB per row.
+DEFAULT_CACHE_SLOTS = 8192
+# A growth goes straight to the longest sequence the model takes only when that is at most this many slots.
+MAX_UNASKED_SLOTS = 16384
 # Set on a cache filled by a bucketed call: `(columns added in front, batch size with dummy rows)`. A later call that
 # continues from the cache (multi-turn chat) pads its prompt by the same columns, so cache and prompt line up.
 _CACHE_PADDING = "_prefill_buckets_padding"
@@ -69,17 +79,45 @@ def static_cache_length(model, settings: CallSettings, needed: int, prompt_slots
     cap = None if settings.max_positions is None else max(needed, settings.max_positions)
     if previous < 0:
         largest = policy.largest_bucket
-        first = policy.bucket(largest) + new_slots if largest is not None else FIRST_CACHE_SLOTS
+        first = policy.bucket(largest) + new_slots if largest is not None else DEFAULT_CACHE_SLOTS
         first = _aligned(policy, max(needed, first))
-        return first if cap is None else min(first, cap)
-    grown = cap if cap is not None else policy.cache_length(needed)
+        first = first if cap is None else min(first, cap)
+        _log_unasked(model, first)
+        return first
+    grown = cap if cap is not None and cap <= MAX_UNASKED_SLOTS else policy.cache_length(needed)
+    grown = grown if cap is None else min(_aligned(policy, grown), cap)
     logger.warning_once(
         f"A call needs {needed} static cache slots, more than the model's cache of {previous}, so the cache grows to "
-        f"{grown} slots: every bucket compiles its prefill graph once more at the new length, and decode one more "
-        f"graph. Pin `max_cache_len` for your longest prompt, list your largest bucket in `{PREFILL_BUCKETS}`, or "
-        "call `prefill_buckets.precompile` with your longest prompt, to allocate the cache once."
+        f"{grown} slots ({_megabytes(model, grown)} per row): every bucket compiles its prefill graph once more at "
+        f"the new length, and decode its graphs. Pin `max_cache_len` for your longest prompt, list your largest "
+        f"bucket in `{PREFILL_BUCKETS}`, or call `prefill_buckets.precompile` with your longest prompt, to allocate "
+        "the cache once."
     )
     return grown
+
+
+def _log_unasked(model, slots: int) -> None:
+    if slots > DEFAULT_CACHE_SLOTS:
+        logger.warning_once(
+            f"The static cache gets {slots} slots ({_megabytes(model, slots)} per row), more than the default of "
+            f"{DEFAULT_CACHE_SLOTS}, to hold the largest bucket and the new tokens. Pin `max_cache_len` to choose."
+        )
+
+
+def cache_bytes_per_row(model, slots: int) -> int:
+    """The bytes a static cache of `slots` slots takes per batch row (sliding layers hold their window)."""
+    shape = static_cache_init_shape(model)
+    if shape is None:
+        return 0
+    num_heads, head_dim = shape
+    layers = lazy_static_cache(model, slots).layers
+    heads = num_heads if isinstance(num_heads, list) else [num_heads] * len(layers)
+    item = torch.finfo(model.dtype).bits // 8 if model.dtype.is_floating_point else 4
+    return sum(2 * getattr(layer, "max_cache_len", 0) * h * head_dim * item for layer, h in zip(layers, heads))
+
+
+def _megabytes(model, slots: int) -> str:
+    return f"{cache_bytes_per_row(model, slots) / 2**20:,.0f} MB"
 
 
 def pinned_cache_length(policy: BucketPolicy, needed: int) -> int:

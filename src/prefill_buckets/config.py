@@ -33,8 +33,9 @@ FIELD_DOCS = """
             every power of two. A prompt longer than the largest listed bucket is padded to a multiple of the largest
             bucket (or of `prefill_pad_to_multiple_of` when set) and logs a warning, since each such length compiles a
             new graph. With a static cache and no `max_cache_len`, the model's first cache holds the largest bucket
-            (2048 slots for `"pow2"`), and a prompt that outgrows it grows it once, to `max_position_embeddings`, so
-            prompts of different lengths share one cache shape, and one decode graph.
+            (8192 slots for `"pow2"`), and a prompt that outgrows it grows it (see the guide's "Cache sizing"), so
+            prompts of different lengths share one cache shape. Every forward reads only an attention window of the
+            cache, the slots that hold tokens rounded up to a window length: one graph per window it reaches.
         prefill_batch_buckets (`list[int]` or `str`, *optional*):
             Pad the batch up to the smallest of these sizes that holds it, with dummy rows (one masked-in pad token
             each) that are finished from the first step and stripped from the output. Same values as

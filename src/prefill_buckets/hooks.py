@@ -46,6 +46,7 @@ from .padding import strip_left
 from .prefill_right import prefill_right
 from .state import LOCK, state_of
 from .views import UnpaddedCriterion, UnpaddedProcessor, UnpaddedPromptLookup
+from .windows import close_windows, open_windows, set_window, window_length, windows_between
 
 
 logger = logging.get_logger(__name__)
@@ -144,6 +145,8 @@ def _prepare_cache_for_generation(
     cache = passed_cache(model_kwargs)
     cache_length = cache.get_max_length() if hasattr(cache, "get_max_length") else -1
     plan.static_cache_length = cache_length
+    if cache is not None and open_windows(cache):
+        plan.windowed_cache = cache
     # What prefill runs on: the padded prompt, or, continuing from a cache, the tokens the cache lacks.
     cached_tokens = (cache_seq_length(cache) or 0) if cache is not None else 0  # `None`: the model keeps no cache
     prefill = plan.bucket if plan.side == "right" else plan.padded_length - cached_tokens
@@ -169,36 +172,65 @@ def _prepare_cache_for_generation(
             f"{chunk}: then every chunk of every prompt shares one prefill graph."
         )
     if compiled:
-        # Chunked prefill runs a graph per chunk shape: the chunk, and a shorter last chunk if any.
-        shapes = {prefill} if chunk is None else {min(chunk, prefill), prefill % chunk}
-        plan.expected_graphs = state_of(model).budget.account(model, rows, shapes - {0}, cache_length, plan.side)
+        # A graph per prefill forward's (length, window): one forward, or the chunks and a shorter last chunk; and a
+        # decode graph per window the new tokens reach.
+        cached = plan.prompt_slots - prefill
+        chunks = [prefill] if chunk is None else [min(chunk, prefill - start) for start in range(0, prefill, chunk)]
+        shapes, filled = set(), cached
+        for length in chunks:
+            filled += length
+            shapes.add((length, _window_of(plan, filled, cache_length)))
+        decode_windows = {None}
+        if plan.windowed_cache is not None:  # from the first decode step (at least) to the last
+            first = (plan.prompt_slots if plan.side == "left" else plan.past_length) + 1
+            decode_windows = windows_between(first, max(first, max_cache_length), cache_length)
+        plan.expected_graphs = state_of(model).budget.account(
+            model, rows, shapes, cache_length, plan.side, decode_windows
+        )
     plan.recompile_limit = torch._dynamo.config.recompile_limit
     return result
+
+
+def _window_of(plan, tokens: int, cache_length: int) -> int | None:
+    """The window a forward reads after which the cache holds `tokens` tokens (`None`: no windowed layers)."""
+    return window_length(tokens, cache_length) if plan.windowed_cache is not None else None
+
+
+def _sequence_length(input_ids, kwargs: dict) -> int:
+    """
+    The tokens the cache holds after the forward `prepare_inputs_for_generation` prepares: the tokens already in the
+    cache plus the ones this forward adds, the length upstream gives the 2D attention mask.
+    """
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.ndim == 2:
+        return mask.shape[1]
+    cache = next((kwargs[key] for key in CACHE_KWARGS if kwargs.get(key) is not None), None)
+    past_length = (cache_seq_length(cache) or 0) if cache is not None else 0
+    next_sequence_length = kwargs.get("next_sequence_length")
+    inputs_embeds = kwargs.get("inputs_embeds")
+    if next_sequence_length is not None:  # decode: the new tokens are the last ones of `input_ids`
+        return past_length + next_sequence_length
+    if inputs_embeds is not None and kwargs.get("is_first_iteration"):
+        return inputs_embeds.shape[1]
+    if input_ids.shape[1] > past_length:  # the whole sequence so far
+        return input_ids.shape[1]
+    return past_length + input_ids.shape[1]  # a later chunk of chunked prefill: only the chunk's ids
 
 
 @_hook
 def _prepare_inputs_for_generation(plan, original, input_ids, *args, **kwargs):
     if plan.side == "right":  # decode as upstream decodes an unpadded prompt: its graph is shared with those calls
         restore_recompile_limit(plan.recompile_limit)
+        if plan.windowed_cache is not None:
+            set_window(plan.windowed_cache, _sequence_length(input_ids, kwargs))
         return original(input_ids, *args, **kwargs)
     if kwargs.get("attention_mask") is None:
-        # Upstream dropped an all-ones mask. Put it back, with the length upstream would have carried: the
-        # tokens already in the cache plus the ones this forward adds.
-        cache = next((kwargs[key] for key in CACHE_KWARGS if kwargs.get(key) is not None), None)
-        past_length = (cache_seq_length(cache) or 0) if cache is not None else 0
-        next_sequence_length = kwargs.get("next_sequence_length")
-        inputs_embeds = kwargs.get("inputs_embeds")
-        if next_sequence_length is not None:  # decode: the new tokens are the last ones of `input_ids`
-            total_length = past_length + next_sequence_length
-        elif inputs_embeds is not None and kwargs.get("is_first_iteration"):
-            total_length = inputs_embeds.shape[1]
-        elif input_ids.shape[1] > past_length:  # the whole sequence so far
-            total_length = input_ids.shape[1]
-        else:  # a later chunk of chunked prefill: only the chunk's ids
-            total_length = past_length + input_ids.shape[1]
+        # Upstream dropped an all-ones mask. Put it back, with the length upstream would have carried.
         kwargs["attention_mask"] = torch.ones(
-            input_ids.shape[0], total_length, dtype=torch.long, device=input_ids.device
+            input_ids.shape[0], _sequence_length(input_ids, kwargs), dtype=torch.long, device=input_ids.device
         )
+    if plan.windowed_cache is not None:  # before upstream builds the 4D mask, which reads the window's length
+        set_window(plan.windowed_cache, _sequence_length(input_ids, kwargs))
     restore_recompile_limit(plan.recompile_limit)
     token = _MATERIALIZE_SDPA_MASK.set(True)
     try:
@@ -406,6 +438,8 @@ def bucketed_call(plan: Plan):
         yield
     finally:
         _ACTIVE_PLAN.reset(token)
+        if plan.windowed_cache is not None:
+            close_windows(plan.windowed_cache)
         with LOCK:
             state.calls_in_flight -= 1
             if state.calls_in_flight == 0:

@@ -48,6 +48,7 @@ class Plan:
     bucket: int | None = None  # right: the length the new tokens are padded to
     past_length: int = 0  # right: the tokens the cache held before the call
     ragged: bool = False  # right: rows of different lengths, each padded after its own end
+    windowed_cache: Any = None  # the static cache whose full-attention layers read windows (`windows.py`)
 
     @property
     def prompt_slots(self) -> int:

@@ -22,6 +22,7 @@ from transformers.utils import logging
 from . import _compat
 from .cache import CACHE_KWARGS, cache_seq_length, early_initialize
 from .inputs import Plan
+from .windows import set_window
 
 
 logger = logging.get_logger(__name__)
@@ -61,6 +62,8 @@ def prefill_right(plan: Plan, original, input_ids, generation_config, model_kwar
         forward = model.get_compiled_call(generation_config.compile_config)  # as upstream decodes
     else:
         forward = model.__call__  # compiled in place, through the compiled wrapper, or eager
+    if plan.windowed_cache is not None:
+        set_window(plan.windowed_cache, past + plan.bucket)
     empty = _compat.reports_empty(cache) if past == 0 else contextlib.nullcontext()
     with empty:
         outputs = forward(

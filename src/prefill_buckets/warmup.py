@@ -18,6 +18,7 @@ from .config import PREFILL_BUCKETS, PREFILL_PAD_TO_MULTIPLE_OF
 from .generation import generate
 from .inputs import capped_bucket
 from .settings import resolve_fields, resolve_settings
+from .windows import decode_warmups
 
 
 logger = logging.get_logger(__name__)
@@ -68,12 +69,14 @@ def precompile(
     the bucket. With a static cache and no `max_cache_len`, the cache is pinned to the length the longest bucket needs
     with `max_new_tokens`, rounded up to a multiple of 64 (or of `prefill_pad_to_multiple_of`). The first call sets
     it, upstream keeps the largest cache seen on the model, and later calls that fit in it use it, so every later
-    call uses that one cache shape. The model then holds, per batch size, one prefill graph per bucket and one
-    decode graph:
+    call uses that one cache shape. Every forward reads an attention window of that cache (the guide's "Cache
+    sizing"): where later calls' decode crosses windows, more warm-up calls compile a decode graph per window (a bucket
+    with all of `max_new_tokens`, and, for shorter prompts of a bucket, one call per window inside it). The model then
+    holds, per batch size, one prefill graph per bucket and one decode graph per window decode reaches:
 
-        graphs = len(batch_sizes) * (prefill buckets from min_prompt_length to max_prompt_length + 1)
+        graphs = len(batch_sizes) * (prefill buckets from min_prompt_length to max_prompt_length + decode windows)
 
-    counting the buckets of `min_prompt_length` and `max_prompt_length` themselves (on the left, one fewer per batch
+    (one decode window when the cache is at most 256 slots), counting the buckets of `min_prompt_length` and `max_prompt_length` themselves (on the left, one fewer per batch
     size when 1 is one of these buckets: a 1-token prefill into the allocated cache is the decode graph). The warm-up
     calls take the padding side later calls with this config take (`prefill_padding_side`, see the guide's "Padding
     side"). With `"auto"`, a batch size above 1 is also warmed up with rows of different lengths, so tokenizer-padded
@@ -183,13 +186,28 @@ def precompile(
         generation_config.max_cache_len = pinned_cache_length(policy, lengths[0] + max_new_tokens - 1)
 
     # Warm-up calls: 2 new tokens = one prefill and one decode step; sampling and stopping don't change the graphs.
-    generation_config.max_new_tokens = 2
-    generation_config.min_new_tokens = 2
+    # With a static cache, more where decode crosses attention windows (`windows.decode_warmups`).
+    generation_config.min_new_tokens = None
     generation_config.max_length = None
+    static = cache_implementation in ALL_STATIC_CACHE_IMPLEMENTATIONS
+    slots = generation_config.max_cache_len
+    shortest = {length: (lengths[i + 1] + 1 if i + 1 < len(lengths) else 1) for i, length in enumerate(lengths)}
+    if min_prompt_length is not None:
+        shortest[lengths[-1]] = max(shortest[lengths[-1]], min_prompt_length)
+
+    def warmups(length: int) -> list[tuple[int, int]]:
+        if not static or slots is None:
+            return [(length, 2)]
+        return decode_warmups(length, shortest[length], max_new_tokens, slots)
+
     both_sides = [b for b in set(batch_sizes) if b > 1] if settings.padding_side == "auto" else []
     left_graphs = len(both_sides) * len([length for length in lengths if length > 1])
+    window_graphs = sum(len(warmups(length)) - 1 for length in lengths)  # the decode windows past the first
     make_room(
-        module, held_graphs(module), len(set(batch_sizes)) * (len(lengths) + 1) + left_graphs, "precompile's calls"
+        module,
+        held_graphs(module),
+        len(set(batch_sizes)) * (len(lengths) + 1 + window_graphs) + left_graphs,
+        "precompile's calls",
     )
     token_id = 0
     device = module.device
@@ -199,11 +217,16 @@ def precompile(
     for batch_size, length in bar:
         if hasattr(bar, "set_postfix_str"):
             bar.set_postfix_str(f"batch {batch_size}, prompt {length}")
-        input_ids = torch.full((batch_size, length), token_id, dtype=torch.long, device=device)
-        attention_mask = torch.ones_like(input_ids)
         graphs_before = graphs_compiled()
         start = time.perf_counter()
-        generate(wrapper, input_ids, attention_mask=attention_mask, generation_config=generation_config)
+        for prompt_length, new_tokens in warmups(length):
+            generation_config.max_new_tokens = generation_config.min_new_tokens = new_tokens
+            input_ids = torch.full((batch_size, prompt_length), token_id, dtype=torch.long, device=device)
+            attention_mask = torch.ones_like(input_ids)
+            generate(wrapper, input_ids, attention_mask=attention_mask, generation_config=generation_config)
+        generation_config.max_new_tokens = generation_config.min_new_tokens = 2
+        input_ids = torch.full((batch_size, length), token_id, dtype=torch.long, device=device)
+        attention_mask = torch.ones_like(input_ids)
         if batch_size > 1 and length > 1 and settings.padding_side == "auto":
             # Batches usually come with rows of different lengths: where they take the left side (its own prefill
             # graph per bucket; decode shares the graph), warm that one too, with a last row one token shorter.

@@ -1,6 +1,7 @@
-# The simplest config is bounded (issue 13): bucket fields set, no `max_cache_len`, no `precompile`, prompts of 10 to
-# 500 tokens in random orders. The graphs per batch size are at most the prefill buckets used plus one decode graph
-# (chunked prefill: one chunk graph and one decode graph), no forward falls back to eager, and the tokens are upstream's.
+# The simplest config is bounded (issues 13 and 22): bucket fields set, no `max_cache_len`, no `precompile`, prompts of
+# 10 to 500 tokens in random orders. The graphs per batch size are at most the prefill buckets used plus the attention
+# windows used plus 2 (`windows.py`: every forward reads a window of the cache, one graph per window), no forward falls
+# back to eager, and the tokens are upstream's.
 #
 # Counted with `GraphCounter` (eager backend: tracing only) on `model.compile(dynamic=False, fullgraph=True)`: each
 # forward is one compiled call or an error, so `calls == forwards` means nothing ran eagerly.
@@ -14,6 +15,7 @@ from transformers import GenerationConfig
 
 import prefill_buckets
 from prefill_buckets.compilation import GraphCounter
+from prefill_buckets.windows import window_length
 
 from .tiny_models import tiny_llama
 
@@ -29,6 +31,17 @@ def workload(seed: int) -> list[int]:
 
 def prompt(length: int) -> torch.Tensor:
     return torch.randint(3, 128, (1, length), generator=torch.Generator().manual_seed(length))
+
+
+def windows_used(lengths, bucket, slots: int, chunk: int | None = None) -> set[int]:
+    """The windows the forwards of these calls read: one per count of tokens the cache holds after a forward."""
+    windows = set()
+    for length in lengths:
+        padded = bucket(length)
+        filled = list(range(chunk, padded, chunk)) if chunk else []  # after each chunk but the last
+        filled += range(padded, padded + NEW_TOKENS)  # after prefill, then after each decode step
+        windows.update(window_length(tokens, slots) for tokens in filled)
+    return windows
 
 
 class BoundedByDefaultTest(unittest.TestCase):
@@ -67,7 +80,7 @@ class BoundedByDefaultTest(unittest.TestCase):
         return counter, cache_lengths, prefill_shapes
 
     @parameterized.expand([(f"pow2_{seed}", "pow2", seed) for seed in (0, 1)] + [("multiple64_2", 64, 2)])
-    def test_buckets_plus_one_decode_graph(self, _, policy, seed):
+    def test_buckets_plus_windows(self, _, policy, seed):
         lengths = workload(seed)
         fields = {"prefill_buckets": "pow2"} if policy == "pow2" else {"prefill_pad_to_multiple_of": policy}
         bucket = prefill_buckets.BucketPolicy(
@@ -76,13 +89,19 @@ class BoundedByDefaultTest(unittest.TestCase):
         buckets_used = {bucket(length) for length in lengths}
         counter, cache_lengths, _ = self.run_workload(lengths, **fields)
         self.assertEqual(len(cache_lengths), 1, f"the cache grew: {sorted(cache_lengths)}")
-        self.assertLessEqual(counter.graphs, len(buckets_used) + 1, counter.shapes)
+        windows = windows_used(lengths, bucket, cache_lengths.pop())
+        self.assertGreater(len(windows), 1)  # the workload crosses windows
+        self.assertLessEqual(counter.graphs, len(buckets_used) + len(windows) + 2, counter.shapes)
 
-    def test_chunked_two_graphs(self):
+    def test_chunked_graphs_per_window(self):
         lengths = workload(3)
         counter, cache_lengths, _ = self.run_workload(lengths, prefill_chunk_size=64, prefill_pad_to_multiple_of=64)
         self.assertEqual(len(cache_lengths), 1, f"the cache grew: {sorted(cache_lengths)}")
-        self.assertEqual(counter.graphs, 2, counter.shapes)
+        windows = windows_used(lengths, lambda n: -(-n // 64) * 64, cache_lengths.pop(), chunk=64)
+        # One chunk graph and one decode graph per window (a last chunk of another length: `prefill_pad_to_multiple_of`
+        # makes every chunk 64 long).
+        self.assertLessEqual(counter.graphs, 2 * len(windows), counter.shapes)
+        self.assertLessEqual(counter.graphs, 1 + len(windows) + 2, counter.shapes)
 
     def test_one_growth_past_the_largest_bucket(self):
         # A list bounds the first cache to its largest bucket (64 + 7 -> 128 slots); prompts past it grow the cache
@@ -94,5 +113,6 @@ class BoundedByDefaultTest(unittest.TestCase):
         policy = prefill_buckets.BucketPolicy(buckets=buckets)
         before = {policy.bucket(n) for n in lengths[:2]}
         after = {policy.bucket(n) for n in lengths[2:]}
-        # Buckets before the growth, then every bucket after it at the new length, one decode graph per cache length.
-        self.assertLessEqual(counter.graphs, len(before) + len(after) + 2, counter.shapes)
+        # Buckets before the growth, then every bucket after it at the new length, and the windows at each length.
+        windows = windows_used(lengths[:2], policy.bucket, 128) | windows_used(lengths[2:], policy.bucket, 576)
+        self.assertLessEqual(counter.graphs, len(before) + len(after) + len(windows) + 2, counter.shapes)

@@ -864,7 +864,7 @@ class StaticCacheLengthTest(unittest.TestCase):
         self.assertEqual(lengths, {128})
 
     def test_cache_length_is_aligned(self):
-        # No largest bucket: the first cache has `FIRST_CACHE_SLOTS`, aligned to 24 (2064), and capped at the model's
+        # No largest bucket: the first cache has `DEFAULT_CACHE_SLOTS`, aligned to 24 (8208), and capped at the model's
         # 256 positions, never past them.
         self.assertEqual(self.cache_length(5, prefill_pad_to_multiple_of=24), 256)
         # Aligned where that stays within them: 8 + 4 - 1 = 11 slots -> 64.

@@ -1,0 +1,115 @@
+"""Attention windows: every forward of a bucketed call reads only the first `W` slots of its static cache.
+
+Upstream's `StaticLayer.update` writes the new keys and values at the cache position and returns the whole
+allocation, and its `get_mask_sizes` returns `max_cache_len`: the mask and the attention of every forward span every
+slot, however few tokens the cache holds. In a bucketed call a full-attention layer of a `StaticCache` reads a
+*window* instead: the first `W` slots, `W` the smallest window length that holds the tokens cached plus this
+forward's tokens (`window_length`). The slots past the tokens are masked either way, so the result is the same; the
+cost of a step becomes the tokens held, rounded up to a window, not the slots allocated.
+
+- The cache stays one allocation, and writes go where they go today (`StaticLayer.update` itself).
+- `W` is chosen outside the compiled graph, before each forward, from the tokens the forward's 2D attention mask
+  covers (`set_window`), and is a plain int attribute of the layer. A compiled forward guards on it: each
+  `(bucket, window, batch size)` is one graph, and the window of a decode step changes only when the tokens cross a
+  window length (with `dynamic=None`, torch makes it one symbolic size after the second window instead).
+- Sliding-window layers keep upstream's ring buffer (`StaticSlidingWindowLayer`, never windowed here), and
+  recurrent, hybrid and cross-attention layers are untouched: only layers whose type is exactly `StaticLayer`, of a
+  `StaticCache`, are windowed.
+- Outside a bucketed call the layers are upstream's again (`close_windows` restores their class): a cache handed
+  back to the user reads every slot, as upstream's does.
+
+Window lengths (`window_length`): multiples of `MIN_WINDOW` (256) up to 1,024 slots, then `WINDOWS_PER_OCTAVE` (4)
+per doubling: 256, 512, 768, 1024, 1280, 1536, 1792, 2048, 2560, 3072, ... A window reads at most 1.25x the tokens
+it holds past 1,024, and a 131,072-slot cache has 32 of them.
+"""
+
+from . import _compat
+from .buckets import round_up
+
+
+# The shortest window: below it a step's reads are a small fixed cost, and every window is one more decode graph.
+MIN_WINDOW = 256
+# Past 4 * MIN_WINDOW, windows are geometric: this many per doubling of the tokens held.
+WINDOWS_PER_OCTAVE = 4
+
+
+def window_length(tokens: int, slots: int) -> int:
+    """The window a forward reads when, after it, the cache holds `tokens` tokens of its `slots` slots."""
+    octave = 1 << max(tokens - 1, 0).bit_length()  # the power of two at or above `tokens`
+    step = max(MIN_WINDOW, octave // (2 * WINDOWS_PER_OCTAVE))
+    return min(round_up(max(tokens, 1), step), slots)
+
+
+def windows_between(first_tokens: int, last_tokens: int, slots: int) -> set[int]:
+    """The windows of the forwards after which the cache holds `first_tokens`, ..., `last_tokens` tokens."""
+    windows, tokens = set(), first_tokens
+    while tokens <= last_tokens:
+        window = window_length(tokens, slots)
+        windows.add(window)
+        tokens = window + 1  # the next window's first token count
+    return windows
+
+
+def decode_warmups(bucket: int, shortest: int, new_tokens: int, slots: int) -> list[tuple[int, int]]:
+    """
+    `(prompt length, new tokens)` of the warm-up calls that compile the decode graphs of every window that calls of
+    `shortest` to `bucket` tokens, with `new_tokens` new tokens, reach in a cache of `slots` slots (`precompile`).
+
+    Left-padded, every prompt of the bucket decodes from `bucket + 1` tokens on: one exact-fit call with all the new
+    tokens reaches its windows. Right-padded, a shorter prompt decodes from its own length on, in windows below: one
+    2-token call per window inside the bucket, its prompt one token short of the window (the same prefill graph).
+    """
+    calls = [(bucket, new_tokens if len(windows_between(bucket + 1, bucket + new_tokens - 1, slots)) > 1 else 2)]
+    for window in sorted(windows_between(shortest + 1, bucket, slots) - {window_length(bucket + 1, slots)}):
+        if shortest <= window - 1 < bucket:
+            calls.append((window - 1, 2))
+    return calls
+
+
+class WindowedStaticLayer(_compat.StaticLayer):
+    """
+    A `StaticLayer` whose reads and mask cover its first `window` slots (every slot while `window` is `None`). A
+    bucketed call gives a `StaticCache`'s full-attention layers this class for its duration (`open_windows`).
+    """
+
+    window: int | None = None
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        keys, values = super().update(key_states, value_states, *args, **kwargs)  # [B, H, slots, D] each
+        if self.window is None:
+            return keys, values
+        return keys[:, :, : self.window], values[:, :, : self.window]  # [B, H, W, D]: views, no copy
+
+    def get_mask_sizes(self, query_length, *args, **kwargs):
+        kv_length, kv_offset = super().get_mask_sizes(query_length, *args, **kwargs)
+        return (kv_length if self.window is None else self.window), kv_offset
+
+
+def _windowable(cache) -> list:
+    if not _compat.is_static_cache(cache):  # an encoder-decoder's cross-attention must read its whole input
+        return []
+    return [layer for layer in cache.layers if type(layer) in (_compat.StaticLayer, WindowedStaticLayer)]
+
+
+def open_windows(cache) -> bool:
+    """Makes the full-attention layers of a static `cache` windowed; returns whether it has any."""
+    layers = _windowable(cache)
+    for layer in layers:
+        layer.__class__ = WindowedStaticLayer
+        layer.window = None
+    return bool(layers)
+
+
+def set_window(cache, tokens: int) -> None:
+    """Before a forward after which `cache` holds `tokens` tokens: its windowed layers read the window that holds them."""
+    for layer in cache.layers:
+        if type(layer) is WindowedStaticLayer:
+            layer.window = window_length(tokens, layer.max_cache_len)
+
+
+def close_windows(cache) -> None:
+    """Makes `cache`'s windowed layers upstream's `StaticLayer`s again, reading every slot."""
+    for layer in cache.layers:
+        if type(layer) is WindowedStaticLayer:
+            layer.__dict__.pop("window", None)
+            layer.__class__ = _compat.StaticLayer
