@@ -273,6 +273,7 @@ SHORT_REASONS = (
     ("made no static cache", "no cache object to pad"),
     ("takes no `attention_mask`", "no attention mask"),
     ("only recurrent", "recurrent cache"),
+    ("compresses the cached tokens", "compressed attention"),
 )
 
 

@@ -80,6 +80,13 @@ def _positions_count_from_the_cache(model) -> bool:
     return max_positions(model) is not None or getattr(config, "max_target_positions", None) is not None  # Whisper
 
 
+def _compresses_the_cache(model) -> bool:
+    """Whether layers pool the tokens they cache into blocks (DeepSeek-V4's compressed attention): pads would join."""
+    config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    layer_types = getattr(config, "layer_types", None) or ()
+    return getattr(config, "compress_rates", None) is not None or any("compress" in str(t) for t in layer_types)
+
+
 def _drops_the_mask(model) -> bool:
     """Whether the model's own `prepare_inputs_for_generation` leaves the mask out of the model inputs (XLNet)."""
     ids = torch.zeros(1, 2, dtype=torch.long, device=model.device)
@@ -108,6 +115,7 @@ SIDE_ASSUMPTIONS = (
         "its forward takes no `position_ids` and counts positions from the cache, so pads in front would shift them",
     ),
     ("left", _drops_the_mask, "its `prepare_inputs_for_generation` does not pass the attention mask on"),
+    ("left", _compresses_the_cache, "its attention compresses the cached tokens in blocks, pads in front included"),
 )
 
 

@@ -40,6 +40,7 @@ CI_SAMPLE = {
     "xlnet": "its own prepare_inputs_for_generation drops the mask",
     "mpt": "ALiBi, no static cache object from generate",
     "bloom": "ALiBi, no position_ids",
+    "deepseek_v4": "compressed attention (transformers 5.24 only)",
 }
 
 
