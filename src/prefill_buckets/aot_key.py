@@ -4,9 +4,9 @@ saved graph drops.
 A graph of `aot_forward` keeps only the guards torch can save (`AOTForward._keep_guard`). The guards it drops are of
 two kinds:
 
-- on the code: module globals, the closures of the forward's decorators, classes, functions' code and defaults. The
-  model's fingerprint (class, config, parameters) and the compile cache file's environment (torch, transformers and
-  Python versions) stand for them.
+- on the code: module globals, the closures of the forward's decorators, and what is reached through a class (its
+  functions, their code, defaults and closures). The model's fingerprint (class, config, parameters) and the compile
+  cache file's environment (torch, transformers and Python versions) stand for them.
 - on the state of a call's inputs: an object set on an instance, which torch checks by identity. Such a state changes
   the traced graph, and no saved guard tells it apart. The package sets one: the right-padded prefill of a fresh cache
   sets `get_query_offset` on the cache instance (`_compat.reports_empty`), and the graph traced with it takes the query
