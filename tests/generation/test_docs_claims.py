@@ -287,3 +287,45 @@ class DemoTableTest(unittest.TestCase):
     def test_guide_shows_the_demo_table(self):
         # The demo counts real compiled graphs with `GraphCounter`; the guide must show what it prints.
         self.assertEqual(demo_table(GUIDE.read_text(encoding="utf-8")), cli.demo_rows())
+
+
+# ---- the forgotten enable() --------------------------------------------------------------------------------------
+
+
+class ForgottenEnableTest(unittest.TestCase):
+    """The guide's tip: without `enable()`, upstream ignores a field on a config silently, and refuses it as a kwarg."""
+
+    def setUp(self):
+        prefill_buckets.disable()
+        self.addCleanup(prefill_buckets.disable)
+        self.model = tiny_llama()
+        self.input_ids = torch.randint(3, 128, (1, 10), generator=torch.Generator().manual_seed(0))
+
+    def first_forward_length(self, **kwargs) -> int:
+        from transformers import GenerationConfig
+
+        seen = []
+        handle = self.model.register_forward_pre_hook(
+            lambda module, args, kw: seen.append(kw["input_ids"].shape[1]), with_kwargs=True
+        )
+        self.addCleanup(handle.remove)
+        config = GenerationConfig(cache_implementation="static", max_new_tokens=2, prefill_buckets=[16])
+        self.model.generate(self.input_ids, attention_mask=torch.ones_like(self.input_ids), generation_config=config)
+        return seen[0]
+
+    def test_the_tip_says_it(self):
+        tip = normalized(section(GUIDE, "The bucket fields"))
+        self.assertIn(
+            "Without [enable], model.generate is upstream's, and a bucket field set on a GenerationConfig", tip
+        )
+        self.assertIn("is ignored without a word", tip)
+        self.assertIn("model_kwargs are not used by the model", tip)
+
+    def test_a_field_on_the_config_is_ignored(self):
+        self.assertEqual(self.first_forward_length(), 10)  # unpadded: upstream ignored `prefill_buckets=[16]`
+        prefill_buckets.enable()  # positive control: with enable(), the same call is padded to its bucket
+        self.assertEqual(self.first_forward_length(), 16)
+
+    def test_a_field_as_a_keyword_argument_is_refused(self):
+        with self.assertRaisesRegex(ValueError, "model_kwargs` are not used by the model"):
+            self.model.generate(self.input_ids, max_new_tokens=2, prefill_buckets=[16])
