@@ -8,6 +8,7 @@ guide shows exactly what the saved run renders: the docs' tables are regenerated
 
 import json
 import shutil
+import textwrap
 from pathlib import Path
 
 
@@ -112,6 +113,10 @@ def _findings(strategies: dict) -> list[str]:
     return lines
 
 
+def _wrap(text: str, bullet: str = "") -> str:
+    return textwrap.fill(text, 119, initial_indent=bullet, subsequent_indent=" " * len(bullet), break_on_hyphens=False)
+
+
 def render(summary: dict, plot_name: str = PLOT.name) -> str:
     """The generated block of "Measured results", markers included."""
     machine = summary["machine"]
@@ -133,18 +138,20 @@ def render(summary: dict, plot_name: str = PLOT.name) -> str:
         "",
         f"`{summary['command']}`" if summary.get("command") else "",
         "",
-        caption,
+        _wrap(caption),
         "",
         "| strategy | graphs | total s | TTFT ms median / p90 | decode ms/token median / p90 | pad | eager fallbacks "
         "| tokens == eager |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
         *(_row(s) for s in summary["strategies"]),
         "",
-        "Graphs: compiled by the backend. Total: the whole workload, compiles included. TTFT (time to first token) and "
-        "decode: over the calls that compiled nothing. Pad: pad tokens per real prompt token. Eager fallbacks: "
-        "forwards that ran no compiled graph.",
+        _wrap(
+            "Graphs: compiled by the backend. Total: the whole workload, compiles included. TTFT (time to first token) "
+            "and decode: over the calls that compiled nothing. Pad: pad tokens per real prompt token. Eager fallbacks: "
+            "forwards that ran no compiled graph."
+        ),
         "",
-        *(f"- {line}" for line in _findings(strategies)),
+        *(_wrap(line, "- ") for line in _findings(strategies)),
         "",
         f"![Graphs and latency against prompt length](imgs/{plot_name})",
         END,
