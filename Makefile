@@ -5,7 +5,7 @@
 # an unpinned torch (which can pull a multi-GB CUDA build). Then transformers, then this package, always with
 # the exact pins CI tests against: constraints/dev.txt for .venv, constraints/oldest.txt for .venv-oldest.
 
-.PHONY: venv venv-oldest test test-oldest test-slow style quality bench-venv bench demo docs clean
+.PHONY: venv venv-oldest test test-oldest test-slow style quality bench-venv bench bench-docs demo docs clean
 
 PYTHON ?= python3
 VENV := .venv
@@ -87,6 +87,11 @@ bench: bench-venv
 
 demo: bench-venv
 	$(VENV_PYTHON) -m prefill_buckets demo
+
+# One benchmark run writes every table and the plot of the guide's "Measured results", with the machine, versions and
+# date in its caption (prefill_buckets/benchmark/docs.py). Run it on a quiet machine; commit the three files it writes.
+bench-docs: bench-venv
+	$(VENV_PYTHON) -m prefill_buckets bench --write-docs
 
 # ---- docs ------------------------------------------------------------------------------------------------------
 

@@ -24,22 +24,25 @@ from .testing_utils import tiny_llama
 DEMO_LENGTHS = (5, 11, 23, 40, 57, 64, 90, 130, 200, 250, 17, 33)
 
 
-def demo(args) -> int:
+def demo_rows(lengths=DEMO_LENGTHS, new_tokens: int = 4, backend: str = "eager") -> list[tuple]:
+    """
+    The demo's table: `(strategy, graphs, compiled calls, eager fallbacks, tokens == eager)` per strategy, each on a
+    freshly compiled tiny Llama that serves `lengths` in order. The guide shows this table (a slow test checks it).
+    """
     from transformers import GenerationConfig
 
     reference = tiny_llama()
-    new_tokens = args.max_new_tokens
     config = GenerationConfig(
         cache_implementation="static", max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False
     )
     prompts = [
         torch.randint(3, reference.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(length))
-        for length in args.lengths
+        for length in lengths
     ]
     expected = [reference.generate(ids, generation_config=config) for ids in prompts]
 
     # A pinned `max_cache_len` gives one cache shape, so one decode graph; without it the cache grows with the prompt.
-    ceiling = next_power_of_two(next_power_of_two(max(args.lengths)) + new_tokens)
+    ceiling = next_power_of_two(next_power_of_two(max(lengths)) + new_tokens)
     strategies = {
         "upstream static": {},
         f"upstream static, max_cache_len={ceiling}": {"max_cache_len": ceiling},
@@ -47,16 +50,13 @@ def demo(args) -> int:
         "prefill_pad_to_multiple_of=64": {"prefill_pad_to_multiple_of": 64},
         f'prefill_buckets="pow2", max_cache_len={ceiling}': {"prefill_buckets": "pow2", "max_cache_len": ceiling},
     }
-    print(
-        f"Tiny Llama, static cache, model.compile(dynamic=False), {len(prompts)} prompt lengths {list(args.lengths)}"
-    )
-    print(f"{'strategy':<48} {'graphs':>6} {'compiled calls':>15} {'eager fallbacks':>16} {'tokens == eager':>16}")
     limit = torch._dynamo.config.recompile_limit
+    rows = []
     for name, fields in strategies.items():
         torch._dynamo.reset()
         torch._dynamo.config.recompile_limit = limit  # a bucketed strategy may raise it; each starts from torch's
         model = tiny_llama()
-        counter = GraphCounter(args.backend)
+        counter = GraphCounter(backend)
         model.compile(backend=counter, dynamic=False)
         equal = True
         run_config = copy.deepcopy(config)
@@ -65,11 +65,23 @@ def demo(args) -> int:
             out = generate(model, ids, generation_config=run_config, **fields)
             equal &= torch.equal(out, want)
         forwards = new_tokens * len(prompts)
-        print(f"{name:<48} {counter.graphs:>6} {counter.calls:>15} {forwards - counter.calls:>16} {str(equal):>16}")
+        rows.append((name, counter.graphs, counter.calls, forwards - counter.calls, equal))
+    torch._dynamo.config.recompile_limit = limit
+    return rows
+
+
+def demo(args) -> int:
+    lengths = list(args.lengths)
+    print(f"Tiny Llama, static cache, model.compile(dynamic=False), {len(lengths)} prompt lengths {lengths}")
+    rows = demo_rows(lengths, args.max_new_tokens, args.backend)
+    print(f"{'strategy':<48} {'graphs':>6} {'compiled calls':>15} {'eager fallbacks':>16} {'tokens == eager':>16}")
+    for name, graphs, calls, fallbacks, equal in rows:
+        print(f"{name:<48} {graphs:>6} {calls:>15} {fallbacks:>16} {str(equal):>16}")
     print(
         "\nEach forward is one compiled call when it runs compiled; past torch's recompile limit "
-        f"({limit} graphs per function) the rest run eagerly: the 'eager fallbacks'. With buckets set, the limit is "
-        "raised to the graphs they need (with a warning), so they never fall back."
+        f"({torch._dynamo.config.recompile_limit} graphs per function) the rest run eagerly: the 'eager fallbacks'. "
+        "With buckets set, the graphs are bounded, and when they need more than the limit it is raised (with a "
+        "warning), so they never fall back."
     )
     return 0
 

@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 
 from ..testing_utils import missing_smollm2_requirements, smollm2_folder, tiny_llama, tiny_llama_config
+from . import docs
 from .report import DEFAULT_OMP_WAIT_POLICY, TABLE_NOTES, format_table, machine_info, plot, summarize
 from .strategies import DEFAULT_STRATEGIES, QUICK_STRATEGIES, STRATEGIES
 from .workload import (
@@ -59,6 +60,8 @@ def strategy_list(args) -> list[str]:
     """The strategies a run uses, eager first."""
     if args.strategies:
         names = [n.strip() for n in args.strategies.split(",") if n.strip()]
+    elif getattr(args, "write_docs", False):
+        names = list(docs.DOCS_STRATEGIES)
     elif args.quick:
         names = list(QUICK_STRATEGIES)
     elif args.full:
@@ -135,8 +138,28 @@ def run_strategy(name: str, base_spec: dict, workdir: Path) -> dict:
     return record
 
 
+def command_line(args, names: list[str]) -> str:
+    """The `bench` command that reruns this one's workload and strategies (output options left out)."""
+    parts = ["python -m prefill_buckets bench"]
+    parts += ["--quick"] if args.quick else ["--full"] if args.full and not args.strategies else []
+    if args.strategies or not (args.quick or args.full):
+        parts.append(f"--strategies {','.join(name for name in names if name != 'eager')}")
+    for option in ("model", "device", "dtype", "prompts", "num_prompts", "max_new_tokens"):
+        value = getattr(args, option)
+        if value is not None and value != {"device": "cpu", "dtype": "float32"}.get(option):
+            parts.append(f"--{option.replace('_', '-')} {value}")
+    return " ".join(parts)
+
+
 def bench(args) -> int:
     """The `bench` command."""
+    if args.docs_from:
+        guide = docs.write_docs_from(Path(args.docs_from))
+        print(f"Wrote the measured results of {args.docs_from} into {guide}.")
+        return 0
+    if args.write_docs and not docs.GUIDE.is_file():
+        print(f"--write-docs writes {docs.GUIDE}: run it from the repository's root.", file=sys.stderr)
+        return 2
     missing = missing_requirements(args)
     if missing:
         print("The benchmark can't start; missing:\n" + "\n".join(f"- {line}" for line in missing), file=sys.stderr)
@@ -207,6 +230,7 @@ def bench(args) -> int:
     if hasattr(os, "getloadavg"):
         info["load_average_end"] = os.getloadavg()
     report = {
+        "command": command_line(args, names),
         "model": model_name,
         "model_path": None if args.quick else str(model_dir),
         "device": args.device,
@@ -226,6 +250,9 @@ def bench(args) -> int:
         written += f" and {png_path}"
     print(f"\n{title}\n{table}\n\n{TABLE_NOTES}\n\nWall time {wall:.0f} s. Wrote {written}.")
     failed = [r["strategy"] for r in results if "error" in r["summary"]]
+    if args.write_docs and not failed:
+        guide = docs.write_docs(report, None if args.no_plot else png_path)
+        print(f"Wrote the measured results into {guide} ({docs.RESULTS}, {docs.PLOT}).")
     return 1 if failed else 0
 
 
@@ -261,6 +288,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     mode.add_argument("--full", action="store_true", help="every prompt and every strategy (hours on a 2-core CPU)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument(
+        "--write-docs",
+        action="store_true",
+        help=f"after the run, rewrite the guide's measured results ({docs.GUIDE}), its plot and {docs.RESULTS} "
+        "(from the repository's root; `make bench-docs`)",
+    )
+    parser.add_argument(
+        "--docs-from",
+        metavar="JSON",
+        help=f"run nothing: render the guide's measured results again from a saved run ({docs.RESULTS} or a bench.json)",
+    )
 
 
 _BENCH_HELP = f"""\

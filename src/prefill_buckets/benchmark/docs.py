@@ -1,0 +1,190 @@
+"""The guide's "Measured results", written from one benchmark run (`bench --write-docs`, `make bench-docs`).
+
+Everything between the markers of `GUIDE` is generated: the command, a caption with the machine, the versions and the
+date, the table and the plot, and a few sentences computed from the same figures. The run's summary is saved beside
+the plot (`RESULTS`), so the block can be rendered again from it (`bench --docs-from`), and a test checks that the
+guide shows exactly what the saved run renders: the docs' tables are regenerated, never edited by hand.
+"""
+
+import json
+import shutil
+import textwrap
+from pathlib import Path
+
+
+DOCS = Path("docs") / "source" / "en"
+GUIDE = DOCS / "llm_optims.md"
+PLOT = DOCS / "imgs" / "bench_cpu_smollm2.png"
+RESULTS = DOCS / "imgs" / "bench_cpu_smollm2.json"
+START, END = "<!-- bench-docs:start -->", "<!-- bench-docs:end -->"
+# The strategies `make bench-docs` runs (eager always runs first): upstream's recipe, its strongest peer, and the
+# package's simplest config and chunked prefill.
+DOCS_STRATEGIES = ("upstream-static", "dynamic-auto", "pow2-default", "chunked")
+SUMMARY_KEYS = (
+    "graphs",
+    "total_seconds",
+    "prep_seconds",
+    "ttft_median_ms",
+    "ttft_p90_ms",
+    "decode_median_ms_per_token",
+    "decode_p90_ms_per_token",
+    "pad_overhead",
+    "eager_fallbacks",
+    "eager_fallbacks_exact",
+    "tokens_equal_eager",
+)
+
+
+def docs_summary(report: dict) -> dict:
+    """What the docs show of a `bench` report: its settings, machine and per-strategy figures (no per-call records)."""
+    names = [result["strategy"] for result in report["strategies"] if result["strategy"] != "eager"]
+    return {
+        "command": report.get("command") or f"python -m prefill_buckets bench --strategies {','.join(names)}",
+        "model": report["model"],
+        "device": report["device"],
+        "dtype": report["dtype"],
+        "max_new_tokens": report["max_new_tokens"],
+        "prompt_lengths": [prompt["length"] for prompt in report["prompts"]],
+        "machine": report["machine"],
+        "wall_seconds": report["wall_seconds"],
+        "strategies": [
+            {
+                "strategy": result["strategy"],
+                "summary_text": result["summary_text"],
+                **(
+                    {"error": result["summary"]["error"]}
+                    if "error" in result["summary"]
+                    else {key: result["summary"].get(key) for key in SUMMARY_KEYS}
+                ),
+            }
+            for result in report["strategies"]
+        ],
+    }
+
+
+def _pair(a, b) -> str:
+    return "-" if a is None else f"{a:.0f} / {b:.0f}" if a >= 100 else f"{a:.1f} / {b:.1f}"
+
+
+def _row(s: dict) -> str:
+    name = s["strategy"]
+    if "error" in s:
+        return f"| `{name}` | failed: {s['error']} | | | | | | |"
+    fallbacks = "-" if s["eager_fallbacks"] is None else str(s["eager_fallbacks"])
+    if s["eager_fallbacks"] is not None and not s["eager_fallbacks_exact"]:
+        fallbacks = "?"
+    equal = "reference" if name == "eager" else {True: "yes", False: "**no**", None: "-"}[s["tokens_equal_eager"]]
+    total = f"{s['total_seconds']:.1f}" + ("" if s["prep_seconds"] is None else f" (+{s['prep_seconds']:.1f} prep)")
+    pad = "-" if s["pad_overhead"] is None else f"{s['pad_overhead']:.0%}"
+    return (
+        f"| `{name}`: {s['summary_text']} | {s['graphs']} | {total} | {_pair(s['ttft_median_ms'], s['ttft_p90_ms'])} | "
+        f"{_pair(s['decode_median_ms_per_token'], s['decode_p90_ms_per_token'])} | {pad} | {fallbacks} | {equal} |"
+    )
+
+
+def _findings(strategies: dict) -> list[str]:
+    """Sentences computed from the figures: what the table shows, with no number typed by hand."""
+    lines = []
+    upstream = strategies.get("upstream-static")
+    if upstream and "error" not in upstream and upstream["eager_fallbacks"]:
+        lines.append(
+            f"Upstream's recipe (`upstream-static`) compiled {upstream['graphs']} graphs, reached torch's recompile "
+            f"limit, and ran {upstream['eager_fallbacks']} forwards eagerly."
+        )
+    bucketed = [s for name, s in strategies.items() if name in ("pow2-default", "chunked") and "error" not in s]
+    if bucketed:
+        parts = ", ".join(
+            f"`{s['strategy']}` {s['graphs']} graphs, {s['eager_fallbacks']} fallbacks" for s in bucketed
+        )
+        lines.append(f"Bucketed: {parts}.")
+    auto = strategies.get("dynamic-auto")
+    if auto and "error" not in auto:
+        for s in bucketed:
+            lines.append(
+                f"`{s['strategy']}` took {s['total_seconds'] / auto['total_seconds']:.2f}x `dynamic-auto`'s total time, "
+                "compiles included."
+            )
+    compared = [s for name, s in strategies.items() if name != "eager" and "error" not in s]
+    if compared:
+        equal = all(s["tokens_equal_eager"] for s in compared)
+        lines.append(
+            "Every strategy's tokens equal eager's." if equal else "**Some strategies' tokens differ from eager's.**"
+        )
+    return lines
+
+
+def _wrap(text: str, bullet: str = "") -> str:
+    return textwrap.fill(text, 119, initial_indent=bullet, subsequent_indent=" " * len(bullet), break_on_hyphens=False)
+
+
+def render(summary: dict, plot_name: str = PLOT.name) -> str:
+    """The generated block of "Measured results", markers included."""
+    machine = summary["machine"]
+    lengths = summary["prompt_lengths"]
+    load = machine.get("load_average_start"), machine.get("load_average_end")
+    load_text = "" if None in load else f", load average {load[0][0]:.1f} at the start and {load[1][0]:.1f} at the end"
+    caption = (
+        f"{summary['model']}, {summary['device']} {summary['dtype']}; {len(lengths)} prompts of {min(lengths)} to "
+        f"{max(lengths)} tokens, {summary['max_new_tokens']} greedy new tokens each. Each strategy ran in its own "
+        f"process with an empty compile cache, one after the other, in one run of {summary['wall_seconds']:.0f} s on "
+        f"{machine['date']}: {machine['processor']}, {machine['cpu_count']} cores ({machine['torch_threads']} torch "
+        f"threads{load_text}); torch {machine['torch']}, transformers {machine['transformers']}, prefill_buckets "
+        f"{machine['prefill_buckets']}, Python {machine['python']}."
+    )
+    strategies = {s["strategy"]: s for s in summary["strategies"]}
+    lines = [
+        START,
+        "<!-- Generated by `make bench-docs` from imgs/bench_cpu_smollm2.json: regenerate it, don't edit it. -->",
+        "",
+        f"`{summary['command']}`" if summary.get("command") else "",
+        "",
+        _wrap(caption),
+        "",
+        "| strategy | graphs | total s | TTFT ms median / p90 | decode ms/token median / p90 | pad | eager fallbacks "
+        "| tokens == eager |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        *(_row(s) for s in summary["strategies"]),
+        "",
+        _wrap(
+            "Graphs: compiled by the backend. Total: the whole workload, compiles included. TTFT (time to first token) "
+            "and decode: over the calls that compiled nothing. Pad: pad tokens per real prompt token. Eager fallbacks: "
+            "forwards that ran no compiled graph."
+        ),
+        "",
+        *(_wrap(line, "- ") for line in _findings(strategies)),
+        "",
+        f"![Graphs and latency against prompt length](imgs/{plot_name})",
+        END,
+    ]
+    return "\n".join(lines)
+
+
+def replace_block(text: str, block: str) -> str:
+    """`text` with the generated block between the markers replaced by `block`; `ValueError` without the markers."""
+    start, end = text.find(START), text.find(END)
+    if start < 0 or end < start:
+        raise ValueError(f"The guide has no generated block ({START} ... {END}) to replace.")
+    return text[:start] + block + text[end + len(END) :]
+
+
+def write_docs(report: dict, plot: Path | None, root: Path = Path(".")) -> Path:
+    """Writes the run's summary, its plot and the guide's generated block under `root` (the repository)."""
+    summary = docs_summary(report)
+    guide = root / GUIDE
+    text = guide.read_text(encoding="utf-8")  # read first: a missing guide writes nothing
+    (root / RESULTS).write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
+    if plot is not None:
+        shutil.copyfile(plot, root / PLOT)
+    guide.write_text(replace_block(text, render(summary)), encoding="utf-8")
+    return guide
+
+
+def write_docs_from(results: Path, root: Path = Path(".")) -> Path:
+    """Renders the guide's block again from a saved summary (`RESULTS`) or a whole `bench.json`."""
+    saved = json.loads(results.read_text(encoding="utf-8"))
+    summary = saved if "prompt_lengths" in saved else docs_summary(saved)
+    guide = root / GUIDE
+    guide.write_text(replace_block(guide.read_text(encoding="utf-8"), render(summary)), encoding="utf-8")
+    if results.resolve() != (root / RESULTS).resolve():
+        (root / RESULTS).write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
+    return guide

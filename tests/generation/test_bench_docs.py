@@ -1,0 +1,148 @@
+# The guide's "Measured results" come from one benchmark run (`bench --write-docs`, `make bench-docs`): the block is
+# rendered from the run's saved summary, and the guide must show exactly that (regenerated, never edited by hand).
+
+import contextlib
+import io
+import json
+import tempfile
+import unittest
+from pathlib import Path
+
+from prefill_buckets.benchmark import docs
+from prefill_buckets.cli import main
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def synthetic_report() -> dict:
+    def summary(graphs, total, fallbacks, equal=True, pad=0.0):
+        return {
+            "graphs": graphs,
+            "total_seconds": total,
+            "prep_seconds": None,
+            "ttft_median_ms": 400.0,
+            "ttft_p90_ms": 900.0,
+            "decode_median_ms_per_token": 60.5,
+            "decode_p90_ms_per_token": 70.25,
+            "pad_overhead": pad,
+            "eager_fallbacks": fallbacks,
+            "eager_fallbacks_exact": True,
+            "tokens_equal_eager": equal,
+        }
+
+    return {
+        "command": "python -m prefill_buckets bench --strategies upstream-static,dynamic-auto,pow2-default",
+        "model": "SmolLM2-135M-Instruct",
+        "device": "cpu",
+        "dtype": "float32",
+        "max_new_tokens": 24,
+        "prompts": [{"name": "a", "length": 10}, {"name": "b", "length": 953}],
+        "machine": {
+            "date": "2026-12-01 18:33 UTC",
+            "processor": "x86_64",
+            "cpu_count": 2,
+            "torch_threads": 2,
+            "torch": "2.13.0",
+            "transformers": "5.24.0",
+            "prefill_buckets": "0.1.0",
+            "python": "3.11.7",
+            "load_average_start": [1.5, 1.0, 0.5],
+            "load_average_end": [9.0, 8.0, 7.0],
+        },
+        "wall_seconds": 1234.5,
+        "strategies": [
+            {"strategy": "eager", "summary_text": "no compile", "summary": summary(0, 40.0, None, None)},
+            {"strategy": "upstream-static", "summary_text": "dynamic=False", "summary": summary(8, 350.0, 78)},
+            {"strategy": "dynamic-auto", "summary_text": "dynamic=None", "summary": summary(5, 300.0, 0)},
+            {"strategy": "pow2-default", "summary_text": '"pow2"', "summary": summary(8, 150.0, 0, pad=0.44)},
+        ],
+    }
+
+
+def guide_with_block(root: Path, block: str = "old") -> Path:
+    guide = root / docs.GUIDE
+    guide.parent.mkdir(parents=True)
+    (root / docs.RESULTS).parent.mkdir(parents=True)
+    guide.write_text(
+        f"# Guide\n\n## Measured results\n\n{docs.START}\n{block}\n{docs.END}\n\nAfter.\n", encoding="utf-8"
+    )
+    return guide
+
+
+class RenderTest(unittest.TestCase):
+    def test_caption_table_and_findings_come_from_the_run(self):
+        block = docs.render(docs.docs_summary(synthetic_report()))
+        self.assertTrue(block.startswith(docs.START) and block.endswith(docs.END))
+        flat = " ".join(block.split())  # the prose is wrapped
+        for expected in ("2026-12-01 18:33 UTC", "torch 2.13.0", "transformers 5.24.0", "2 cores", "1234 s"):
+            self.assertIn(expected, flat)
+        self.assertIn(
+            "`python -m prefill_buckets bench --strategies upstream-static,dynamic-auto,pow2-default`", block
+        )
+        rows = [line for line in block.splitlines() if line.startswith("| `")]
+        self.assertEqual(
+            [row.split("`")[1] for row in rows], ["eager", "upstream-static", "dynamic-auto", "pow2-default"]
+        )
+        self.assertIn("| 8 | 350.0 | 400 / 900 | 60.5 / 70.2 | 0% | 78 | yes |", rows[1])
+        self.assertIn("ran 78 forwards eagerly", flat)
+        self.assertIn("`pow2-default` took 0.50x `dynamic-auto`'s total time", flat)
+        self.assertIn("Every strategy's tokens equal eager's.", flat)
+
+    def test_a_mismatch_is_said(self):
+        report = synthetic_report()
+        report["strategies"][3]["summary"]["tokens_equal_eager"] = False
+        block = docs.render(docs.docs_summary(report))
+        self.assertIn("**no**", block)
+        self.assertIn("tokens differ from eager's", " ".join(block.split()))
+
+    def test_write_docs_replaces_only_the_block(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            root = Path(tmp)
+            guide = guide_with_block(root)
+            docs.write_docs(synthetic_report(), plot=None, root=root)
+            text = guide.read_text(encoding="utf-8")
+            self.assertTrue(text.startswith("# Guide\n\n## Measured results\n\n"))
+            self.assertTrue(text.endswith(f"{docs.END}\n\nAfter.\n"))
+            self.assertNotIn("\nold\n", text)
+            saved = json.loads((root / docs.RESULTS).read_text(encoding="utf-8"))
+            self.assertIn(docs.render(saved), text)
+
+            # `bench --docs-from` renders the same block again from the saved summary, running nothing.
+            guide_with_block(Path(tmp) / "again")
+            again = Path(tmp) / "again"
+            (again / docs.RESULTS).write_text(json.dumps(saved), encoding="utf-8")
+            docs.write_docs_from(again / docs.RESULTS, root=again)
+            self.assertEqual((again / docs.GUIDE).read_text(encoding="utf-8"), text)
+
+    def test_a_guide_without_the_markers_is_refused(self):
+        with self.assertRaisesRegex(ValueError, "no generated block"):
+            docs.replace_block("# Guide\n", "block")
+
+    def test_docs_from_on_the_command_line(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            root = Path(tmp)
+            guide_with_block(root)
+            results = root / "bench.json"
+            results.write_text(json.dumps(synthetic_report()), encoding="utf-8")
+            cwd = Path.cwd()
+            try:
+                import os
+
+                os.chdir(root)
+                with contextlib.redirect_stdout(io.StringIO()):
+                    self.assertEqual(main(["bench", "--docs-from", str(results)]), 0)
+            finally:
+                os.chdir(cwd)
+            self.assertIn("ran 78 forwards eagerly", " ".join((root / docs.GUIDE).read_text(encoding="utf-8").split()))
+
+
+class GuideShowsTheSavedRunTest(unittest.TestCase):
+    def test_the_guide_block_is_the_rendered_run(self):
+        summary = json.loads((REPO / docs.RESULTS).read_text(encoding="utf-8"))
+        text = (REPO / docs.GUIDE).read_text(encoding="utf-8")
+        self.assertIn(docs.render(summary), text, "regenerate it: `python -m prefill_buckets bench --docs-from ...`")
+        self.assertTrue((REPO / docs.PLOT).is_file())
+        # Positive control: a hand edit of one figure in the block is caught.
+        edited = text.replace(f"{summary['wall_seconds']:.0f} s", f"{summary['wall_seconds'] + 1:.0f} s", 1)
+        self.assertNotIn(docs.render(summary), edited)

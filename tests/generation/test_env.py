@@ -1,0 +1,54 @@
+# `python -m prefill_buckets env`: what a bug report needs, from the installed package.
+
+import contextlib
+import io
+import subprocess
+import sys
+import unittest
+from unittest import mock
+
+import torch
+import transformers
+
+import prefill_buckets
+from prefill_buckets import _compat
+from prefill_buckets.cli import main
+
+
+def run_env() -> str:
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        status = main(["env"])
+    assert status == 0
+    return printed.getvalue()
+
+
+class EnvCommandTest(unittest.TestCase):
+    def test_prints_what_a_bug_report_needs(self):
+        lines = dict(line.split(": ", 1) for line in run_env().splitlines())
+        self.assertEqual(lines["torch"], torch.__version__)
+        self.assertEqual(lines["transformers"], transformers.__version__)
+        self.assertTrue(lines["prefill_buckets"].startswith(prefill_buckets.__version__ + " "))
+        self.assertIn("cpu" if not torch.cuda.is_available() else "cuda", lines["device"])
+        tested = (
+            f"transformers in the tested range ({_compat.TESTED_TRANSFORMERS[0]} to {_compat.TESTED_TRANSFORMERS[-1]})"
+        )
+        self.assertEqual(lines[tested], "yes" if _compat._is_tested_range() else lines[tested])
+        self.assertIn("python", lines)
+
+    def test_says_when_transformers_is_outside_the_tested_range(self):
+        # The positive control of the range line: a version outside it is reported as such.
+        with mock.patch.object(_compat, "_is_tested_range", return_value=False):
+            output = run_env()
+        self.assertIn("tested range", output)
+        self.assertRegex(output, r"tested range \([^)]*\): NO: outside the tested range")
+        with mock.patch.object(_compat, "_is_tested_range", return_value=True):
+            self.assertRegex(run_env(), r"tested range \([^)]*\): yes\n")
+
+    def test_runs_as_a_module_of_the_installed_package(self):
+        completed = subprocess.run(
+            [sys.executable, "-m", "prefill_buckets", "env"], capture_output=True, text=True, timeout=300
+        )
+        self.assertEqual(completed.returncode, 0, completed.stderr)
+        self.assertIn(f"torch: {torch.__version__}\n", completed.stdout)
+        self.assertIn(f"transformers: {transformers.__version__}\n", completed.stdout)
