@@ -22,6 +22,9 @@ from .tiny_models import tiny_llama
 
 NEW_TOKENS = 8
 WORKLOAD_SIZE = 20
+# Room past the longest padded prompt (512 + 7 slots): a cache is never sized past the model's positions unless a call
+# needs more (GPT-Neo sizes buffers by them), so a 512-position model would grow at the edge (512, then 519 slots).
+POSITIONS = 1024
 
 
 def workload(seed: int) -> list[int]:
@@ -48,7 +51,7 @@ class BoundedByDefaultTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         # Upstream's tokens, once per length: eager, unpadded, a dynamic cache.
-        cls.reference = tiny_llama()
+        cls.reference = tiny_llama(max_position_embeddings=POSITIONS)
         cls.expected = {}
 
     def expected_tokens(self, length: int) -> torch.Tensor:
@@ -60,7 +63,7 @@ class BoundedByDefaultTest(unittest.TestCase):
 
     def run_workload(self, lengths, **fields) -> tuple[GraphCounter, set[int], set[int]]:
         torch._dynamo.reset()
-        model = tiny_llama()
+        model = tiny_llama(max_position_embeddings=POSITIONS)
         counter = GraphCounter()
         model.compile(backend=counter, dynamic=False, fullgraph=True)
         config = GenerationConfig(
@@ -105,14 +108,14 @@ class BoundedByDefaultTest(unittest.TestCase):
 
     def test_one_growth_past_the_largest_bucket(self):
         # A list bounds the first cache to its largest bucket (64 + 7 -> 128 slots); prompts past it grow the cache
-        # once, to the longest sequence the model takes (512 positions + 7 -> 576), and never again.
+        # once, to the longest sequence the model takes (its 1024 positions), and never again.
         lengths = [40, 20, 300, 60, 450, 10, 500]
         buckets = [32, 64]
         counter, cache_lengths, _ = self.run_workload(lengths, prefill_buckets=buckets)
-        self.assertEqual(sorted(cache_lengths), [128, 576])
+        self.assertEqual(sorted(cache_lengths), [128, POSITIONS])
         policy = prefill_buckets.BucketPolicy(buckets=buckets)
         before = {policy.bucket(n) for n in lengths[:2]}
         after = {policy.bucket(n) for n in lengths[2:]}
         # Buckets before the growth, then every bucket after it at the new length, and the windows at each length.
-        windows = windows_used(lengths[:2], policy.bucket, 128) | windows_used(lengths[2:], policy.bucket, 576)
+        windows = windows_used(lengths[:2], policy.bucket, 128) | windows_used(lengths[2:], policy.bucket, POSITIONS)
         self.assertLessEqual(counter.graphs, len(before) + len(after) + len(windows) + 2, counter.shapes)
