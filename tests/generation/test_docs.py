@@ -200,12 +200,17 @@ def eager_by_default_compile(*args, backend=None, **kwargs):
     return _torch_compile(*args, backend=backend, **kwargs)
 
 
+TORCH_DEFAULT_RECOMPILE_LIMIT = 8
+
+
 @contextlib.contextmanager
 def isolated_page():
     """Runs a page in a temporary working directory, and undoes what it changes in transformers and torch."""
     recompile_limit = torch._dynamo.config.recompile_limit
     cwd = os.getcwd()
     torch._dynamo.reset()
+    # A page runs as in a fresh process: torch's default limit, not one a bucketed call of an earlier test raised.
+    torch._dynamo.config.recompile_limit = TORCH_DEFAULT_RECOMPILE_LIMIT
     with tempfile.TemporaryDirectory() as tmp, mock.patch("torch.compile", eager_by_default_compile):
         os.chdir(tmp)
         try:

@@ -233,7 +233,7 @@ class PaddingSideClaimsTest(unittest.TestCase):
         input_ids, mask = self.prompt(rows=2)
         mask[1, :3] = 0  # the second row is 3 tokens shorter, left-padded by the user
         observed = observed_side(self.model, input_ids, mask, cache_implementation="static", prefill_buckets=[16])
-        self.check("rows of different lengths", observed)
+        self.check("rows of different lengths, left-padded", observed)
 
     def test_dynamic_cache(self):
         input_ids, mask = self.prompt()
