@@ -353,11 +353,13 @@ class PrecompileTest(CompilationTestCase):
             model, config, batch_sizes=batch_sizes, max_prompt_length=max_prompt_length, progress=False
         )
 
-        # Per batch size, one prefill graph per bucket and one decode graph; the 1-token bucket's prefill into the
-        # preallocated cache has the decode step's shapes, so it is the decode graph. Batch size 2 is also warmed up
-        # with rows of different lengths (issue 12: those take the left side, all-ones rows the right): one more
-        # prefill graph per bucket above 1, and the decode graph shared.
-        expected = len(batch_sizes) * (len(buckets) + 1 - (1 in buckets)) + len(buckets) - 1
+        # Per batch size, one prefill graph per bucket and one decode graph per attention window (the cache is pinned
+        # at 256 + 4 -> 320 slots: windows 256 and 320); the 1-token bucket's prefill into the preallocated cache has
+        # the decode step's shapes, so it is a decode graph. Batch size 2 is also warmed up with rows of different
+        # lengths (issue 12: those take the left side, all-ones rows the right): one more prefill graph per bucket
+        # above 1, and the decode graphs shared.
+        decode_windows = 2
+        expected = len(batch_sizes) * (len(buckets) + decode_windows - (1 in buckets)) + len(buckets) - 1
         self.assertEqual(counter.graphs, expected, f"graphs: {counter.shapes}")
         self.assertEqual(sorted(prefill_lengths(counter)), sorted(buckets[1:] * 3), f"graphs: {counter.shapes}")
         # The returned shapes: per batch size (largest first), the longest bucket first, all at one cache length.
