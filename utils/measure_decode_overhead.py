@@ -9,7 +9,7 @@ slot, so a longer cache is slower decode; a bucketed call's attends over a windo
 (`prefill_buckets/windows.py`), so its cache costs memory, not time (the guide's "Cache sizing").
 
 SmolLM2-135M-Instruct (converted once by `python -m prefill_buckets bench`, see its `--help`), `model.forward`
-compiled with inductor (`dynamic=False`), a static cache pinned at 1088 slots. One prompt runs through upstream
+compiled with inductor (`dynamic=False`; `--eager`: not compiled), a static cache pinned at 1088 slots. One prompt runs through upstream
 `generate` unpadded and through `prefill_buckets.generate` padded to one bucket; both share the decode graph (same
 shapes), so the difference is what bucketing adds per step outside the graph. The calls alternate, after one warm-up
 call each, and the per-token time is read from a streamer's timestamps (first new token to last).
@@ -28,6 +28,7 @@ def main() -> None:
     parser.add_argument("--bucket", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=24)
     parser.add_argument("--cache-lengths", type=int, nargs="+", help="compare these pinned cache lengths instead")
+    parser.add_argument("--eager", action="store_true", help="don't compile the forward (no inductor compile time)")
     args = parser.parse_args()
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the benchmark: spinning threads distort a shared CPU
 
@@ -40,7 +41,8 @@ def main() -> None:
 
     model = AutoModelForCausalLM.from_pretrained(smollm2_folder(), dtype=torch.float32).eval()
     counter = GraphCounter("inductor")
-    model.forward = torch.compile(model.forward, backend=counter, dynamic=False)
+    if not args.eager:
+        model.forward = torch.compile(model.forward, backend=counter, dynamic=False)
     generator = torch.Generator().manual_seed(0)
     input_ids = torch.randint(100, model.config.vocab_size, (1, args.prompt_length), generator=generator)
     config = GenerationConfig(

@@ -209,7 +209,7 @@ def _sequence_length(input_ids, kwargs: dict) -> int:
     next_sequence_length = kwargs.get("next_sequence_length")
     inputs_embeds = kwargs.get("inputs_embeds")
     if next_sequence_length is not None:  # decode: the new tokens are the last ones of `input_ids`
-        return past_length + next_sequence_length
+        return past_length + int(next_sequence_length)  # a 0-d tensor when upstream took it from a static cache
     if inputs_embeds is not None and kwargs.get("is_first_iteration"):
         return inputs_embeds.shape[1]
     if input_ids.shape[1] > past_length:  # the whole sequence so far

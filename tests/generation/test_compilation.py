@@ -354,11 +354,12 @@ class PrecompileTest(CompilationTestCase):
             model, config, batch_sizes=batch_sizes, max_prompt_length=max_prompt_length, progress=False
         )
 
-        # Per batch size, one prefill graph per bucket and one decode graph; the 1-token bucket's prefill into the
-        # preallocated cache has the decode step's shapes, so it is the decode graph. Batch size 2 is also warmed up
-        # with rows of different lengths, which (issue 24) take the right side too, with the graphs of all-ones rows:
-        # nothing more.
-        expected = len(batch_sizes) * (len(buckets) + 1 - (1 in buckets))
+        # Per batch size, one prefill graph per bucket and one decode graph per attention window (the cache is pinned
+        # at 256 + 4 -> 320 slots: windows 256 and 320); the 1-token bucket's prefill into the preallocated cache has
+        # the decode step's shapes, so it is a decode graph. Batch size 2 is also warmed up with rows of different
+        # lengths, which (issue 24) take the right side too, with the graphs of all-ones rows: nothing more.
+        decode_windows = 2
+        expected = len(batch_sizes) * (len(buckets) + decode_windows - (1 in buckets))
         self.assertEqual(counter.graphs, expected, f"graphs: {counter.shapes}")
         self.assertEqual(sorted(prefill_lengths(counter)), sorted(buckets[1:] * 2), f"graphs: {counter.shapes}")
         # The returned shapes: per batch size (largest first), the longest bucket first, all at one cache length.
