@@ -109,7 +109,7 @@ def time_limit(seconds: float):
         signal.signal(signal.SIGALRM, previous)
 
 
-def _short(error: BaseException, limit: int = 90) -> str:
+def _short(error: BaseException, limit: int = 70) -> str:
     text = f"{type(error).__name__}: {error}".replace("\n", " ").replace("|", "/")
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
@@ -268,7 +268,7 @@ _UNPADDED = re.compile(r"are ignored for this call: (.*)", re.S)
 # The package's reasons for an unpadded call, as the table's short labels (the first that matches; else the reason).
 SHORT_REASONS = (
     ("is_decoder=False", "bidirectional attention"),
-    ("takes no `position_ids`", "positions from the cache length"),
+    ("counts positions from the cache", "positions from the cache length"),
     ("does not pass the attention mask on", "its step drops the mask"),
     ("made no static cache", "no cache object to pad"),
     ("takes no `attention_mask`", "no attention mask"),

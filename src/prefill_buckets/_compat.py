@@ -244,7 +244,10 @@ def compile_on_all_devices(compile_config) -> None:
 def static_cache_init_shape(model):
     """`(num_heads, head_dim)` to allocate a static cache before the first forward, or `None` where upstream has no such method."""
     shape_of = getattr(model, "_get_static_cache_init_shape", None)
-    return shape_of() if shape_of is not None else None
+    try:
+        return shape_of() if shape_of is not None else None
+    except Exception:  # a config it can't read (5.17, per-layer head sizes): upstream's cache allocates lazily
+        return None
 
 
 def previous_max_cache_length(model) -> int:

@@ -69,8 +69,22 @@ class PaddingSide:
 
 
 def _attention_is_bidirectional(model) -> bool:
+    """
+    BERT-style models attend both ways unless `is_decoder` is set. Other configs carry `is_decoder=False` too (GPT-NeoX),
+    with attention modules that say they are causal: those count as causal.
+    """
     config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
-    return getattr(config, "is_decoder", None) is False  # BERT-style models attend both ways unless it is set
+    if getattr(config, "is_decoder", None) is not False:
+        return False
+    return not any(module.__dict__.get("is_causal") is True for module in model.modules())
+
+
+def _positions_from_the_mask(model) -> bool:
+    """
+    No `position_ids` and no `max_position_embeddings`: positions are ALiBi biases built from the attention mask
+    (BLOOM), which the right-padded prefill leaves out (on transformers 5.17 BLOOM then fails), or there are none.
+    """
+    return "position_ids" not in inspect.signature(model.forward).parameters and max_positions(model) is None
 
 
 def _positions_count_from_the_cache(model) -> bool:
@@ -103,6 +117,11 @@ SIDE_ASSUMPTIONS = (
         "right",
         _attention_is_bidirectional,
         "its attention is not causal (`is_decoder=False`): the prompt would attend to the pads after it",
+    ),
+    (
+        "right",
+        _positions_from_the_mask,
+        "its forward takes no `position_ids` and states no `max_position_embeddings`: positions come from the mask",
     ),
     (
         "left",
