@@ -73,7 +73,7 @@ class ContinuationTest(unittest.TestCase):
             ours_ids = torch.cat([ours.sequences, user], dim=1)
             theirs_ids = torch.cat([theirs.sequences, user], dim=1)
         # Prefill lengths are plain ints (a static cache's `get_seq_length()` is a tensor): each is one graph shape.
-        self.assertTrue(all(type(length) is int for _, length, _, _, _ in state_of(model).budget.prefill))
+        self.assertTrue(all(type(length) is int for _, length, *_ in state_of(model).budget.prefill))
 
     def test_user_cache_object_is_marked(self):
         cache = DynamicCache(config=self.model.config)
