@@ -274,6 +274,7 @@ SHORT_REASONS = (
     ("takes no `attention_mask`", "no attention mask"),
     ("only recurrent", "recurrent cache"),
     ("compresses the cached tokens", "compressed attention"),
+    ("ignores the attention mask", "the mask is ignored"),
 )
 
 

@@ -33,9 +33,8 @@ pads on the left: never silently wrong.
 
 Each side also assumes something of the model (`SIDE_ASSUMPTIONS`, checked in order): right padding needs causal
 attention, left padding a model that takes its positions from `position_ids` or the mask (a forward without
-`position_ids` whose config states `max_position_embeddings`, as TrOCR, ProphetNet and the BART-family decoders,
-counts positions from the cache length, so pads in front would shift them; models without positions, recurrent or
-ALiBi, state none). Where the rule says left and the model can't take left padding either, the call runs unpadded,
+`position_ids` but with a positional or rotary embedding module, as TrOCR, ProphetNet and the BART-family decoders,
+counts positions from the cache length, so pads in front would shift them; recurrent and ALiBi models have none). Where the rule says left and the model can't take left padding either, the call runs unpadded,
 exact, and the package logs why, once.
 """
 
@@ -88,10 +87,20 @@ def _positions_from_the_mask(model) -> bool:
 
 
 def _positions_count_from_the_cache(model) -> bool:
+    """No `position_ids`, but position embeddings (learned, sinusoidal or rotary): counted from the cache length."""
     if "position_ids" in inspect.signature(model.forward).parameters:
         return False
-    config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
-    return max_positions(model) is not None or getattr(config, "max_target_positions", None) is not None  # Whisper
+    return any(
+        "Positional" in type(module).__name__ or "Rotary" in type(module).__name__ for module in model.modules()
+    )
+
+
+# Models whose forward takes an attention mask and ignores it: pads in front would run through them.
+MASK_IGNORED_BY = ("RwkvForCausalLM",)
+
+
+def _ignores_the_mask(model) -> bool:
+    return type(model).__name__ in MASK_IGNORED_BY
 
 
 def _compresses_the_cache(model) -> bool:
@@ -134,6 +143,7 @@ SIDE_ASSUMPTIONS = (
         "its forward takes no `position_ids` and counts positions from the cache, so pads in front would shift them",
     ),
     ("left", _drops_the_mask, "its `prepare_inputs_for_generation` does not pass the attention mask on"),
+    ("left", _ignores_the_mask, "its forward ignores the attention mask"),
     ("left", _compresses_the_cache, "its attention compresses the cached tokens in blocks, pads in front included"),
 )
 
