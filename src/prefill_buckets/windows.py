@@ -92,8 +92,11 @@ def _windowable(cache) -> list:
 
 
 def open_windows(cache) -> bool:
-    """Makes the full-attention layers of a static `cache` windowed; returns whether it has any."""
-    layers = _windowable(cache)
+    """
+    Makes the full-attention layers of a static `cache` windowed; returns whether it has any. A layer of at most
+    `MIN_WINDOW` slots has one window, all of it: it stays upstream's, and shares its graphs with upstream's calls.
+    """
+    layers = [layer for layer in _windowable(cache) if layer.max_cache_len > MIN_WINDOW]
     for layer in layers:
         layer.__class__ = WindowedStaticLayer
         layer.window = None
