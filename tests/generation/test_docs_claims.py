@@ -159,7 +159,9 @@ class CacheLengthClaimsTest(unittest.TestCase):
 
     def test_positive_control(self):
         self.assertEqual(first_cache_slots_claimed("so the first cache has 4,096 slots"), [4096])
-        self.assertNotEqual(set(first_cache_slots_claimed("so the first cache has 4,096 slots")), {DEFAULT_CACHE_SLOTS})
+        self.assertNotEqual(
+            set(first_cache_slots_claimed("so the first cache has 4,096 slots")), {DEFAULT_CACHE_SLOTS}
+        )
 
 
 # ---- the padding side --------------------------------------------------------------------------------------------
