@@ -22,7 +22,7 @@ OLDEST_VENV := .venv-oldest
 OLDEST_PYTHON := $(OLDEST_VENV)/bin/python
 OLDEST_CONSTRAINTS := constraints/oldest.txt
 OLDEST_TESTS := tests/generation/test_equivalence.py tests/generation/test_compile_counts.py \
-	tests/generation/test_robustness.py
+	tests/generation/test_robustness.py tests/generation/test_arch_sweep.py
 
 # ---- environments ----------------------------------------------------------------------------------------------
 

@@ -275,6 +275,8 @@ SHORT_REASONS = (
     ("only recurrent", "recurrent cache"),
     ("compresses the cached tokens", "compressed attention"),
     ("ignores the attention mask", "the mask is ignored"),
+    ("builds a dynamic mask from the keys", "a mask built from the keys"),
+    ("adds the cache length to the positions", "positions plus the cache length"),
 )
 
 

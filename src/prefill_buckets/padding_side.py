@@ -97,10 +97,24 @@ def _positions_count_from_the_cache(model) -> bool:
 
 # Models whose forward takes an attention mask and ignores it: pads in front would run through them.
 MASK_IGNORED_BY = ("RwkvForCausalLM",)
+# Models whose attention builds its own mask from the key states over every slot it reads (Doge's dynamic mask): pads
+# on either side reach it (other tokens on transformers 5.17, right and left).
+MASK_FROM_KEYS = ("DogeForCausalLM",)
+# Models that add the cache length to the positions they are given at decode (GIT on transformers 5.17): positions
+# taken from a left-padded mask would be shifted by the pads.
+POSITIONS_PLUS_CACHE = ("GitForCausalLM",)
 
 
 def _ignores_the_mask(model) -> bool:
     return type(model).__name__ in MASK_IGNORED_BY
+
+
+def _masks_from_keys(model) -> bool:
+    return type(model).__name__ in MASK_FROM_KEYS
+
+
+def _adds_the_cache_length_to_positions(model) -> bool:
+    return type(model).__name__ in POSITIONS_PLUS_CACHE
 
 
 def _compresses_the_cache(model) -> bool:
@@ -133,6 +147,11 @@ SIDE_ASSUMPTIONS = (
         "its forward takes no `position_ids` and states no `max_position_embeddings`: positions come from the mask",
     ),
     (
+        "right",
+        _masks_from_keys,
+        "its attention builds a dynamic mask from the keys, which would see the pads after it",
+    ),
+    (
         "left",
         _attention_is_bidirectional,
         "its attention is not causal (`is_decoder=False`), and masked pads in front changed XLM-RoBERTa-XL's tokens",
@@ -144,6 +163,12 @@ SIDE_ASSUMPTIONS = (
     ),
     ("left", _drops_the_mask, "its `prepare_inputs_for_generation` does not pass the attention mask on"),
     ("left", _ignores_the_mask, "its forward ignores the attention mask"),
+    ("left", _masks_from_keys, "its attention builds a dynamic mask from the keys, which would see the pads in front"),
+    (
+        "left",
+        _adds_the_cache_length_to_positions,
+        "its forward adds the cache length to the positions at decode, so pads in front would shift them",
+    ),
     ("left", _compresses_the_cache, "its attention compresses the cached tokens in blocks, pads in front included"),
 )
 

@@ -19,7 +19,7 @@ from prefill_buckets.compilation import GraphCounter
 
 from .test_all_outputs import assert_same
 from .test_equivalence import MODEL_SPECS, PAD, get_model, left_padded_batch, random_ids
-from .test_right_padding import SideSpy, config, run, run_bucketed
+from .test_right_padding import SideSpy, config, run, run_bucketed, sdpa_recording_backend
 from .tiny_models import CACHE
 
 
@@ -279,16 +279,7 @@ class RaggedGraphsTest(unittest.TestCase):
         "transformers 5.17 never skips the SDPA mask while compiling (`is_tracing`): upstream's exact prefill is masked too",
     )
     def test_prefill_runs_causal_sdpa_without_a_mask(self):
-        sdpa_calls = []
-
-        def backend(gm, example_inputs, **kwargs):
-            for node in gm.graph.nodes:
-                if node.op == "call_function" and "scaled_dot_product_attention" in str(node.target):
-                    mask = node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None)
-                    query_length = node.args[0].meta["example_value"].shape[-2]
-                    sdpa_calls.append((query_length, mask is None, node.kwargs.get("is_causal")))
-            return gm.forward
-
+        backend, sdpa_calls = sdpa_recording_backend()
         model = self.compiled_llama(backend)
         generation_config = config(max_cache_len=96, max_new_tokens=2, output_scores=False, output_logits=False)
         input_ids, attention_mask = left_padded_batch((11, 3, 16), PAD, seed=2)

@@ -36,6 +36,21 @@ MODES = {
 ARCHITECTURES = tuple(MODEL_SPECS)
 
 
+def sdpa_recording_backend():
+    """A compile backend that records each SDPA call it traces as `(query length, no mask, is_causal)`, and the list."""
+    sdpa_calls = []
+
+    def backend(gm, example_inputs, **kwargs):
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and "scaled_dot_product_attention" in str(node.target):
+                mask = node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None)
+                query_length = node.args[0].meta["example_value"].shape[-2]
+                sdpa_calls.append((query_length, mask is None, node.kwargs.get("is_causal")))
+        return gm.forward
+
+    return backend, sdpa_calls
+
+
 class SideSpy:
     """Records the side every bucketed call takes (`padding_side.choose_side`, as `generate` calls it)."""
 
@@ -355,16 +370,7 @@ class RightPaddingGraphsTest(unittest.TestCase):
         "transformers 5.17 never skips the SDPA mask while compiling (`is_tracing`): upstream's exact prefill is masked too",
     )
     def test_prefill_runs_causal_sdpa_without_a_mask(self):
-        sdpa_calls = []
-
-        def backend(gm, example_inputs, **kwargs):
-            for node in gm.graph.nodes:
-                if node.op == "call_function" and "scaled_dot_product_attention" in str(node.target):
-                    mask = node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None)
-                    query_length = node.args[0].meta["example_value"].shape[-2]
-                    sdpa_calls.append((query_length, mask is None, node.kwargs.get("is_causal")))
-            return gm.forward
-
+        backend, sdpa_calls = sdpa_recording_backend()
         model = self.compiled_llama(backend)
         generation_config = config(max_cache_len=96, max_new_tokens=2, output_scores=False, output_logits=False)
         run_bucketed(model, random_ids(1, 11), generation_config, prefill_buckets=[16])
