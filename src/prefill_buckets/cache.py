@@ -104,20 +104,27 @@ def _log_unasked(model, slots: int) -> None:
         )
 
 
-def cache_bytes_per_row(model, slots: int) -> int:
-    """The bytes a static cache of `slots` slots takes per batch row (sliding layers hold their window)."""
+def cache_bytes_per_row(model, slots: int) -> int | None:
+    """
+    The bytes a static cache of `slots` slots takes per batch row (sliding layers hold their window), or `None` when
+    the layout can't be told from the config. Head counts and head sizes may be per layer (Gemma 4).
+    """
     shape = static_cache_init_shape(model)
     if shape is None:
-        return 0
+        return None
     num_heads, head_dim = shape
     layers = lazy_static_cache(model, slots).layers
-    heads = num_heads if isinstance(num_heads, list) else [num_heads] * len(layers)
+    heads = num_heads if isinstance(num_heads, (list, tuple)) else [num_heads] * len(layers)
+    dims = head_dim if isinstance(head_dim, (list, tuple)) else [head_dim] * len(layers)
+    if not all(isinstance(n, int) for n in (*heads, *dims)) or len(heads) != len(layers) or len(dims) != len(layers):
+        return None
     item = torch.finfo(model.dtype).bits // 8 if model.dtype.is_floating_point else 4
-    return sum(2 * getattr(layer, "max_cache_len", 0) * h * head_dim * item for layer, h in zip(layers, heads))
+    return sum(2 * getattr(layer, "max_cache_len", 0) * h * d * item for layer, h, d in zip(layers, heads, dims))
 
 
 def _megabytes(model, slots: int) -> str:
-    return f"{cache_bytes_per_row(model, slots) / 2**20:,.0f} MB"
+    size = cache_bytes_per_row(model, slots)
+    return "size unknown" if size is None else f"{size / 2**20:,.0f} MB"
 
 
 def pinned_cache_length(policy: BucketPolicy, needed: int) -> int:

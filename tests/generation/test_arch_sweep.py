@@ -42,6 +42,7 @@ CI_SAMPLE = {
     "bloom": "ALiBi, no position_ids",
     "deepseek_v4": "compressed attention (transformers 5.24 only)",
     "doge": "a dynamic mask built from the keys: neither side (other tokens on 5.17)",
+    "gemma4_unified_text": "per-layer head sizes (the cache's size in the growth warning; transformers 5.24 only)",
     "git": "adds the cache length to its decode positions: not left (other tokens on 5.17)",
 }
 
