@@ -629,6 +629,13 @@ class SharedRecompileLimitTest(CompilationTestCase):
     BUCKETS = [4, 8, 16]
     LENGTHS = [13, 6, 3]  # one per bucket
 
+    def setUp(self):
+        super().setUp()
+        # torch's default, as in a fresh process: bucketed calls of earlier tests raised the process-wide limit.
+        limit = torch._dynamo.config.recompile_limit
+        torch._dynamo.config.recompile_limit = 8
+        self.addCleanup(setattr, torch._dynamo.config, "recompile_limit", limit)
+
     def three_models(self):
         torch.manual_seed(0)
         qwen = Qwen2ForCausalLM(Qwen2Config(**make_model().config.to_diff_dict())).eval()

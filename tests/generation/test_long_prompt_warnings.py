@@ -60,6 +60,9 @@ class LongPromptWarningsTest(unittest.TestCase):
         for length in (70, 100):
             warnings, forwarded = self.generate(length, prefill_buckets=[16, 32])
             self.assertEqual(forwarded, length)  # not padded
+            # The static cache outgrows the positions too (never past them unless a call needs more): that is its own
+            # warning, about the cache, not the prompt.
+            warnings = [warning for warning in warnings if not warning.startswith("A call needs")]
             # One warning per prompt (before, a bucket list logged two for the same prompt), and no claim that
             # prompts this long share a length: each runs at its own.
             self.assertEqual(len(warnings), 1, warnings)
