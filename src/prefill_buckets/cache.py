@@ -331,3 +331,24 @@ def held_kv_shapes(model) -> dict[int | None, set[tuple[int, int]]]:
                 held.setdefault(layer if isinstance(layer, int) else None, set()).add(shape)
         state.held_kv_shapes = held
     return state.held_kv_shapes
+
+
+def sequence_length(input_ids, kwargs: dict) -> int:
+    """
+    The tokens the cache holds after the forward `prepare_inputs_for_generation` prepares: the tokens already in the
+    cache plus the ones this forward adds, the length upstream gives the 2D attention mask.
+    """
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.ndim == 2:
+        return mask.shape[1]
+    cache = next((kwargs[key] for key in CACHE_KWARGS if kwargs.get(key) is not None), None)
+    past_length = (cache_seq_length(cache) or 0) if cache is not None else 0
+    next_sequence_length = kwargs.get("next_sequence_length")
+    inputs_embeds = kwargs.get("inputs_embeds")
+    if next_sequence_length is not None:  # decode: the new tokens are the last ones of `input_ids`
+        return past_length + int(next_sequence_length)  # a 0-d tensor when upstream took it from a static cache
+    if inputs_embeds is not None and kwargs.get("is_first_iteration"):
+        return inputs_embeds.shape[1]
+    if input_ids.shape[1] > past_length:  # the whole sequence so far
+        return input_ids.shape[1]
+    return past_length + input_ids.shape[1]  # a later chunk of chunked prefill: only the chunk's ids

@@ -38,7 +38,7 @@ from transformers.utils import logging
 from . import _compat
 from .aot_compiled import is_aot_forward
 from .budget import restore_recompile_limit
-from .cache import CACHE_KWARGS, cache_seq_length, early_initialize, passed_cache, static_cache_length
+from .cache import cache_seq_length, early_initialize, passed_cache, sequence_length, static_cache_length
 from .compilation import EagerFallback, compiled_forward
 from .config import PREFILL_PAD_TO_MULTIPLE_OF, PREFILL_PADDING_SIDE
 from .inputs import PER_TOKEN_KWARGS, Plan
@@ -196,41 +196,20 @@ def _window_of(plan, tokens: int, cache_length: int) -> int | None:
     return window_length(tokens, cache_length) if plan.windowed_cache is not None else None
 
 
-def _sequence_length(input_ids, kwargs: dict) -> int:
-    """
-    The tokens the cache holds after the forward `prepare_inputs_for_generation` prepares: the tokens already in the
-    cache plus the ones this forward adds, the length upstream gives the 2D attention mask.
-    """
-    mask = kwargs.get("attention_mask")
-    if isinstance(mask, torch.Tensor) and mask.ndim == 2:
-        return mask.shape[1]
-    cache = next((kwargs[key] for key in CACHE_KWARGS if kwargs.get(key) is not None), None)
-    past_length = (cache_seq_length(cache) or 0) if cache is not None else 0
-    next_sequence_length = kwargs.get("next_sequence_length")
-    inputs_embeds = kwargs.get("inputs_embeds")
-    if next_sequence_length is not None:  # decode: the new tokens are the last ones of `input_ids`
-        return past_length + int(next_sequence_length)  # a 0-d tensor when upstream took it from a static cache
-    if inputs_embeds is not None and kwargs.get("is_first_iteration"):
-        return inputs_embeds.shape[1]
-    if input_ids.shape[1] > past_length:  # the whole sequence so far
-        return input_ids.shape[1]
-    return past_length + input_ids.shape[1]  # a later chunk of chunked prefill: only the chunk's ids
-
-
 @_hook
 def _prepare_inputs_for_generation(plan, original, input_ids, *args, **kwargs):
     if plan.side == "right":  # decode as upstream decodes an unpadded prompt: its graph is shared with those calls
         restore_recompile_limit(plan.recompile_limit)
         if plan.windowed_cache is not None:
-            set_window(plan.windowed_cache, _sequence_length(input_ids, kwargs))
+            set_window(plan.windowed_cache, sequence_length(input_ids, kwargs))
         return original(input_ids, *args, **kwargs)
     if kwargs.get("attention_mask") is None:
         # Upstream dropped an all-ones mask. Put it back, with the length upstream would have carried.
         kwargs["attention_mask"] = torch.ones(
-            input_ids.shape[0], _sequence_length(input_ids, kwargs), dtype=torch.long, device=input_ids.device
+            input_ids.shape[0], sequence_length(input_ids, kwargs), dtype=torch.long, device=input_ids.device
         )
     if plan.windowed_cache is not None:  # before upstream builds the 4D mask, which reads the window's length
-        set_window(plan.windowed_cache, _sequence_length(input_ids, kwargs))
+        set_window(plan.windowed_cache, sequence_length(input_ids, kwargs))
     restore_recompile_limit(plan.recompile_limit)
     token = _MATERIALIZE_SDPA_MASK.set(True)
     try:
