@@ -19,7 +19,14 @@ from prefill_buckets.compilation import GraphCounter
 
 from .test_all_outputs import assert_same
 from .test_equivalence import MODEL_SPECS, PAD, get_model, left_padded_batch, random_ids
-from .test_right_padding import SideSpy, config, run, run_bucketed, sdpa_recording_backend
+from .test_right_padding import (
+    CompiledLlamaTestCase,
+    SideSpy,
+    config,
+    run,
+    run_bucketed,
+    sdpa_recording_backend,
+)
 from .tiny_models import CACHE
 
 
@@ -243,19 +250,7 @@ class RaggedContinuationTest(unittest.TestCase):
         self.assertTrue(torch.equal(ours.sequences, theirs.sequences))
 
 
-class RaggedGraphsTest(unittest.TestCase):
-    def setUp(self):
-        torch._dynamo.reset()
-        self.addCleanup(torch._dynamo.reset)
-        self.spy = SideSpy(self)
-
-    def compiled_llama(self, backend):
-        model_class, make_config = MODEL_SPECS["llama"]
-        torch.manual_seed(0)
-        model = model_class(make_config()).eval()
-        model.compile(backend=backend, dynamic=False, fullgraph=True)
-        return model
-
+class RaggedGraphsTest(CompiledLlamaTestCase):
     def test_one_prefill_graph_per_bucket_and_batch_size(self):
         counter = GraphCounter()
         model = self.compiled_llama(counter)

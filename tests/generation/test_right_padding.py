@@ -305,7 +305,9 @@ class SideTest(unittest.TestCase):
             prefill_buckets.generate(self.model, random_ids(1, 4), prefill_buckets=[8], prefill_padding_side=1)
 
 
-class RightPaddingGraphsTest(unittest.TestCase):
+class CompiledLlamaTestCase(unittest.TestCase):
+    """A tiny Llama compiled with a given backend (`dynamic=False`, `fullgraph=True`), and a spy on the side taken."""
+
     def setUp(self):
         torch._dynamo.reset()
         self.addCleanup(torch._dynamo.reset)
@@ -318,6 +320,8 @@ class RightPaddingGraphsTest(unittest.TestCase):
         model.compile(backend=backend, dynamic=False, fullgraph=True)
         return model
 
+
+class RightPaddingGraphsTest(CompiledLlamaTestCase):
     def test_one_prefill_graph_per_bucket(self):
         reference = get_model("llama")
         counter = GraphCounter()
