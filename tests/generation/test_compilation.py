@@ -630,11 +630,9 @@ class SharedRecompileLimitTest(CompilationTestCase):
     LENGTHS = [13, 6, 3]  # one per bucket
 
     def setUp(self):
-        super().setUp()
+        super().setUp()  # restores the limit after the test
         # torch's default, as in a fresh process: bucketed calls of earlier tests raised the process-wide limit.
-        limit = torch._dynamo.config.recompile_limit
         torch._dynamo.config.recompile_limit = 8
-        self.addCleanup(setattr, torch._dynamo.config, "recompile_limit", limit)
 
     def three_models(self):
         torch.manual_seed(0)
