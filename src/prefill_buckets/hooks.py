@@ -46,7 +46,7 @@ from .padding import strip_left
 from .prefill_right import prefill_right
 from .state import LOCK, state_of
 from .views import UnpaddedCriterion, UnpaddedProcessor, UnpaddedPromptLookup
-from .windows import close_windows, open_windows, set_window, window_length, windows_between
+from .windows import close_windows, has_windows, open_windows, set_window, window_length, windows_between
 
 
 logger = logging.get_logger(__name__)
@@ -145,7 +145,7 @@ def _prepare_cache_for_generation(
     cache = passed_cache(model_kwargs)
     cache_length = cache.get_max_length() if hasattr(cache, "get_max_length") else -1
     plan.static_cache_length = cache_length
-    if cache is not None and open_windows(cache):
+    if cache is not None and open_windows(cache, getattr(model.config, "_attn_implementation", None)):
         plan.windowed_cache = cache
     # What prefill runs on: the padded prompt, or, continuing from a cache, the tokens the cache lacks.
     cached_tokens = (cache_seq_length(cache) or 0) if cache is not None else 0  # `None`: the model keeps no cache
@@ -181,7 +181,7 @@ def _prepare_cache_for_generation(
             filled += length
             shapes.add((length, _window_of(plan, filled, cache_length)))
         decode_windows = {None}
-        if plan.windowed_cache is not None:  # from the first decode step (at least) to the last
+        if has_windows(plan.windowed_cache):  # from the first decode step (at least) to the last
             first = (plan.prompt_slots if plan.side == "left" else plan.past_length) + 1
             decode_windows = windows_between(first, max(first, max_cache_length), cache_length)
         plan.expected_graphs = state_of(model).budget.account(
@@ -193,7 +193,7 @@ def _prepare_cache_for_generation(
 
 def _window_of(plan, tokens: int, cache_length: int) -> int | None:
     """The window a forward reads after which the cache holds `tokens` tokens (`None`: no windowed layers)."""
-    return window_length(tokens, cache_length) if plan.windowed_cache is not None else None
+    return window_length(tokens, cache_length) if has_windows(plan.windowed_cache) else None
 
 
 @_hook
