@@ -11,9 +11,12 @@
 # - Memory: a sliding layer's storage is its window, during the call and after it.
 # - Handed back: the layers are upstream's again, with upstream's count, and continue as upstream's would.
 
+import importlib.util
 import os
 import random
+import re
 import unittest
+from pathlib import Path
 from unittest import mock
 
 import torch
@@ -337,11 +340,11 @@ class RingGraphTest(unittest.TestCase):
             do_sample=False,
             prefill_buckets="pow2",
         )
-        compiled = prefill_buckets.precompile(model, generation_config, max_prompt_length=4 * WINDOW, progress=False)
+        compiled = prefill_buckets.precompile(model, generation_config, max_prompt_length=2 * WINDOW, progress=False)
         self.assertEqual(sum(shape.graphs for shape in compiled), counter.graphs)
         self.assertEqual(state_of(model).budget.graphs, counter.graphs)
         graphs = counter.graphs
-        for length in random.Random(2).sample(range(1, 4 * WINDOW + 1), 10):
+        for length in random.Random(2).sample(range(1, 2 * WINDOW + 1), 5):
             calls = counter.calls
             prefill_buckets.generate(model, ids(1, length), generation_config=generation_config)
             self.assertEqual(counter.calls - calls, NEW_TOKENS, "a forward ran eagerly")
@@ -409,3 +412,34 @@ class RingLayerTest(unittest.TestCase):
         SlidingWindowRing.close(ring)
         self.assertIs(type(ring), StaticSlidingWindowLayer)
         self.assertEqual(ring.cumulative_length_int, upstream.cumulative_length_int)
+
+
+class SweepTableTest(unittest.TestCase):
+    """The architecture page's sliding table (`utils/sliding_sweep.py`) says what the sweep finds: one row in CI."""
+
+    @classmethod
+    def setUpClass(cls):
+        path = Path(__file__).resolve().parents[2] / "utils" / "sliding_sweep.py"
+        spec = importlib.util.spec_from_file_location("sliding_sweep", path)
+        cls.sweep = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(cls.sweep)
+        page = (path.parents[1] / "docs" / "source" / "en" / "architectures.md").read_text(encoding="utf-8")
+        cls.rows = {
+            m.group(1): m.group(0) for m in re.finditer(r"^\| `([\w-]+)` \|.*\| (?:ring|upstream).*$", page, re.M)
+        }
+
+    def tearDown(self):
+        torch._dynamo.reset()
+
+    @parameterized.expand([("mistral",), ("gemma3_text",), ("llama4_text",), ("gpt_oss",), ("cohere2",), ("gemma2",)])
+    def test_row(self, model_type):
+        if model_type != "mistral" and os.environ.get("RUN_SLOW", "").lower() not in ("1", "true", "yes"):
+            self.skipTest("test is slow (RUN_SLOW=1 runs it)")
+        import transformers
+
+        if transformers.__version__ != "5.24.0":
+            self.skipTest("the table is of transformers 5.24.0")
+        row = self.sweep.sweep_one(model_type)
+        self.assertIn(model_type, self.rows)
+        self.assertEqual(self.sweep.markdown_table([row]).strip().splitlines()[-1], self.rows[model_type])
+        self.assertEqual((row.layers, row.tokens), ("ring", "same"))
