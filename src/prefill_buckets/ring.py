@@ -52,9 +52,15 @@ class SlidingWindowRing(_compat.StaticSlidingWindowLayer):
         new_start = (held + new - window).clamp(min=0)  # [] the position in slot 0 after this forward
         written = torch.arange(new, device=self.device) + (held - start)  # [q]
         kept = torch.arange(window, device=self.device) + (new_start - start)  # [S]
-        room = (torch.zeros_like(key_states), torch.zeros_like(value_states))  # the slots past the stored ones
-        keys = torch.cat((self.keys, room[0]), dim=-2).index_copy(2, written, key_states)  # [B, H, S + q, D]
-        values = torch.cat((self.values, room[1]), dim=-2).index_copy(2, written, value_states)
+        # The stored slots, then zeros: room for the new tokens. [B, H, S + q, D]
+        keys = torch.cat((self.keys, torch.zeros_like(key_states)), dim=-2)
+        values = torch.cat((self.values, torch.zeros_like(value_states)), dim=-2)
+        try:
+            keys.index_copy_(2, written, key_states)
+            values.index_copy_(2, written, value_states)
+        except NotImplementedError:  # devices without `index_copy_` (MPS), as upstream's layers fall back
+            keys[:, :, written] = key_states
+            values[:, :, written] = value_states
         # In place: the storage keeps its static address.
         self.keys.copy_(keys.index_select(2, kept))  # [B, H, S, D]
         self.values.copy_(values.index_select(2, kept))
