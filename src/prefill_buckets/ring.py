@@ -18,6 +18,8 @@ at the positions `held, ..., held + q - 1`:
 2. keeps the last `S` positions: slot `j` of the storage gets the slot `j + new_start - start` of what it read, where
    `new_start = max(0, held + q - S)` (a tensor offset again), and adds `q` to the count in place.
 
+A decode step copies the window twice (the read, the keep), as upstream's roll and copy do.
+
 The mask spans the `S + q` slots it reads from the position `start` (`get_mask_sizes`): a Python int, decided outside
 the compiled graph, from the tokens the cache holds after the forward (`set_tokens`, before each forward, as the
 attention windows of the full-attention layers: `windows.set_window`). Upstream's mask function applies the sliding
@@ -61,9 +63,9 @@ class SlidingWindowRing(_compat.StaticSlidingWindowLayer):
         except NotImplementedError:  # devices without `index_copy_` (MPS), as upstream's layers fall back
             keys[:, :, written] = key_states
             values[:, :, written] = value_states
-        # In place: the storage keeps its static address.
-        self.keys.copy_(keys.index_select(2, kept))  # [B, H, S, D]
-        self.values.copy_(values.index_select(2, kept))
+        # Into the storage itself (its static address), with no copy in between. [B, H, S, D]
+        torch.index_select(keys, 2, kept, out=self.keys)
+        torch.index_select(values, 2, kept, out=self.values)
         self.cumulative_length.add_(new)
         return keys, values
 
