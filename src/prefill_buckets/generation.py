@@ -1,47 +1,43 @@
-"""`generate` with bucketed prefill: resolve -> plan and pad -> upstream generate, hooked -> strip.
+"""`generate` with bucketed prefill: upstream `generate`, on the padded prompt, with the padding stripped again.
 
-Upstream `generate` does all the real work. The data flow of one bucketed call:
+Upstream `generate` does all the real work. One bucketed call, in the steps `generate` numbers:
 
-1. `settings.resolve_settings`: the bucket fields and the generation values padding depends on, resolved once.
-2. `padding_side.choose_side`: right or left padding for this call, and why (the one rule).
-   `inputs.pad_inputs` / `inputs.pad_rows`: the prompt padded to its bucket, the batch to its batch bucket; a `Plan`
-   says what was added. On the right (`inputs.plan_right`) the prompt stays unpadded: the `_prefill` hook pads it.
-3. `hooks.bucketed_call`: upstream `generate` runs on the padded inputs, with the steps that must see through the
-   padding hooked on the model instance for the duration of the call.
-4. `output.strip_output`: the added columns and rows come off what the user gets back.
+1. Resolve: the call bound as upstream's `generate` binds it, and the settings it runs with (`settings.py`).
+2. Check support: the hooked upstream steps exist (`check_upstream`), and the call is one padding can serve.
+3. Choose the side: right or left padding for this call, and why (`padding_side.py`, the one rule).
+4. Plan: the prompt padded to its bucket and the batch to its batch bucket; a `Plan` says what was added
+   (`inputs.plan_call`).
+5. Agree across ranks: steps 1 to 4 run inside `distributed.ranks_agree`, so under tensor parallelism no rank raises
+   alone while the others wait in a collective.
+6. Run upstream `generate`, with the steps that must see through the padding hooked (`hooks.bucketed_call`).
+7. Mark the cache: a later call that continues from it pads its prompt the same way (`cache.record_call`).
+8. Strip: the added columns and rows come off what the user gets back (`output.strip_output`).
 
-Steps 1 and 2 run inside `distributed.ranks_agree`: under tensor parallelism the ranks compare their calls and share
-what the checks raised before any rank goes on, so no rank raises alone while the others wait in a collective.
-
-A call without bucket fields is upstream `generate`, unchanged; this module only warns when it will recompile.
+A call without bucket fields is upstream `generate`, unchanged; this module only warns when it will recompile. A call
+that can't be bucketed runs as the user made it, after a warning that says why (`RunsUnpadded`).
 """
 
 import contextlib
 import dataclasses
 import inspect
+from collections.abc import Callable
 
 import torch
 from transformers.utils import ModelOutput, logging
 
 from . import _compat
 from .buckets import BucketPolicy
-from .budget import check_compiled
-from .cache import (
-    cache_seq_length,
-    continued_padding,
-    is_marked,
-    mark_padding,
-    mark_ragged_rows,
-    passed_cache,
-    unpadded_for_room,
-)
+from .budget import budget_of, check_compiled
+from .cache import cache_seq_length, continued_padding, holds_padding, passed_cache, record_call
 from .compilation import compiled_forward, compiled_wrapper_forward
 from .config import BUCKET_FIELDS, FIELDS, PREFILL_BUCKETS, PREFILL_PAD_TO_MULTIPLE_OF
 from .distributed import generate_call, ranks_agree
-from .hooks import active_plan, bucketed_call
-from .inputs import check_pad_token_id, pad_inputs, pad_rows, plan_right
+from .hook_registry import active_plan
+from .hooks import bucketed_call
+from .inputs import plan_call
 from .output import strip_output
 from .padding_side import choose_side
+from .plan import Plan, RunsUnpadded
 from .settings import CallSettings, resolve_settings
 from .state import state_of
 
@@ -57,11 +53,12 @@ def generate(model, *args, **kwargs):
 
     Takes exactly the arguments of `model.generate`, plus the four fields `prefill_pad_to_multiple_of`,
     `prefill_buckets`, `prefill_batch_buckets` and `prefill_padding_side` (as keyword arguments or on
-    `generation_config`). When none of the first three is set, this is upstream `generate`, unchanged. When one is set, the prompt is padded to its bucket (and the batch, with
-    `prefill_batch_buckets`, to its bucket with dummy rows): on the right, with no mask, where that is exact
-    (`prefill_padding_side`, see `padding_side.py`), else on the left with masked pad tokens; upstream `generate`
-    runs, and the padding is stripped again: the returned sequences have the shape and ids of an
-    unpadded run, and `max_new_tokens`, `max_length` and `min_length` mean what they mean without padding.
+    `generation_config`). When none of the first three is set, this is upstream `generate`, unchanged. When one is
+    set, the prompt is padded to its bucket (and the batch, with `prefill_batch_buckets`, to its bucket with dummy
+    rows): on the right, with no mask, where that is exact (`prefill_padding_side`, see `padding_side.py`), else on
+    the left with masked pad tokens; upstream `generate` runs, and the padding is stripped again: the returned
+    sequences have the shape and ids of an unpadded run, and `max_new_tokens`, `max_length` and `min_length` mean
+    what they mean without padding.
 
     Args:
         model ([`PreTrainedModel`]):
@@ -89,96 +86,93 @@ def generate(model, *args, **kwargs):
     True
     ```
     """
+    # 1. Resolve the call: bound as upstream's `generate` binds it, the bucket fields taken out.
     wrapper = model if _compat.is_compiled_wrapper(model) else None
     model = _compat.unwrap(model)  # an `OptimizedModule` hands `generate` to the module it wraps
     arguments = dict(_compat.UPSTREAM_GENERATE_SIGNATURE.bind(model, *args, **kwargs).arguments)
     arguments.pop("self")
     model_kwargs = arguments.pop("kwargs", {})
     field_kwargs = {field: model_kwargs.pop(field) for field in FIELDS if field in model_kwargs}
-    generation_config = arguments.get("generation_config")
-
     if active_plan(model) is not None:
         # Re-entered from inside a bucketed call (a model whose own `generate` calls ours): already padded.
         return UPSTREAM_GENERATE(model, **arguments, **model_kwargs)
+    continues = continued_padding(model_kwargs)  # read before the call writes the cache's record
 
-    # Under tensor parallelism every rank must make the same call, and no rank may raise alone while the others wait
-    # in a collective: the checks run inside `ranks_agree`, which compares the calls and shares any error.
-    continues = continued_padding(model_kwargs)  # read before the call marks the cache
+    # 5. Agree across ranks: steps 1 to 4 run inside it, and any error they raise is raised on every rank.
     with ranks_agree(model, *generate_call(model, arguments, model_kwargs, field_kwargs)):
-        prepared = _prepare(model, wrapper, arguments, model_kwargs, field_kwargs, generation_config)
-    if prepared[0] == "upstream":
-        _, arguments, model_kwargs, record = prepared
-        output = UPSTREAM_GENERATE(model, **arguments, **model_kwargs)
-        if record is not None:
-            record()
+        call = _prepare(model, wrapper, arguments, model_kwargs, field_kwargs)
+    if call.plan is None:
+        output = UPSTREAM_GENERATE(model, **call.arguments, **call.model_kwargs)
+        if call.after is not None:
+            call.after()
         return output
-    _, plan, arguments, model_kwargs = prepared
+
+    # 6. Run upstream `generate` on the padded inputs, hooked.
+    plan = call.plan
     compiled_wrapper = compiled_wrapper_forward(wrapper) if wrapper is not None else contextlib.nullcontext()
     try:
         with compiled_wrapper, bucketed_call(plan):
-            output = UPSTREAM_GENERATE(model, **arguments, **model_kwargs)
+            output = UPSTREAM_GENERATE(model, **call.arguments, **call.model_kwargs)
     finally:
         check_compiled(model, plan.expected_graphs)  # and says so if torch ran some of the call's forwards eagerly
-    for cache in (passed_cache(model_kwargs), passed_cache(output) if isinstance(output, ModelOutput) else None):
-        # A right-padded call leaves an unpadded cache, unless dummy rows fill it: a later call must bring them.
-        if cache is not None and (plan.side == "left" or plan.padded_batch > plan.batch_size or plan.ragged):
-            mark_padding(cache, plan.added_positions, plan.padded_batch)
-        if cache is not None and continues is None:  # a later call lines its mask up with ragged rows' layout
-            mark_ragged_rows(cache, model_kwargs["attention_mask"] if plan.ragged else None)
+
+    # 7. Mark the cache, passed in or returned, for a call that continues from it.
+    for cache in (passed_cache(call.model_kwargs), _returned_cache(output)):  # often one cache, twice: idempotent
+        if cache is not None:
+            record_call(cache, plan, call.model_kwargs.get("attention_mask"), continues=continues is not None)
+
+    # 8. Strip the padding off what the user gets back.
     return strip_output(output, plan)
 
 
-def _prepare(model, wrapper, arguments: dict, model_kwargs: dict, field_kwargs: dict, generation_config) -> tuple:
-    """
-    The checks and padding of a call: `("upstream", arguments, model_kwargs, record)` for a call upstream runs as it
-    is (`record`: what to note after it, or `None`), `("bucketed", plan, arguments, model_kwargs)` for a padded one.
-    """
-    settings = resolve_settings(model, generation_config, field_kwargs, model_kwargs)
-    continues = continued_padding(model_kwargs)
-    if settings.policy is None and continues is not None:
+@dataclasses.dataclass
+class PreparedCall:
+    """What steps 1 to 4 decided: the arguments upstream `generate` runs with, and the plan of a bucketed call."""
+
+    arguments: dict
+    model_kwargs: dict
+    plan: Plan | None = None  # `None`: upstream's call, as the user made it
+    after: Callable[[], None] | None = None  # an unbucketed call: what to record once it ran
+
+
+def _prepare(model, wrapper, arguments: dict, model_kwargs: dict, field_kwargs: dict) -> PreparedCall:
+    """Steps 1 to 4 of a call: its settings, its support, its side and its plan (see the module docstring)."""
+    # 1. Resolve the settings the call runs with.
+    settings = resolve_settings(model, arguments.get("generation_config"), field_kwargs, model_kwargs)
+    if settings.policy is None and continued_padding(model_kwargs) is not None:
         # The cache holds a bucketed call's padding: the prompt must get it too, bucket fields or not.
-        settings = _with_policy(settings, BucketPolicy(pad_to_multiple_of=1))
+        settings = dataclasses.replace(settings, policy=BucketPolicy(pad_to_multiple_of=1))
     if settings.policy is None:
-        return "upstream", arguments, model_kwargs, _warn_unbucketed(model, wrapper, settings, arguments, model_kwargs)
-
-    _compat.check_upstream(type(model))
-    skip_reason = _unsupported_reason(model, arguments, model_kwargs)
-    side = choose_side(model, settings, arguments, model_kwargs) if skip_reason is None else None
-    if skip_reason is None and side.side == "unpadded":
-        skip_reason = f"{side.reason}."
-    if skip_reason is None and side.side == "left":
-        skip_reason = _unpadded_cache_reason(model_kwargs)
-    if skip_reason is not None:
-        return _unpadded(skip_reason, arguments, model_kwargs)
-
-    if side.side == "right":
-        plan, arguments, model_kwargs = plan_right(model, settings, arguments, model_kwargs, side)
-    else:
-        plan, padded_arguments, padded_kwargs = pad_inputs(model, settings, arguments, model_kwargs)
-        room_reason = unpadded_for_room(plan, model_kwargs)
-        if room_reason is not None:
-            return _unpadded(room_reason, arguments, model_kwargs)
-        arguments, model_kwargs = padded_arguments, padded_kwargs
-    if settings.batch_policy is not None and continues is None:  # a cache's rows are fixed when it is filled
-        plan, arguments, model_kwargs = pad_rows(plan, arguments, model_kwargs)
-    model_kwargs.update(check_pad_token_id(plan, arguments))
-    return "bucketed", plan, arguments, model_kwargs
+        return PreparedCall(
+            arguments, model_kwargs, after=_warn_unbucketed(model, wrapper, settings, arguments, model_kwargs)
+        )
+    try:
+        # 2. Check support: the hooked steps of upstream `generate`, and what padding can't serve.
+        _compat.check_upstream(type(model))
+        _check_support(model, arguments, model_kwargs)
+        # 3. Choose the side.
+        side = choose_side(model, settings, arguments, model_kwargs)
+        if side.side == "unpadded":
+            raise RunsUnpadded(f"{side.reason}.")
+        if side.side == "left":
+            _check_left_cache(model_kwargs)
+        # 4. Plan: pad the prompt and the batch.
+        plan, padded_arguments, padded_kwargs = plan_call(model, settings, side, arguments, model_kwargs)
+    except RunsUnpadded as unpadded:
+        logger.warning_once(
+            f"The prefill bucket fields ({', '.join(f'`{f}`' for f in BUCKET_FIELDS)}) are ignored for this call: "
+            f"{unpadded}"
+        )
+        return PreparedCall(arguments, model_kwargs)
+    return PreparedCall(padded_arguments, padded_kwargs, plan=plan)
 
 
-def _unpadded(reason: str, arguments: dict, model_kwargs: dict) -> tuple:
-    """Upstream's call, as the user made it, after a warning (once) that says why it is not bucketed."""
-    logger.warning_once(
-        f"The prefill bucket fields ({', '.join(f'`{f}`' for f in BUCKET_FIELDS)}) are ignored for this call: {reason}"
-    )
-    return "upstream", arguments, model_kwargs, None
+def _returned_cache(output):
+    return passed_cache(output) if isinstance(output, ModelOutput) else None
 
 
-def _with_policy(settings: CallSettings, policy: BucketPolicy) -> CallSettings:
-    return dataclasses.replace(settings, policy=policy)
-
-
-def _unsupported_reason(model, arguments: dict, model_kwargs: dict) -> str | None:
-    """Why this call runs unpadded, or raises for the cases padding can't serve; `None` when it can be bucketed."""
+def _check_support(model, arguments: dict, model_kwargs: dict) -> None:
+    """Raises `ValueError` for a call padding can't serve, and `RunsUnpadded` for one it must not pad."""
     if model.config.is_encoder_decoder:
         raise ValueError(
             f"The prefill bucket fields ({', '.join(f'`{f}`' for f in BUCKET_FIELDS)}) support decoder-only models, but "
@@ -186,9 +180,9 @@ def _unsupported_reason(model, arguments: dict, model_kwargs: dict) -> str | Non
             "the tokenizer's `pad_to_multiple_of` (any side, with the attention mask), and unset the fields."
         )
     if arguments.get("custom_generate") is not None:
-        return "`custom_generate` replaces the generation loop."
+        raise RunsUnpadded("`custom_generate` replaces the generation loop.")
     if model_kwargs.get("cache_implementation") == "paged":
-        return (
+        raise RunsUnpadded(
             "`cache_implementation='paged'` switches to continuous batching, which pads by its own intervals when it "
             "compiles or captures CUDA graphs: each step's query tokens to a multiple of "
             "`ContinuousBatchingConfig.q_padding_interval_size` (64 by default) and its cache reads to "
@@ -198,24 +192,24 @@ def _unsupported_reason(model, arguments: dict, model_kwargs: dict) -> str | Non
     cache = passed_cache(model_kwargs)
     cached_tokens = cache_seq_length(cache) if cache is not None else 0
     if cached_tokens is None:
-        return (
+        raise RunsUnpadded(
             "the cache passed in has only recurrent (linear-attention) layers, which don't tell how many tokens they "
             "hold, so the prompt can't be lined up with them. Let `generate` create the cache."
         )
     if "attention_mask" not in inspect.signature(model.forward).parameters:
-        return f"{type(model).__name__}.forward takes no `attention_mask`, so padding could not be masked."
-    return None
+        raise RunsUnpadded(
+            f"{type(model).__name__}.forward takes no `attention_mask`, so padding could not be masked."
+        )
 
 
-def _unpadded_cache_reason(model_kwargs: dict) -> str | None:
-    """Why a left-padded call runs unpadded: its cache holds tokens of an unpadded call (right padding continues it)."""
+def _check_left_cache(model_kwargs: dict) -> None:
+    """Raises `RunsUnpadded` when the cache holds tokens of an unpadded call (right padding continues it, left can't)."""
     cache = passed_cache(model_kwargs)
-    if cache is not None and (cache_seq_length(cache) or 0) > 0 and not is_marked(cache):
-        return (
+    if cache is not None and (cache_seq_length(cache) or 0) > 0 and not holds_padding(cache):
+        raise RunsUnpadded(
             "the cache passed in already holds tokens from an unpadded call, so the prompt can't be padded in front "
             "of them. The call runs unpadded (exact output), and this prompt length may compile a new graph."
         )
-    return None
 
 
 def _warn_unbucketed(model, wrapper, settings: CallSettings, arguments: dict, model_kwargs: dict):
@@ -252,6 +246,6 @@ def _warn_unbucketed(model, wrapper, settings: CallSettings, arguments: dict, mo
     rows = prompt.shape[0] * settings.rows_per_prompt
 
     def record():
-        state.budget.account_unbucketed(model, rows, prompt.shape[1], _compat.previous_max_cache_length(model))
+        budget_of(model).account_unbucketed(model, rows, prompt.shape[1], _compat.previous_max_cache_length(model))
 
     return record
