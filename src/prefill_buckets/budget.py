@@ -12,10 +12,10 @@ object at the limit with other graphs than the call should have made means torch
 import threading
 from dataclasses import dataclass
 
-import torch
 from transformers.utils import logging
 
 from . import _compat
+from .config import PREFILL_BUCKETS
 
 
 logger = logging.get_logger(__name__)
@@ -29,7 +29,7 @@ _in_flight = {"graphs": 0}
 
 
 def recompile_limit() -> int:
-    return torch._dynamo.config.recompile_limit
+    return _compat.recompile_limit()
 
 
 @dataclass
@@ -81,6 +81,15 @@ class GraphBudget:
                 new.append(f"decode [{rows}, 1] with a {cache_length}-slot cache{_read(window)}")
         return new
 
+    def held_graphs(self, model) -> int:
+        """
+        The graphs torch holds on `model`'s compiled forward (this budget is its state's): those on its code objects,
+        counted as torch counts them against the limit (every model whose forward is that code). Where torch holds
+        none it can tell of, the shapes the model has needed (more than torch compiled with dynamic shapes: a limit
+        raised too far, never too little).
+        """
+        return _compat.forward_graphs(model) or self.graphs
+
     def account(
         self, model, rows: int, prefill_shapes, cache_length: int, side: str = "left", decode_windows=(None,)
     ) -> CallGraphs:
@@ -90,7 +99,7 @@ class GraphBudget:
         `check_compiled`.
         """
         with _LIMIT_LOCK:
-            held = held_graphs(model)
+            held = self.held_graphs(model)
             new = self.add(rows, prefill_shapes, cache_length, side, decode_windows)
             make_room(model, held + _in_flight["graphs"], len(new), "Bucketed calls")
             _in_flight["graphs"] += len(new)
@@ -101,10 +110,8 @@ class GraphBudget:
         An unbucketed compiled call's shapes. They share the compiled function's limit with bucketed ones, so they are
         counted, but the limit is left alone: this only warns, once, when the next new length will pass it.
         """
-        from .config import PREFILL_BUCKETS
-
         self.add(rows, ((prompt_length, None),), cache_length)
-        held = held_graphs(model)
+        held = self.held_graphs(model)
         limit = recompile_limit()
         if held + 1 >= limit and not self.warned_near_limit:
             self.warned_near_limit = True
@@ -120,17 +127,6 @@ def _read(window: int | None) -> str:
     return "" if window is None else f", reading {window} slots"
 
 
-def held_graphs(model) -> int:
-    """
-    The graphs torch holds on `model`'s compiled forward: those on its code objects, counted as torch counts them
-    against the limit (every model whose forward is that code). Where torch holds none it can tell of, the shapes the
-    model has needed (more than torch compiled with dynamic shapes: a limit raised too far, never too little).
-    """
-    from .state import state_of  # `state` holds a `GraphBudget`: imported here, not at the top
-
-    return _compat.forward_graphs(model) or state_of(model).budget.graphs
-
-
 def make_room(model, held: int, graphs: int, who: str) -> None:
     """Raises torch's recompile limits, if needed, so `model`'s forward can hold `held` graphs plus `graphs` more."""
     needed = held + graphs
@@ -138,7 +134,7 @@ def make_room(model, held: int, graphs: int, who: str) -> None:
         limit = recompile_limit()
         if needed > limit:
             raised = max(needed, 2 * limit)
-            torch._dynamo.config.recompile_limit = raised
+            _compat.set_recompile_limit(raised)
             logger.warning_once(
                 f"{who} need {needed} compiled graphs of the forward of `{model_name(model)}` (the "
                 f"graphs of every model whose forward is the same code, as torch counts them), more than torch's "
@@ -146,9 +142,9 @@ def make_room(model, held: int, graphs: int, who: str) -> None:
                 f"eagerly. Raised the limit to {raised}. To need fewer graphs: pin `max_cache_len` (one decode graph "
                 "per batch size), use fewer buckets, or call `prefill_buckets.precompile` to compile them all up front."
             )
-        accumulated = getattr(torch._dynamo.config, "accumulated_recompile_limit", None)
+        accumulated = _compat.accumulated_recompile_limit()
         if accumulated is not None and needed > accumulated:  # the cap on any one code object's graphs (256)
-            torch._dynamo.config.accumulated_recompile_limit = needed
+            _compat.set_accumulated_recompile_limit(needed)
             logger.warning_once(
                 f"Raised torch's `torch._dynamo.config.accumulated_recompile_limit` from {accumulated} to {needed}, "
                 f"the compiled graphs the forward of `{model_name(model)}` needs."
@@ -179,7 +175,7 @@ def check_compiled(model, expected: CallGraphs | None) -> None:
 
 def model_name(model) -> str:
     """The model's class, and where it was loaded from when it says."""
-    path = getattr(getattr(model, "config", None), "_name_or_path", "")
+    path = getattr(getattr(model, "config", None), "name_or_path", "")
     return f"{type(model).__name__}" + (f" ({path})" if path else "")
 
 
@@ -189,4 +185,4 @@ def restore_recompile_limit(at_least: int | None) -> None:
     every chunked prefill, which a bucketed call with `compile_config` runs.
     """
     if at_least is not None and recompile_limit() < at_least:
-        torch._dynamo.config.recompile_limit = at_least
+        _compat.set_recompile_limit(at_least)

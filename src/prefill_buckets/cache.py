@@ -31,6 +31,7 @@ from ._compat import (
     previous_max_cache_length,
     static_cache_init_shape,
     static_cache_slots,
+    submodule,
 )
 from .buckets import BucketPolicy, round_up
 from .config import PREFILL_BUCKETS
@@ -286,7 +287,7 @@ def _output_rows(projection) -> int | None:
 def _output_projection_inputs(module) -> int | None:
     """The input features of an attention module's output projection: its query heads times `head_dim`."""
     for name in _OUTPUT_PROJECTIONS:
-        projection = module._modules.get(name)
+        projection = submodule(module, name)
         weight = getattr(projection, "weight", None)
         if isinstance(weight, torch.Tensor) and weight.ndim == 2 and not hasattr(projection, "nf"):
             local = weight.to_local() if hasattr(weight, "to_local") else weight
@@ -300,13 +301,13 @@ def _module_kv_shape(module) -> tuple[int, int] | None:
     if head_dim is None:
         return None
     for name in _KEY_PROJECTIONS:
-        rows = _output_rows(module._modules.get(name))
+        rows = _output_rows(submodule(module, name))
         if rows is not None:
             return (rows // head_dim, head_dim) if rows % head_dim == 0 else None
     query_heads = _int_attribute(module, _QUERY_HEAD_COUNTS)
     query_rows = query_heads * head_dim if query_heads is not None else _output_projection_inputs(module)
     for name in _FUSED_PROJECTIONS:
-        rows = _output_rows(module._modules.get(name))
+        rows = _output_rows(submodule(module, name))
         if rows is not None and query_rows is not None:
             kv_rows = rows - query_rows  # queries first, then keys and values of one size
             if kv_rows <= 0 or kv_rows % (2 * head_dim):

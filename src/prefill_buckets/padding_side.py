@@ -226,7 +226,7 @@ def _rule(model, settings: CallSettings, arguments: dict, model_kwargs: dict) ->
         return left("there is no cache (`use_cache=False`) to write the prompt into")
     if settings.output_hidden_states or settings.output_attentions:
         return left("`output_hidden_states` and `output_attentions` return the prefill's per-position outputs")
-    attention = getattr(model.config, "_attn_implementation", None)
+    attention = _compat.attention_implementation(model.config)
     if attention not in ("sdpa", "eager"):
         return left(f"`{attention}` attention needs the attention mask with a static cache (right: sdpa and eager)")
     if "logits_to_keep" not in inspect.signature(model.forward).parameters:

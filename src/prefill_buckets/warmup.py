@@ -10,14 +10,16 @@ from transformers import GenerationConfig
 from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS
 from transformers.utils import logging
 
+from . import _compat
 from ._compat import graphs_compiled
 from .buckets import BucketPolicy
-from .budget import held_graphs, make_room
+from .budget import make_room
 from .cache import pinned_cache_length
 from .config import PREFILL_BUCKETS, PREFILL_PAD_TO_MULTIPLE_OF
 from .generation import generate
 from .inputs import capped_bucket
 from .settings import resolve_fields, resolve_settings
+from .state import state_of
 from .windows import decode_warmups
 
 
@@ -140,7 +142,7 @@ def precompile(
             )
         min_prompt_length, max_prompt_length = min(lengths), max(lengths)
     wrapper = model
-    module = getattr(model, "_orig_mod", model)
+    module = _compat.unwrap(model)
     generation_config = copy.deepcopy(generation_config if generation_config is not None else module.generation_config)
     fields = resolve_fields(module, generation_config, {})
     settings = resolve_settings(module, generation_config, {}, {})
@@ -205,7 +207,7 @@ def precompile(
     window_graphs = sum(len(warmups(length)) - 1 for length in lengths)  # the decode windows past the first
     make_room(
         module,
-        held_graphs(module),
+        state_of(module).budget.held_graphs(module),
         len(set(batch_sizes)) * (len(lengths) + 1 + window_graphs) + left_graphs,
         "precompile's calls",
     )
@@ -232,12 +234,14 @@ def precompile(
             # graph per bucket; decode shares the graph), warm that one too, with a last row one token shorter.
             attention_mask[-1, 0] = 0
             generate(wrapper, input_ids, attention_mask=attention_mask, generation_config=generation_config)
-        cache_length = getattr(module, "_previous_max_cache_length", None)
+        cache_length = _compat.previous_max_cache_length(module)
         compiled.append(
             CompiledShape(
                 batch_size=batch_size,
                 prompt_length=length,
-                cache_length=cache_length if cache_implementation in ALL_STATIC_CACHE_IMPLEMENTATIONS else None,
+                cache_length=cache_length
+                if cache_implementation in ALL_STATIC_CACHE_IMPLEMENTATIONS and cache_length >= 0
+                else None,
                 graphs=graphs_compiled() - graphs_before,
                 seconds=time.perf_counter() - start,
             )
