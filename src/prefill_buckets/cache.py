@@ -33,7 +33,7 @@ from ._compat import (
     static_cache_slots,
     submodule,
 )
-from .buckets import BucketPolicy, round_up
+from .buckets import BucketPolicy, is_positive_int, round_up
 from .config import PREFILL_BUCKETS
 from .settings import CallSettings
 from .state import state_of
@@ -176,9 +176,17 @@ def unpadded_for_room(plan, model_kwargs: dict) -> str | None:
     return None
 
 
+def cache_argument(kwargs: dict) -> tuple[str | None, object]:
+    """
+    `(name, value)` of the cache a call's keyword arguments pass (to `generate` or a forward, or in what `generate`
+    returns): the first of `CACHE_KWARGS` that is set, whatever it holds. `(None, None)` when none is.
+    """
+    return next(((key, kwargs[key]) for key in CACHE_KWARGS if kwargs.get(key) is not None), (None, None))
+
+
 def passed_cache(model_kwargs: dict):
     """The cache passed to (or returned by) `generate`, or to a forward, when it is a cache object."""
-    cache = next((model_kwargs[key] for key in CACHE_KWARGS if model_kwargs.get(key) is not None), None)
+    _, cache = cache_argument(model_kwargs)
     return cache if hasattr(cache, "get_seq_length") else None
 
 
@@ -268,7 +276,7 @@ _KV_HEAD_COUNTS = ("num_key_value_heads", "num_kv_heads", "kv_heads", "n_kv_head
 def _int_attribute(module, names) -> int | None:
     for name in names:
         value = module.__dict__.get(name)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        if is_positive_int(value):
             return value
     return None
 
@@ -342,7 +350,7 @@ def sequence_length(input_ids, kwargs: dict) -> int:
     mask = kwargs.get("attention_mask")
     if isinstance(mask, torch.Tensor) and mask.ndim == 2:
         return mask.shape[1]
-    cache = next((kwargs[key] for key in CACHE_KWARGS if kwargs.get(key) is not None), None)
+    _, cache = cache_argument(kwargs)
     past_length = (cache_seq_length(cache) or 0) if cache is not None else 0
     next_sequence_length = kwargs.get("next_sequence_length")
     inputs_embeds = kwargs.get("inputs_embeds")

@@ -7,7 +7,7 @@ import torch
 from transformers.utils import logging
 
 from . import _compat
-from .cache import CACHE_KWARGS
+from .cache import cache_argument
 from .state import LOCK, state_of
 
 
@@ -143,7 +143,7 @@ class EagerFallback:
             return self.eager(*args, **kwargs)
         cache = before = None
         if signature not in state["compiled"]:  # a new shape: a graph is compiled before it runs
-            cache = next((kwargs[key] for key in CACHE_KWARGS if kwargs.get(key) is not None), None)
+            _, cache = cache_argument(kwargs)
             before = _cache_counters(cache)
         try:
             output = self.compiled(*args, **kwargs)

@@ -17,6 +17,7 @@ import transformers
 from transformers.utils import logging
 
 from . import _compat, aot_compiled
+from .buckets import check_positive_int
 
 
 logger = logging.get_logger(__name__)
@@ -165,8 +166,7 @@ def load_compile_cache(path: str | os.PathLike, sha256: str | None = None, max_b
         sha256 = sha256.lower() if isinstance(sha256, str) else sha256
         if not isinstance(sha256, str) or len(sha256) != 64 or not set(sha256) <= _SHA256_HEX:
             raise ValueError(f"`sha256` must be a SHA-256 hex digest (64 hexadecimal digits), but is {sha256!r}.")
-    if not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes < 1:
-        raise ValueError(f"`max_bytes` must be a positive integer, but is {max_bytes!r}.")
+    check_positive_int(max_bytes, "max_bytes")
     try:
         data = _read(path, sha256, max_bytes)
         artifacts, kernels, forwards = _unpack(data, max_bytes)

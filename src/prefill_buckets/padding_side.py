@@ -30,7 +30,7 @@ from transformers.utils import logging
 from . import _compat
 from .cache import cache_seq_length, continued_padding, passed_cache, ragged_rows_mask
 from .config import PREFILL_PADDING_SIDE
-from .settings import CallSettings
+from .settings import CallSettings, prompt_rows
 from .side_assumptions import side_assumption_broken
 from .state import state_of
 
@@ -85,9 +85,7 @@ class _Call:
 
     @cached_property
     def rows(self) -> int:
-        if self.prompt is not None:
-            return self.prompt.shape[0]
-        return next((v.shape[0] for v in self.model_kwargs.values() if isinstance(v, torch.Tensor)), 1)
+        return self.prompt.shape[0] if self.prompt is not None else prompt_rows(self.model_kwargs)
 
     @cached_property
     def past_length(self) -> int:

@@ -12,7 +12,7 @@ from transformers.utils import logging
 
 from . import _compat
 from ._compat import graphs_compiled
-from .buckets import BucketPolicy
+from .buckets import BucketPolicy, check_positive_int, is_positive_int
 from .budget import make_room
 from .cache import pinned_cache_length
 from .config import PREFILL_BUCKETS, PREFILL_PAD_TO_MULTIPLE_OF
@@ -134,7 +134,7 @@ def precompile(
                 "`min_prompt_length` / `max_prompt_length`, not both."
             )
         lengths = list(prompt_lengths)
-        bad = [n for n in lengths if not isinstance(n, int) or isinstance(n, bool) or n < 1]
+        bad = [n for n in lengths if not is_positive_int(n)]
         if not lengths or bad:
             raise ValueError(
                 f"`prompt_lengths` must be a non-empty sample of positive integers (prompt lengths in tokens), but "
@@ -159,17 +159,15 @@ def precompile(
                 "prompt your calls will send."
             )
         max_prompt_length = policy.largest_bucket
-    if not isinstance(max_prompt_length, int) or isinstance(max_prompt_length, bool) or max_prompt_length < 1:
-        raise ValueError(f"`max_prompt_length` must be a positive integer, but is {max_prompt_length!r}.")
+    check_positive_int(max_prompt_length, "max_prompt_length")
     if min_prompt_length is not None:
-        if not isinstance(min_prompt_length, int) or isinstance(min_prompt_length, bool) or min_prompt_length < 1:
-            raise ValueError(f"`min_prompt_length` must be a positive integer, but is {min_prompt_length!r}.")
+        check_positive_int(min_prompt_length, "min_prompt_length")
         if min_prompt_length > max_prompt_length:
             raise ValueError(
                 f"`min_prompt_length` ({min_prompt_length}) must not be larger than `max_prompt_length` "
                 f"({max_prompt_length})."
             )
-    if not batch_sizes or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in batch_sizes):
+    if not batch_sizes or not all(is_positive_int(b) for b in batch_sizes):
         raise ValueError(f"`batch_sizes` must be a non-empty list of positive integers, but is {batch_sizes!r}.")
 
     batch_policy = settings.batch_policy
