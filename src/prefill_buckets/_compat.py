@@ -398,9 +398,14 @@ def forward_graphs(model) -> int:
     return max((len(entries(code)) for code in codes), default=0)
 
 
+def compile_counters():
+    """dynamo's counters for this process, by kind (`"stats"`, `"graph_break"`, `"inductor"`): `.clear()` resets them."""
+    return torch._dynamo.utils.counters
+
+
 def graphs_compiled() -> int:
     """The graphs dynamo has compiled in this process so far (every frame, every model)."""
-    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    return compile_counters()["stats"]["unique_graphs"]
 
 
 def eager_callable(compiled):
