@@ -1,7 +1,5 @@
 """Bucketed prefill for 🤗 Transformers `generate`: a bounded number of compiled graphs for any prompt length."""
 
-__version__ = "0.1.0"
-
 from .aot_compiled import aot_forward
 from .buckets import BucketPolicy, WasteReport, padding_waste, suggest_buckets
 from .compile_cache import CompileCacheFile, load_compile_cache, save_compile_cache
@@ -9,6 +7,7 @@ from .config import FIELDS, PREFILL_BATCH_BUCKETS, PREFILL_BUCKETS, PREFILL_PAD_
 from .custom_generate import save_custom_generate
 from .generation import generate
 from .patch import disable, enable, is_enabled
+from .version import __version__  # noqa: F401
 from .warmup import CompiledShape, precompile
 
 

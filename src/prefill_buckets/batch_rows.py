@@ -10,7 +10,8 @@ from transformers.generation.stopping_criteria import StoppingCriteriaList
 from transformers.utils import logging
 
 from .config import PREFILL_BATCH_BUCKETS
-from .plan import PER_TOKEN_KWARGS, Plan, fill_embedding
+from .padding import fill_embedding
+from .plan import PER_TOKEN_KWARGS, Plan
 from .views import DummyRowsFinished, PromptStrippingStreamer
 
 
@@ -110,7 +111,7 @@ def pad_rows(plan: Plan, arguments: dict, model_kwargs: dict):
         model_kwargs["input_ids"] = input_ids.new_empty(padded_batch, 0)
     if model_kwargs.get("inputs_embeds") is not None:
         embeds = model_kwargs["inputs_embeds"]
-        fill = fill_embedding(model, fill_token_id, embeds)
+        fill = fill_embedding(model.get_input_embeddings(), fill_token_id, embeds)
         model_kwargs["inputs_embeds"] = torch.cat([embeds, fill.expand(extra, *embeds.shape[1:])])
     for key in PER_TOKEN_KWARGS:
         value = model_kwargs.get(key)

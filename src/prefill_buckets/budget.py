@@ -14,7 +14,6 @@ that is said too.
 import threading
 from dataclasses import dataclass
 
-import torch
 from transformers.utils import logging
 
 from . import _compat
@@ -30,7 +29,7 @@ _LIMIT_LOCK = threading.RLock()
 
 
 def recompile_limit() -> int:
-    return torch._dynamo.config.recompile_limit
+    return _compat.recompile_limit()
 
 
 @dataclass
@@ -82,6 +81,15 @@ class GraphBudget:
                 new.append(f"decode [{rows}, 1] with a {cache_length}-slot cache{_read(window)}")
         return new
 
+    def held_graphs(self, model) -> int:
+        """
+        The graphs torch holds on `model`'s compiled forward (this budget is its state's): those on its code objects,
+        counted as torch counts them against the limit (every model whose forward is that code). Where torch holds
+        none it can tell of, the shapes the model has needed (more than torch compiled with dynamic shapes: a limit
+        raised too far, never too little).
+        """
+        return _compat.forward_graphs(model) or self.graphs
+
     def account(
         self, model, rows: int, prefill_shapes, cache_length: int, side: str = "left", decode_windows=(None,)
     ) -> CallGraphs:
@@ -91,7 +99,7 @@ class GraphBudget:
         `check_compiled`.
         """
         with _LIMIT_LOCK:
-            held = held_graphs(model)
+            held = self.held_graphs(model)
             new = self.add(rows, prefill_shapes, cache_length, side, decode_windows)
             # New graphs of calls still running, which torch's count may not hold yet: concurrent calls, on one model
             # or several, make room for each other's too.
@@ -105,7 +113,7 @@ class GraphBudget:
         counted, but the limit is left alone: this only warns, once, when the next new length will pass it.
         """
         self.add(rows, ((prompt_length, None),), cache_length)
-        held = held_graphs(model)
+        held = self.held_graphs(model)
         limit = recompile_limit()
         if held + 1 >= limit and not self.warned_near_limit:
             self.warned_near_limit = True
@@ -119,15 +127,6 @@ class GraphBudget:
 
 def _read(window: int | None) -> str:
     return "" if window is None else f", reading {window} slots"
-
-
-def held_graphs(model) -> int:
-    """
-    The graphs torch holds on `model`'s compiled forward: those on its code objects, counted as torch counts them
-    against the limit (every model whose forward is that code). Where torch holds none it can tell of, the shapes the
-    model has needed (more than torch compiled with dynamic shapes: a limit raised too far, never too little).
-    """
-    return _compat.forward_graphs(model) or budget_of(model).graphs
 
 
 def budget_of(model) -> "GraphBudget":
@@ -164,11 +163,13 @@ def make_room(model, held: int, graphs: int, who: str) -> None:
             PROCESS.raised_recompile_limit = (user_limit, raised)
         if needed > limit:
             _save_user_recompile_limits()
-            torch._dynamo.config.recompile_limit = PROCESS.recompile_limit_set = raised
-        accumulated = getattr(torch._dynamo.config, "accumulated_recompile_limit", None)
+            PROCESS.recompile_limit_set = raised
+            _compat.set_recompile_limit(raised)
+        accumulated = _compat.accumulated_recompile_limit()
         if accumulated is not None and needed > accumulated:  # the cap on any one code object's graphs (256)
             _save_user_recompile_limits()
-            torch._dynamo.config.accumulated_recompile_limit = PROCESS.accumulated_recompile_limit_set = needed
+            PROCESS.accumulated_recompile_limit_set = needed
+            _compat.set_accumulated_recompile_limit(needed)
             logger.warning_once(
                 f"Raised torch's `torch._dynamo.config.accumulated_recompile_limit` from {accumulated} to {needed}, "
                 f"the compiled graphs the forward of `{model_name(model)}` needs."
@@ -199,7 +200,7 @@ def check_compiled(model, expected: CallGraphs | None) -> None:
 
 def model_name(model) -> str:
     """The model's class, and where it was loaded from when it says."""
-    path = getattr(getattr(model, "config", None), "_name_or_path", "")
+    path = getattr(getattr(model, "config", None), "name_or_path", "")
     return f"{type(model).__name__}" + (f" ({path})" if path else "")
 
 
@@ -209,14 +210,14 @@ def restore_recompile_limit(at_least: int | None) -> None:
     every chunked prefill, which a bucketed call with `compile_config` runs.
     """
     if at_least is not None and recompile_limit() < at_least:
-        torch._dynamo.config.recompile_limit = at_least
+        _compat.set_recompile_limit(at_least)
 
 
 def _save_user_recompile_limits() -> None:
     if PROCESS.saved_recompile_limits is None:
         PROCESS.saved_recompile_limits = (
             recompile_limit(),
-            getattr(torch._dynamo.config, "accumulated_recompile_limit", None),
+            _compat.accumulated_recompile_limit(),
         )
 
 
@@ -232,8 +233,8 @@ def restore_user_recompile_limits() -> None:
             return
         limit, accumulated = saved
         if recompile_limit() == PROCESS.recompile_limit_set:
-            torch._dynamo.config.recompile_limit = limit
-        current = getattr(torch._dynamo.config, "accumulated_recompile_limit", None)
+            _compat.set_recompile_limit(limit)
+        current = _compat.accumulated_recompile_limit()
         if accumulated is not None and current == PROCESS.accumulated_recompile_limit_set:
-            torch._dynamo.config.accumulated_recompile_limit = accumulated
+            _compat.set_accumulated_recompile_limit(accumulated)
         PROCESS.recompile_limit_set = PROCESS.accumulated_recompile_limit_set = None

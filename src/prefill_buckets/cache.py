@@ -33,8 +33,9 @@ from ._compat import (
     previous_max_cache_length,
     static_cache_init_shape,
     static_cache_slots,
+    submodule,
 )
-from .buckets import BucketPolicy, round_up
+from .buckets import BucketPolicy, is_positive_int, round_up
 from .config import PREFILL_BUCKETS
 from .settings import CallSettings
 from .state import state_of
@@ -172,15 +173,18 @@ def unpadded_for_room(plan, model_kwargs: dict) -> str | None:
     return None
 
 
-def find_cache(model_kwargs: dict) -> tuple[str, object] | None:
-    """`(key, cache)` of the cache in `model_kwargs` (a `generate` call's, a forward's, or an output), or `None`."""
-    return next(((key, model_kwargs[key]) for key in CACHE_KWARGS if model_kwargs.get(key) is not None), None)
+def cache_argument(kwargs: dict) -> tuple[str | None, object]:
+    """
+    `(name, value)` of the cache a call's keyword arguments pass (to `generate` or a forward, or in what `generate`
+    returns): the first of `CACHE_KWARGS` that is set, whatever it holds. `(None, None)` when none is.
+    """
+    return next(((key, kwargs[key]) for key in CACHE_KWARGS if kwargs.get(key) is not None), (None, None))
 
 
 def passed_cache(model_kwargs: dict):
     """The cache passed to (or returned by) `generate`, or to a forward, when it is a cache object."""
-    found = find_cache(model_kwargs)
-    return found[1] if found is not None and hasattr(found[1], "get_seq_length") else None
+    _, cache = cache_argument(model_kwargs)
+    return cache if hasattr(cache, "get_seq_length") else None
 
 
 def cache_seq_length(cache) -> int | None:
@@ -304,7 +308,7 @@ _KV_HEAD_COUNTS = ("num_key_value_heads", "num_kv_heads", "kv_heads", "n_kv_head
 def _int_attribute(module, names) -> int | None:
     for name in names:
         value = module.__dict__.get(name)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        if is_positive_int(value):
             return value
     return None
 
@@ -323,7 +327,7 @@ def _output_rows(projection) -> int | None:
 def _output_projection_inputs(module) -> int | None:
     """The input features of an attention module's output projection: its query heads times `head_dim`."""
     for name in _OUTPUT_PROJECTIONS:
-        projection = module._modules.get(name)
+        projection = submodule(module, name)
         weight = getattr(projection, "weight", None)
         if isinstance(weight, torch.Tensor) and weight.ndim == 2 and not hasattr(projection, "nf"):
             local = weight.to_local() if hasattr(weight, "to_local") else weight
@@ -337,13 +341,13 @@ def _module_kv_shape(module) -> tuple[int, int] | None:
     if head_dim is None:
         return None
     for name in _KEY_PROJECTIONS:
-        rows = _output_rows(module._modules.get(name))
+        rows = _output_rows(submodule(module, name))
         if rows is not None:
             return (rows // head_dim, head_dim) if rows % head_dim == 0 else None
     query_heads = _int_attribute(module, _QUERY_HEAD_COUNTS)
     query_rows = query_heads * head_dim if query_heads is not None else _output_projection_inputs(module)
     for name in _FUSED_PROJECTIONS:
-        rows = _output_rows(module._modules.get(name))
+        rows = _output_rows(submodule(module, name))
         if rows is not None and query_rows is not None:
             kv_rows = rows - query_rows  # queries first, then keys and values of one size
             if kv_rows <= 0 or kv_rows % (2 * head_dim):
@@ -378,8 +382,8 @@ def sequence_length(input_ids, kwargs: dict) -> int:
     mask = kwargs.get("attention_mask")
     if isinstance(mask, torch.Tensor) and mask.ndim == 2:
         return mask.shape[1]
-    found = find_cache(kwargs)
-    past_length = (cache_seq_length(found[1]) or 0) if found is not None else 0
+    _, cache = cache_argument(kwargs)
+    past_length = (cache_seq_length(cache) or 0) if cache is not None else 0
     next_sequence_length = kwargs.get("next_sequence_length")
     inputs_embeds = kwargs.get("inputs_embeds")
     if next_sequence_length is not None:  # decode: the new tokens are the last ones of `input_ids`

@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from . import benchmark, env, generate
+from . import _compat, benchmark, env, generate
 from .buckets import next_power_of_two
 from .compilation import GraphCounter
 from .testing_utils import tiny_llama
@@ -52,7 +52,7 @@ def demo_rows(lengths=DEMO_LENGTHS, new_tokens: int = 4, backend: str = "eager")
     }
     rows = []
     for name, fields in strategies.items():
-        torch._dynamo.reset()  # each strategy from no graphs (bucketed calls put torch's limit back when they end)
+        _compat.reset_compiled()  # each strategy from no graphs (bucketed calls put torch's limit back when they end)
         model = tiny_llama()
         counter = GraphCounter(backend)
         model.compile(backend=counter, dynamic=False)
@@ -76,7 +76,7 @@ def demo(args) -> int:
         print(f"{name:<48} {graphs:>6} {calls:>15} {fallbacks:>16} {str(equal):>16}")
     print(
         "\nEach forward is one compiled call when it runs compiled; past torch's recompile limit "
-        f"({torch._dynamo.config.recompile_limit} graphs per function) the rest run eagerly: the 'eager fallbacks'. "
+        f"({_compat.recompile_limit()} graphs per function) the rest run eagerly: the 'eager fallbacks'. "
         "With buckets set, the graphs are bounded, and when they need more than the limit it is raised (with a "
         "warning), so they never fall back."
     )

@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 from transformers.utils import ModelOutput, logging
 
-from . import _compat
+from . import _compat, support
 from .buckets import BucketPolicy
 from .budget import budget_of, check_compiled
 from .cache import cache_seq_length, continued_padding, holds_padding, passed_cache, record_call
@@ -148,7 +148,7 @@ def _prepare(model, wrapper, arguments: dict, model_kwargs: dict, field_kwargs: 
         )
     try:
         # 2. Check support: the hooked steps of upstream `generate`, and what padding can't serve.
-        _compat.check_upstream(type(model))
+        support.check_upstream(type(model), generate=generate)
         _check_support(model, arguments, model_kwargs)
         # 3. Choose the side.
         side = choose_side(model, settings, arguments, model_kwargs)

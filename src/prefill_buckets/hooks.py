@@ -37,7 +37,7 @@ from .budget import budget_of, restore_recompile_limit, restore_user_recompile_l
 from .cache import cache_seq_length, early_initialize, passed_cache, sequence_length, static_cache_length
 from .compilation import EagerFallback, compiled_forward
 from .config import PREFILL_PAD_TO_MULTIPLE_OF, PREFILL_PADDING_SIDE
-from .hook_registry import _ACTIVE_PLAN, HOOKS, hook, make_hooked
+from .hook_registry import _ACTIVE_PLAN, HOOKS, hook, hook_targets, make_hooked
 from .padding import strip_left
 from .plan import PER_TOKEN_KWARGS
 from .state import LOCK, PROCESS, state_of
@@ -45,6 +45,8 @@ from .windows import close_windows, open_windows, set_window, window_length, win
 
 
 logger = logging.get_logger(__name__)
+
+__all__ = ["HOOKS", "bucketed_call", "hook_targets"]  # with every hook declared: this module imports them all
 
 # True while a bucketed call builds its 4D masks: the mask is then always a tensor, never SDPA's `is_causal` skip.
 _MATERIALIZE_SDPA_MASK: contextvars.ContextVar[bool] = contextvars.ContextVar("prefill_buckets_mask", default=False)
@@ -155,7 +157,7 @@ def _prepare_cache_for_generation(plan, step):
             first = (plan.prompt_slots if plan.right is None else plan.right.past_length) + 1
             decode_windows = windows_between(first, max(first, max_cache_length), cache_length)
         plan.expected_graphs = budget_of(model).account(model, rows, shapes, cache_length, plan.side, decode_windows)
-    plan.recompile_limit = torch._dynamo.config.recompile_limit
+    plan.recompile_limit = _compat.recompile_limit()
     return result
 
 
@@ -260,7 +262,7 @@ def _install_fallbacks(model) -> dict:
     impl = _compat.compiled_call_impl(model)
     if impl is not None and not isinstance(impl, EagerFallback):
         replaced["_compiled_call_impl"] = impl
-        _compat.set_compiled_call_impl(model, EagerFallback(model, impl, model._call_impl))
+        _compat.set_compiled_call_impl(model, EagerFallback(model, impl, _compat.call_impl(model)))
     forward = model.__dict__.get("forward")
     eager_forward = _compat.eager_callable(forward)
     if eager_forward is not None and not isinstance(forward, EagerFallback):

@@ -13,9 +13,9 @@ from transformers.utils import logging
 from .batch_rows import check_pad_token_id, pad_rows
 from .cache import continued_padding, passed_cache, ragged_rows_mask, unpadded_for_room
 from .config import PREFILL_BATCH_BUCKETS, PREFILL_BUCKETS, PREFILL_PAD_TO_MULTIPLE_OF
-from .padding import left_pad
-from .plan import PER_TOKEN_KWARGS, Plan, RightPadding, RunsUnpadded, fill_embedding
-from .settings import CallSettings
+from .padding import fill_embedding, left_pad
+from .plan import PER_TOKEN_KWARGS, Plan, RightPadding, RunsUnpadded
+from .settings import CallSettings, bos_prompt
 from .views import PromptStrippingStreamer
 
 
@@ -45,14 +45,6 @@ def plan_call(model, settings: CallSettings, side, arguments: dict, model_kwargs
         plan, arguments, model_kwargs = pad_rows(plan, arguments, model_kwargs)
     model_kwargs.update(check_pad_token_id(plan, arguments))
     return plan, arguments, model_kwargs
-
-
-def _bos_prompt(model, settings: CallSettings, model_kwargs: dict) -> torch.Tensor:
-    """The prompt upstream starts from when none is passed: a lone BOS token per row, `[rows, 1]`."""
-    if settings.bos_token_id is None:
-        raise ValueError("`bos_token_id` has to be defined when no `input_ids` are provided.")
-    rows = next((v.shape[0] for v in model_kwargs.values() if isinstance(v, torch.Tensor)), 1)
-    return torch.full((rows, 1), settings.bos_token_id, dtype=torch.long, device=model.device)
 
 
 def capped_bucket(settings: CallSettings, prompt_length: int, warn: bool = True) -> int:
@@ -148,7 +140,7 @@ def _pad_prompt(model, settings: CallSettings, arguments: dict, model_kwargs: di
             )
         prompt_length = input_ids.shape[1]
     else:  # upstream starts from a lone BOS token: one token, one bucket
-        input_ids = _bos_prompt(model, settings, model_kwargs)
+        input_ids = bos_prompt(model, settings, model_kwargs)
         prompt_length = 1
     if prompt_length == 0:
         raise ValueError(
@@ -205,7 +197,7 @@ def _pad_prompt(model, settings: CallSettings, arguments: dict, model_kwargs: di
             )
         model_kwargs["input_ids"] = input_ids
     if inputs_embeds is not None:
-        fill = fill_embedding(model, fill_token_id, inputs_embeds)
+        fill = fill_embedding(model.get_input_embeddings(), fill_token_id, inputs_embeds)
         model_kwargs["inputs_embeds"] = left_pad(inputs_embeds, added_positions, fill, dim=1)
 
     for key, fill in PER_TOKEN_KWARGS.items():
@@ -263,7 +255,7 @@ def _plan_right(model, settings: CallSettings, arguments: dict, model_kwargs: di
     input_ids = input_ids if input_ids is not None else model_kwargs.get("input_ids")
     inputs_embeds = model_kwargs.get("inputs_embeds")
     if input_ids is None and inputs_embeds is None:  # upstream would start from a lone BOS token: made here, as left
-        input_ids = model_kwargs["input_ids"] = _bos_prompt(model, settings, model_kwargs)
+        input_ids = model_kwargs["input_ids"] = bos_prompt(model, settings, model_kwargs)
     if inputs_embeds is None and input_ids.dtype in (torch.long, torch.int):
         check_ids_in_vocabulary(settings, input_ids)
     prompt = inputs_embeds if inputs_embeds is not None else input_ids

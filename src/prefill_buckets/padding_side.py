@@ -5,41 +5,24 @@ upstream runs an unpadded prompt), the first new token comes from the logits at 
 decode starts at the prompt's length, overwriting the pad slots of the static cache one by one (the causal mask hides
 those not yet written). Rows of different lengths (a batch the tokenizer padded on the left) are padded each after its
 own end, and decode masks each row's pad slots (`prefill_right.py`). That is exact only where every layer can forget
-the pads and each row's positions follow its tokens. Where it is not, the call is left-padded (masked), as before. The
-cases, and why:
+the pads and each row's positions follow its tokens. Where it is not, the call is left-padded (masked), as before.
 
-| case | side | why |
-|---|---|---|
-| `prefill_padding_side="left"` | left | asked for |
-| assisted or prompt-lookup decoding | left | upstream runs the prompt together with the first candidates |
-| chunked prefill (`prefill_chunk_size`) | left | the user bounds the prefill's memory; one bucket-long forward ignores it |
-| no cache (`use_cache=False`) or a dynamic cache | left | a dynamic cache is not compiled: no graph to share |
-| `output_hidden_states`, `output_attentions` | left | per-position prefill outputs (the left path strips them) |
-| attention other than sdpa and eager | left | flash and flex attention with a static cache need the 2D mask |
-| a forward without `logits_to_keep` | left | it would compute logits for every pad position |
-| recurrent, convolutional or chunked-attention layers | left | the pads would run through their state |
-| a sliding window shorter than the cached tokens plus the bucket | left | the ring buffer would drop real tokens |
-| rows of different lengths padded on the right, with zeros between tokens, or an empty row | left | upstream reads a short right-padded row's first token at a pad: only its mask gives that |
-| rows of different lengths with a sliding window, continuing a cache, or a forward without `position_ids` | left | the window counts slots; the cache's rows need the mask; positions must follow each row |
-| a cache filled by a left-padded call, or by rows of different lengths | left | the prompt must line up with the padding in the cache |
-| `inputs_embeds` continuing from a cache, other per-token or multimodal inputs | left | not padded on the right |
-| pad positions past `max_position_embeddings` | left | the model has no such positions |
-| attention that is not causal (`is_decoder=False`, as BERT-style models) | left | the prompt would attend to the pads |
-| everything else: beam search, `num_return_sequences`, streamers, scores, lengths, a continued conversation, `inputs_embeds`, `prefill_batch_buckets` | right | exact (tested) |
-| rows of different lengths, left-padded (each row's mask zeros then ones; passed, or inferred from pad tokens) | right | each row after its own end, first tokens gathered per row (tested) |
+The rule is data: `RULE`, its cases in the order they are checked, the first that applies deciding. This table is
+made from it (`rule_table`), and the guide shows the same one (a test checks it):
+
+{rule_table}
 
 With `"auto"` (the default) the rule picks; an explicit `"right"` where the rule says left logs the reason, once, and
 pads on the left: never silently wrong.
 
-Each side also assumes something of the model (`SIDE_ASSUMPTIONS`, checked in order): right padding needs causal
-attention, left padding a model that takes its positions from `position_ids` or the mask (a forward without
-`position_ids` but with a positional or rotary embedding module, as TrOCR, ProphetNet and the BART-family decoders,
-counts positions from the cache length, so pads in front would shift them; recurrent and ALiBi models have none). Where the rule says left and the model can't take left padding either, the call runs unpadded,
-exact, and the package logs why, once.
+Each side also assumes something of the model (`side_assumptions.SIDE_ASSUMPTIONS`): where the rule says left and the
+model can't take left padding either, the call runs unpadded, exact, and the package logs why, once.
 """
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from transformers.utils import logging
@@ -47,7 +30,8 @@ from transformers.utils import logging
 from . import _compat
 from .cache import cache_seq_length, continued_padding, passed_cache, ragged_rows_mask
 from .config import PREFILL_PADDING_SIDE
-from .settings import CallSettings, max_positions
+from .settings import CallSettings, prompt_rows
+from .side_assumptions import side_assumption_broken
 from .state import state_of
 
 
@@ -67,127 +51,6 @@ class PaddingSide:
     past_length: int = 0  # right: the tokens the cache already holds
 
 
-def _attention_is_bidirectional(model) -> bool:
-    """
-    BERT-style models attend both ways unless `is_decoder` is set. Other configs carry `is_decoder=False` too (GPT-NeoX),
-    with attention modules that say they are causal: those count as causal.
-    """
-    config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
-    if getattr(config, "is_decoder", None) is not False:
-        return False
-    return not any(module.__dict__.get("is_causal") is True for module in model.modules())
-
-
-def _positions_from_the_mask(model) -> bool:
-    """
-    No `position_ids` and no `max_position_embeddings`: positions are ALiBi biases built from the attention mask
-    (BLOOM), which the right-padded prefill leaves out (on transformers 5.17 BLOOM then fails), or there are none.
-    """
-    return "position_ids" not in inspect.signature(model.forward).parameters and max_positions(model) is None
-
-
-def _positions_count_from_the_cache(model) -> bool:
-    """No `position_ids`, but position embeddings (learned, sinusoidal or rotary): counted from the cache length."""
-    if "position_ids" in inspect.signature(model.forward).parameters:
-        return False
-    return any(
-        "Positional" in type(module).__name__ or "Rotary" in type(module).__name__ for module in model.modules()
-    )
-
-
-# Models whose forward takes an attention mask and ignores it: pads in front would run through them.
-MASK_IGNORED_BY = ("RwkvForCausalLM",)
-# Models whose attention builds its own mask from the key states over every slot it reads (Doge's dynamic mask): pads
-# on either side reach it (other tokens on transformers 5.17, right and left).
-MASK_FROM_KEYS = ("DogeForCausalLM",)
-# Models that add the cache length to the positions they are given at decode (GIT on transformers 5.17): positions
-# taken from a left-padded mask would be shifted by the pads.
-POSITIONS_PLUS_CACHE = ("GitForCausalLM",)
-
-
-def _ignores_the_mask(model) -> bool:
-    return type(model).__name__ in MASK_IGNORED_BY
-
-
-def _masks_from_keys(model) -> bool:
-    return type(model).__name__ in MASK_FROM_KEYS
-
-
-def _adds_the_cache_length_to_positions(model) -> bool:
-    return type(model).__name__ in POSITIONS_PLUS_CACHE
-
-
-def _compresses_the_cache(model) -> bool:
-    """Whether layers pool the tokens they cache into blocks (DeepSeek-V4's compressed attention): pads would join."""
-    config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
-    layer_types = getattr(config, "layer_types", None) or ()
-    return getattr(config, "compress_rates", None) is not None or any("compress" in str(t) for t in layer_types)
-
-
-def _drops_the_mask(model) -> bool:
-    """Whether the model's own `prepare_inputs_for_generation` leaves the mask out of the model inputs (XLNet)."""
-    ids = torch.zeros(1, 2, dtype=torch.long, device=model.device)
-    try:
-        model_inputs = model.prepare_inputs_for_generation(ids, attention_mask=torch.ones_like(ids), use_cache=False)
-    except Exception:  # can't tell from here: the hook raises at the call if the mask is dropped
-        return False
-    return isinstance(model_inputs, dict) and "attention_mask" not in model_inputs
-
-
-# What each side assumes of the model, in order: (side, the model breaks it, why). Data, so a case is one line.
-SIDE_ASSUMPTIONS = (
-    (
-        "right",
-        _attention_is_bidirectional,
-        "its attention is not causal (`is_decoder=False`): the prompt would attend to the pads after it",
-    ),
-    (
-        "right",
-        _positions_from_the_mask,
-        "its forward takes no `position_ids` and states no `max_position_embeddings`: positions come from the mask",
-    ),
-    (
-        "right",
-        _masks_from_keys,
-        "its attention builds a dynamic mask from the keys, which would see the pads after it",
-    ),
-    (
-        "left",
-        _attention_is_bidirectional,
-        "its attention is not causal (`is_decoder=False`), and masked pads in front changed XLM-RoBERTa-XL's tokens",
-    ),
-    (
-        "left",
-        _positions_count_from_the_cache,
-        "its forward takes no `position_ids` and counts positions from the cache, so pads in front would shift them",
-    ),
-    ("left", _drops_the_mask, "its `prepare_inputs_for_generation` does not pass the attention mask on"),
-    ("left", _ignores_the_mask, "its forward ignores the attention mask"),
-    ("left", _masks_from_keys, "its attention builds a dynamic mask from the keys, which would see the pads in front"),
-    (
-        "left",
-        _adds_the_cache_length_to_positions,
-        "its forward adds the cache length to the positions at decode, so pads in front would shift them",
-    ),
-    ("left", _compresses_the_cache, "its attention compresses the cached tokens in blocks, pads in front included"),
-)
-
-
-def side_assumption_broken(model, side: str) -> str | None:
-    """Why `model` can't be padded on `side` whatever the call (`SIDE_ASSUMPTIONS`), or `None`. Once per model."""
-    known = state_of(model).side_assumptions
-    if side not in known:
-        known[side] = next(
-            (
-                f"`{type(model).__name__}`: {reason}"
-                for assumed_side, breaks, reason in SIDE_ASSUMPTIONS
-                if assumed_side == side and breaks(model)
-            ),
-            None,
-        )
-    return known[side]
-
-
 def choose_side(model, settings: CallSettings, arguments: dict, model_kwargs: dict) -> PaddingSide:
     """The padding side of a bucketed call (see the module docstring for the rule)."""
     side = _rule(model, settings, arguments, model_kwargs)
@@ -202,88 +65,287 @@ def choose_side(model, settings: CallSettings, arguments: dict, model_kwargs: di
     return side
 
 
-def _prompt(arguments: dict, model_kwargs: dict):
-    if model_kwargs.get("inputs_embeds") is not None:
-        return model_kwargs["inputs_embeds"]
-    prompt = arguments.get("inputs")
-    return prompt if prompt is not None else model_kwargs.get("input_ids")
+class _Call:
+    """What the rule reads of one call, each read once, when a case first asks (so only after the cases before it)."""
+
+    def __init__(self, model, settings: CallSettings, arguments: dict, model_kwargs: dict):
+        self.model, self.settings, self.arguments, self.model_kwargs = model, settings, arguments, model_kwargs
+        self.cache = passed_cache(model_kwargs)
+
+    @cached_property
+    def prompt(self):
+        if self.model_kwargs.get("inputs_embeds") is not None:
+            return self.model_kwargs["inputs_embeds"]
+        prompt = self.arguments.get("inputs")
+        return prompt if prompt is not None else self.model_kwargs.get("input_ids")
+
+    @cached_property
+    def prompt_length(self) -> int:
+        return self.prompt.shape[1] if self.prompt is not None else 1  # upstream starts from one BOS token per row
+
+    @cached_property
+    def rows(self) -> int:
+        return self.prompt.shape[0] if self.prompt is not None else prompt_rows(self.model_kwargs)
+
+    @cached_property
+    def past_length(self) -> int:
+        """The tokens the cache passed in already holds."""
+        return (cache_seq_length(self.cache) or 0) if self.cache is not None else 0
+
+    @cached_property
+    def other_inputs(self) -> list[str]:
+        kwargs = self.model_kwargs
+        return sorted(k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and k not in _RIGHT_INPUTS)
+
+    @cached_property
+    def continued(self) -> tuple[int, int] | None:
+        """`(padding, rows)` of the bucketed call that filled the cache passed in (`cache.continued_padding`)."""
+        return continued_padding(self.model_kwargs)
+
+    @cached_property
+    def bucket(self) -> int:
+        """The bucket of the new tokens: the prompt, less what the cache holds."""
+        return self.settings.policy.bucket(self.prompt_length - self.past_length)
+
+    @cached_property
+    def slots(self) -> int:
+        """The cache slots the right-padded prompt fills: the cached tokens, then the bucket."""
+        return self.past_length + self.bucket
+
+    @cached_property
+    def model_name(self) -> str:
+        return type(self.model).__name__
+
+    @cached_property
+    def attention(self) -> str | None:
+        return _compat.attention_implementation(self.model.config)
+
+    @cached_property
+    def cache_slots(self) -> int:
+        return _compat.static_cache_slots(self.cache)
+
+    @cached_property
+    def right_broken(self) -> str | None:
+        return side_assumption_broken(self.model, "right")
+
+    @cached_property
+    def layers_reason(self) -> str | None:
+        return _layers_reason(self.model, self.cache, self.slots)
+
+    @cached_property
+    def ragged_reason(self) -> str | None:
+        return _ragged_reason(
+            self.model, self.settings, self.model_kwargs, self.prompt, self.past_length, self.cache, self.slots
+        )
+
+
+def _takes(model, parameter: str) -> bool:
+    return parameter in inspect.signature(model.forward).parameters
+
+
+def _is_dynamic(implementation) -> bool:
+    return implementation not in _compat.ALL_STATIC_CACHE_IMPLEMENTATIONS or "offloaded" in str(implementation)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One case of the rule: a call for which `condition` holds is padded on `side`, and says `reason`."""
+
+    case: str  # when it applies, in words (the table's first column)
+    side: str  # "left" or "right"
+    why: str  # in words (the table's third column)
+    condition: Callable[[_Call], object]  # true when the case applies (read after the cases before it did not)
+    reason: str  # what the call says, with its figures: `reason.format(call=call)`
+
+
+# The rule, in the order its cases are checked: the first that applies decides. The module docstring's table is made
+# from it, and `tests/generation/test_padding_rule.py` checks the guide's.
+RULE = (
+    Case(
+        f'`{PREFILL_PADDING_SIDE}="left"`',
+        "left",
+        "asked for",
+        lambda call: call.settings.padding_side == "left",
+        f"`{PREFILL_PADDING_SIDE}='left'`",
+    ),
+    Case(
+        "a model that can't take right padding (`SIDE_ASSUMPTIONS`: not causal, ALiBi from the mask, Doge)",
+        "left",
+        "the pads after the prompt would reach its real tokens",
+        lambda call: call.right_broken is not None,
+        "{call.right_broken}",
+    ),
+    Case(
+        "assisted or prompt-lookup decoding",
+        "left",
+        "upstream runs the prompt with the first candidates, not through its prefill step",
+        lambda call: (
+            call.arguments.get("assistant_model") is not None or call.settings.prompt_lookup_num_tokens is not None
+        ),
+        "assisted and prompt-lookup decoding run the prompt together with the first candidates",
+    ),
+    Case(
+        "chunked prefill (`prefill_chunk_size`)",
+        "left",
+        "a bucket is one forward; the chunk size bounds each forward",
+        lambda call: call.settings.prefill_chunk_size is not None,
+        "chunked prefill (`prefill_chunk_size`) bounds each forward's length, and a bucket is one forward",
+    ),
+    Case(
+        "no cache (`use_cache=False`)",
+        "left",
+        "not compiled: there is no graph to share",
+        lambda call: not call.settings.use_cache,
+        "there is no cache (`use_cache=False`) to write the prompt into",
+    ),
+    Case(
+        "`output_hidden_states`, `output_attentions`",
+        "left",
+        "per-position prefill outputs, which the left path strips",
+        lambda call: call.settings.output_hidden_states or call.settings.output_attentions,
+        "`output_hidden_states` and `output_attentions` return the prefill's per-position outputs",
+    ),
+    Case(
+        "attention other than sdpa and eager (flash, flex)",
+        "left",
+        "with a static cache they need the 2D mask",
+        lambda call: call.attention not in ("sdpa", "eager"),
+        "`{call.attention}` attention needs the attention mask with a static cache (right: sdpa and eager)",
+    ),
+    Case(
+        "a forward without `logits_to_keep`",
+        "left",
+        "it would compute logits for every pad position",
+        lambda call: not _takes(call.model, "logits_to_keep"),
+        "`{call.model_name}.forward` takes no `logits_to_keep`: it would compute every pad's logits",
+    ),
+    Case(
+        "other per-token or multimodal inputs",
+        "left",
+        "not padded on the right",
+        lambda call: call.other_inputs,
+        "the input `{call.other_inputs[0]}` is not padded on the right",
+    ),
+    Case(
+        "a prompt that is not a `[batch, length]` tensor",
+        "left",
+        "the left path raises the error",
+        lambda call: call.prompt is not None and (call.prompt.ndim < 2 or call.prompt.shape[1] == 0),
+        "the prompt is not a [batch, length] tensor",
+    ),
+    Case(
+        "a dynamic cache (or an offloaded one) for `generate` to make",
+        "left",
+        "not compiled: there is no graph to share",
+        lambda call: call.cache is None and _is_dynamic(call.settings.cache_implementation),
+        "the cache is not a static cache (a dynamic cache is not compiled: no graph to share)",
+    ),
+    Case(
+        "a cache passed in that is not a `StaticCache`",
+        "left",
+        "not compiled: there is no graph to share",
+        lambda call: call.cache is not None and not _compat.is_static_cache(call.cache),
+        "the cache passed in is a `{call.cache.__class__.__name__}`, not a `StaticCache`",
+    ),
+    Case(
+        "a cache filled by a left-padded call",
+        "left",
+        "the prompt must line up with the padding in the cache",
+        lambda call: (
+            call.cache is not None
+            and call.continued is not None
+            and (call.continued[0] > 0 or call.continued[1] != call.rows)
+        ),
+        "the cache holds a left-padded call's tokens, and the prompt must line up with them",
+    ),
+    Case(
+        "a cache filled by rows of different lengths",
+        "left",
+        "the prompt must line up with the padding in the cache (pass the first call's mask, then ones)",
+        lambda call: call.cache is not None and call.past_length and ragged_rows_mask(call.cache) is not None,
+        "the cache holds rows of different lengths, each at the start of its slots: a mask lines them up",
+    ),
+    Case(
+        "`inputs_embeds` continuing from a cache",
+        "left",
+        "not padded on the right",
+        lambda call: (
+            call.cache is not None and call.past_length and call.model_kwargs.get("inputs_embeds") is not None
+        ),
+        "`inputs_embeds` continuing from a cache are not padded on the right",
+    ),
+    Case(
+        "a cache that already holds the whole prompt",
+        "left",
+        "no new token to pad",
+        lambda call: call.prompt_length - call.past_length < 1,
+        "the cache already holds the whole prompt",
+    ),
+    Case(
+        "pad positions past `max_position_embeddings`",
+        "left",
+        "the model has no such positions",
+        lambda call: call.settings.max_positions is not None and call.slots > call.settings.max_positions,
+        "the pad positions would pass `max_position_embeddings={call.settings.max_positions}`",
+    ),
+    Case(
+        "recurrent or convolutional layers (Mamba, Jamba, LFM2), chunked attention, or a sliding window shorter than "
+        "the cached tokens plus the bucket",
+        "left",
+        "the pads would run through their state; the ring buffer would keep pads and drop real tokens",
+        lambda call: call.layers_reason is not None,
+        "{call.layers_reason}",
+    ),
+    Case(
+        "a `max_cache_len` shorter than the cached tokens plus the bucket",
+        "left",
+        "no room for the pads",
+        lambda call: (
+            call.cache is None and call.settings.max_cache_len is not None and call.settings.max_cache_len < call.slots
+        ),
+        "`max_cache_len={call.settings.max_cache_len}` is shorter than the {call.slots} slots the padded prompt fills",
+    ),
+    Case(
+        "a cache passed in shorter than the cached tokens plus the bucket",
+        "left",
+        "no room for the pads",
+        lambda call: call.cache is not None and call.cache_slots < call.slots,
+        "the cache passed in has {call.cache_slots} slots, fewer than the {call.slots} needed",
+    ),
+    Case(
+        "rows of different lengths padded on the right, with zeros between a row's tokens, an empty row, or a mask "
+        "other than 0/1 `[batch, length]`; or with a sliding window, continuing from a cache, or a forward without "
+        "`position_ids`",
+        "left",
+        "upstream reads a short right-padded row's first token at a pad position: only its mask reproduces that; the "
+        "window counts slots, not positions; cached rows line up through the mask; positions must follow each row",
+        lambda call: call.ragged_reason is not None,
+        "{call.ragged_reason}",
+    ),
+    Case(
+        "everything else: a static cache, attention layers, sdpa or eager attention, none of the cases above",
+        "right",
+        "exact",
+        lambda call: True,
+        "exact",
+    ),
+)
+
+
+def rule_table() -> str:
+    """`RULE` as a markdown table, `| case | side | why |`, as the module docstring and the guide show it."""
+    rows = [f"| {case.case} | {case.side} | {case.why} |" for case in RULE]
+    return "\n".join(["| case | side | why |", "| --- | --- | --- |", *rows])
 
 
 def _rule(model, settings: CallSettings, arguments: dict, model_kwargs: dict) -> PaddingSide:
-    def left(reason: str) -> PaddingSide:
-        return PaddingSide("left", reason)
-
-    if settings.padding_side == "left":
-        return left(f"`{PREFILL_PADDING_SIDE}='left'`")
-    right_broken = side_assumption_broken(model, "right")
-    if right_broken is not None:
-        return left(right_broken)
-    if arguments.get("assistant_model") is not None or settings.prompt_lookup_num_tokens is not None:
-        return left("assisted and prompt-lookup decoding run the prompt together with the first candidates")
-    if settings.prefill_chunk_size is not None:
-        return left("chunked prefill (`prefill_chunk_size`) bounds each forward's length, and a bucket is one forward")
-    if not settings.use_cache:
-        return left("there is no cache (`use_cache=False`) to write the prompt into")
-    if settings.output_hidden_states or settings.output_attentions:
-        return left("`output_hidden_states` and `output_attentions` return the prefill's per-position outputs")
-    attention = getattr(model.config, "_attn_implementation", None)
-    if attention not in ("sdpa", "eager"):
-        return left(f"`{attention}` attention needs the attention mask with a static cache (right: sdpa and eager)")
-    if "logits_to_keep" not in inspect.signature(model.forward).parameters:
-        return left(f"`{type(model).__name__}.forward` takes no `logits_to_keep`: it would compute every pad's logits")
-    others = sorted(k for k, v in model_kwargs.items() if isinstance(v, torch.Tensor) and k not in _RIGHT_INPUTS)
-    if others:
-        return left(f"the input `{others[0]}` is not padded on the right")
-
-    prompt = _prompt(arguments, model_kwargs)
-    if prompt is None:  # upstream starts from one BOS token per row
-        prompt_length, rows = 1, next((v.shape[0] for v in model_kwargs.values() if isinstance(v, torch.Tensor)), 1)
-    elif prompt.ndim < 2 or prompt.shape[1] == 0:
-        return left("the prompt is not a [batch, length] tensor")  # the left path raises the error
-    else:
-        prompt_length, rows = prompt.shape[0:2][::-1]
-    cache = passed_cache(model_kwargs)
-    if cache is None:
-        if settings.cache_implementation not in _compat.ALL_STATIC_CACHE_IMPLEMENTATIONS or "offloaded" in str(
-            settings.cache_implementation
-        ):
-            return left("the cache is not a static cache (a dynamic cache is not compiled: no graph to share)")
-        past_length = 0
-    else:
-        if not _compat.is_static_cache(cache):
-            return left(f"the cache passed in is a `{type(cache).__name__}`, not a `StaticCache`")
-        past_length = cache_seq_length(cache) or 0
-        continued = continued_padding(model_kwargs)
-        if continued is not None and (continued[0] > 0 or continued[1] != rows):
-            return left("the cache holds a left-padded call's tokens, and the prompt must line up with them")
-        if past_length and ragged_rows_mask(cache) is not None:
-            return left(
-                "the cache holds rows of different lengths, each at the start of its slots: a mask lines them up"
-            )
-        if past_length and model_kwargs.get("inputs_embeds") is not None:
-            return left("`inputs_embeds` continuing from a cache are not padded on the right")
-    new_tokens = prompt_length - past_length
-    if new_tokens < 1:
-        return left("the cache already holds the whole prompt")
-    bucket = settings.policy.bucket(new_tokens)
-    slots = past_length + bucket
-    if settings.max_positions is not None and slots > settings.max_positions:
-        return left(f"the pad positions would pass `max_position_embeddings={settings.max_positions}`")
-    layers_reason = _layers_reason(model, cache, slots)
-    if layers_reason is not None:
-        return left(layers_reason)
-    if cache is None and settings.max_cache_len is not None and settings.max_cache_len < slots:
-        return left(
-            f"`max_cache_len={settings.max_cache_len}` is shorter than the {slots} slots the padded prompt fills"
-        )
-    if cache is not None and _compat.static_cache_slots(cache) < slots:
-        return left(
-            f"the cache passed in has {_compat.static_cache_slots(cache)} slots, fewer than the {slots} needed"
-        )
-    ragged_reason = _ragged_reason(model, settings, model_kwargs, prompt, past_length, cache, slots)
-    if ragged_reason is not None:
-        return left(ragged_reason)
-    return PaddingSide("right", "exact", bucket=bucket, past_length=past_length)
+    """The side of the first case of `RULE` that applies to the call."""
+    call = _Call(model, settings, arguments, model_kwargs)
+    case = next(case for case in RULE if case.condition(call))
+    reason = case.reason.format(call=call)
+    if case.side == "right":
+        return PaddingSide("right", reason, bucket=call.bucket, past_length=call.past_length)
+    return PaddingSide(case.side, reason)
 
 
 def _ragged_reason(
@@ -358,3 +420,6 @@ def _reason_for(layers, slots: int) -> str | None:
         if window is not None and window < slots:
             return f"a sliding window of {window} slots is shorter than the {slots} the padded prompt fills"
     return None
+
+
+__doc__ = __doc__.replace("{rule_table}", rule_table())

@@ -6,8 +6,6 @@
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from .settings import CallSettings
 
 
@@ -66,8 +64,3 @@ class Plan:
     def added_positions(self) -> int:
         """Positions added in front of the sequence the model sees."""
         return self.padded_length - self.prompt_length
-
-
-def fill_embedding(model, token_id: int, like: torch.Tensor) -> torch.Tensor:
-    """The embedding `[hidden]` that pads `inputs_embeds` (`like`): the fill token's, in `like`'s dtype and device."""
-    return model.get_input_embeddings().weight[token_id].detach().to(device=like.device, dtype=like.dtype)

@@ -20,9 +20,10 @@ import torch
 from transformers.utils import logging
 
 from . import _compat
-from .cache import cache_seq_length, early_initialize, find_cache
+from .cache import cache_argument, cache_seq_length, early_initialize
 from .hook_registry import hook
-from .plan import Plan, fill_embedding
+from .padding import fill_embedding
+from .plan import Plan
 from .windows import set_window
 
 
@@ -36,15 +37,14 @@ def prefill_right(plan: Plan, step):
         return step.call()
     model = plan.model
     input_ids, generation_config, model_kwargs = step["input_ids"], step["generation_config"], step["model_kwargs"]
-    found = find_cache(model_kwargs)
-    if found is None or not _compat.is_static_cache(found[1]):
+    cache_key, cache = cache_argument(model_kwargs)
+    if cache_key is None or not _compat.is_static_cache(cache):
         # Upstream made no static cache for this model (it keeps its own, or none): nothing to rewind after the pads.
         logger.warning_once(
             f"The prompt is not padded: `generate` made no static cache for `{type(model).__name__}` to pad on the "
             "right, so this call runs unpadded (exact), and its prompt length may compile a new graph."
         )
         return step.call()
-    cache_key, cache = found
     rows = input_ids.shape[0] if input_ids.shape[1] else model_kwargs["inputs_embeds"].shape[0]
     if not all(getattr(layer, "is_initialized", True) for layer in cache.layers):
         early_initialize(model, cache, rows)  # outside the compiled forward: static addresses, as on the left
@@ -108,7 +108,7 @@ def _rows_from_the_start(plan: Plan, input_ids, inputs_embeds, attention_mask) -
     source = (steps + (width - row_lengths)[:, None]).clamp(max=width - 1)  # [rows, bucket]: the column it comes from
     fill_id = plan.settings.fill_token_id
     if inputs_embeds is not None:
-        fill = fill_embedding(plan.model, fill_id, inputs_embeds)  # [hidden]
+        fill = fill_embedding(plan.model.get_input_embeddings(), fill_id, inputs_embeds)  # [hidden]
         moved = inputs_embeds.gather(1, source[..., None].expand(-1, -1, inputs_embeds.shape[-1]))
         return {"inputs_embeds": torch.where(real[..., None], moved, fill)}, row_lengths  # [rows, bucket, hidden]
     moved = input_ids.gather(1, source)

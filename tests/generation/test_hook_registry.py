@@ -6,10 +6,10 @@ import unittest
 from types import SimpleNamespace
 
 import torch
-from transformers import GenerationConfig, StaticCache
+from transformers import GenerationConfig, LlamaForCausalLM, StaticCache
 
 import prefill_buckets
-from prefill_buckets import _compat, hooks
+from prefill_buckets import hooks, support
 from prefill_buckets.hook_registry import _ACTIVE_PLAN, HOOKS, hook_targets, make_hooked
 from prefill_buckets.state import state_of
 
@@ -35,11 +35,13 @@ class HookRegistryTest(unittest.TestCase):
         self.assertEqual(documented, set(HOOKS), "hooks.py's docstring lists the declared hooks")
 
     def test_compat_checks_every_declared_target(self):
-        targets = hook_targets()
-        self.assertEqual(set(targets), set(_compat.HOOK_TARGETS))
-        for name, (reads, positional) in targets.items():
-            self.assertEqual(reads, _compat.HOOK_TARGETS[name], name)
-            self.assertLessEqual(positional, name in _compat.POSITIONAL_HOOK_TARGETS, name)
+        # The check reads the declarations: a model class without any one hooked step raises, naming it.
+        for name, (reads, positional) in hook_targets().items():
+            with self.subTest(name):
+                self.assertEqual((HOOKS[name].reads, HOOKS[name].positional), (reads, positional))
+                missing = type(f"Without{name}", (LlamaForCausalLM,), {name: None})
+                with self.assertRaisesRegex(RuntimeError, rf"`Without{name}\.{name}` does not exist"):
+                    support.check_upstream(missing, generate=prefill_buckets.generate)
 
     def test_keywords_the_hook_does_not_know_reach_the_method(self):
         # As if upstream passed `_prepare_generated_length` a new keyword: the hook changes what it reads and passes
