@@ -16,7 +16,7 @@ import inspect
 import torch
 import transformers
 from packaging import version
-from transformers import PreTrainedModel, StaticCache, StaticLayer, masking_utils
+from transformers import PreTrainedModel, StaticCache, StaticLayer, StaticSlidingWindowLayer, masking_utils
 from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS
 from transformers.generation.utils import GenerationMixin
 
@@ -28,7 +28,13 @@ TRANSFORMERS_VERSION = version.parse(transformers.__version__)
 # holds their start: a call continuing from a cache must then prefill in one (eager) forward.
 CHUNKED_PREFILL_RESUMES = TRANSFORMERS_VERSION.release >= (5, 21)
 
-__all__ = ["ALL_STATIC_CACHE_IMPLEMENTATIONS", "StaticLayer", "UPSTREAM_GENERATE", "UPSTREAM_GENERATE_SIGNATURE"]
+__all__ = [
+    "ALL_STATIC_CACHE_IMPLEMENTATIONS",
+    "StaticLayer",
+    "StaticSlidingWindowLayer",
+    "UPSTREAM_GENERATE",
+    "UPSTREAM_GENERATE_SIGNATURE",
+]
 
 # Captured at import, before `enable()` can replace it.
 UPSTREAM_GENERATE = GenerationMixin.generate
@@ -120,6 +126,42 @@ def _static_layer_problems() -> list[str]:
         if tuple(layer.get_mask_sizes(2)) != (8, 0) or layer.update(keys, keys)[0].shape[-2] != 8:
             problems.append("`transformers.StaticLayer` no longer reads every slot of its cache")
     return problems
+
+
+_sliding_verdict: dict = {}
+
+
+def sliding_layer_problem() -> str | None:
+    """
+    What the sliding-window rings (`ring.py`) rely on and this transformers version does not do, or `None`: a
+    `StaticSlidingWindowLayer` counts its tokens in `cumulative_length_int` (a tensor `cumulative_length` beside it),
+    and keeps the last `max_cache_len` of them in order, slot `j` the position `max(0, held - max_cache_len) + j`.
+    Checked once, on a 4-slot layer fed 3, 2 and 1 tokens.
+    """
+    if "verdict" not in _sliding_verdict:
+        _sliding_verdict["verdict"] = _sliding_layer_check()
+    return _sliding_verdict["verdict"]
+
+
+def _sliding_layer_check() -> str | None:
+    try:
+        layer = StaticSlidingWindowLayer(max_cache_len=16, sliding_window=4)
+        held = []
+        for new in (3, 2, 1):
+            positions = torch.arange(len(held), len(held) + new, dtype=torch.float32)
+            held += positions.tolist()
+            keys = positions.view(1, 1, new, 1)
+            layer.update(keys, keys)
+        stored = layer.keys.view(-1).tolist()
+        if layer.max_cache_len != 4 or stored != held[-4:] or layer.cumulative_length_int != len(held):
+            return (
+                "`transformers.StaticSlidingWindowLayer` no longer keeps the last tokens in order, counted in an int"
+            )
+        if not isinstance(layer.cumulative_length, torch.Tensor):
+            return "`transformers.StaticSlidingWindowLayer` has no tensor `cumulative_length`"
+    except Exception as error:  # a reshaped upstream layer: its own path, unchanged
+        return f"`transformers.StaticSlidingWindowLayer` can't be checked ({type(error).__name__}: {error})"
+    return None
 
 
 # ---- transformers ------------------------------------------------------------------------------------------------

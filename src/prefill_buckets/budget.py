@@ -47,7 +47,8 @@ class GraphBudget:
     A compiled forward compiles one graph per distinct input shape: a prefill graph per `(rows, prompt length,
     cache length, side, window)` (a right-padded prefill has no mask: another graph) and a decode graph per `(rows,
     cache length, window)`, where rows are `batch * max(num_beams, num_return_sequences)` and the window is the slots
-    the forward reads (`windows.py`; `None` where the cache has no windowed layers).
+    the forward reads (`windows.py`; `None` where the cache has no windowed layers). A 1-token prefill is a decode
+    step: the decode graph. Sliding-window layers add no shape (`ring.py`: their graphs depend on none of these).
     """
 
     def __init__(self):
@@ -69,8 +70,11 @@ class GraphBudget:
         `decode_windows` the windows its decode steps read. Returns the shapes not seen before, in words.
         """
         new = []
+        decode_windows = set(decode_windows)
         for prompt_length, window in sorted(prefill_shapes, key=str):
-            if (rows, prompt_length, cache_length, side, window) not in self.prefill:
+            if prompt_length == 1:  # a 1-token prefill into the allocated cache is a decode step: its graph
+                decode_windows.add(window)
+            elif (rows, prompt_length, cache_length, side, window) not in self.prefill:
                 self.prefill.add((rows, prompt_length, cache_length, side, window))
                 new.append(
                     f"prefill [{rows}, {prompt_length}] with a {cache_length}-slot cache ({side}{_read(window)})"

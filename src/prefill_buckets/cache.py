@@ -31,6 +31,7 @@ from ._compat import (
     is_static_cache,
     lazy_static_cache,
     previous_max_cache_length,
+    sliding_window_slots,
     static_cache_init_shape,
     static_cache_slots,
     submodule,
@@ -149,8 +150,8 @@ def unpadded_for_room(plan, model_kwargs: dict) -> str | None:
     cache = passed_cache(model_kwargs)
     if cache is not None and is_static_cache(cache):
         slots = static_cache_slots(cache)
-        if slots >= needed:
-            return None
+        if slots >= needed or all(sliding_window_slots(layer) is not None for layer in cache.layers):
+            return None  # sliding-window layers drop the tokens past their window: they never run out of slots
         if holds_padding(cache):
             raise ValueError(
                 f"The cache passed in has {slots} slots, fewer than the {needed} this call needs ({what}; the cache "

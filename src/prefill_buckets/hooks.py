@@ -41,7 +41,7 @@ from .hook_registry import _ACTIVE_PLAN, HOOKS, hook, hook_targets, make_hooked
 from .padding import strip_left
 from .plan import PER_TOKEN_KWARGS
 from .state import LOCK, PROCESS, state_of
-from .windows import close_windows, open_windows, set_window, window_length, windows_between
+from .windows import close_windows, has_windows, open_windows, set_window, window_length, windows_between
 
 
 logger = logging.get_logger(__name__)
@@ -117,7 +117,7 @@ def _prepare_cache_for_generation(plan, step):
     cache = passed_cache(model_kwargs)
     cache_length = cache.get_max_length() if hasattr(cache, "get_max_length") else -1
     plan.static_cache_length = cache_length
-    if cache is not None and open_windows(cache):
+    if cache is not None and open_windows(cache, _compat.attention_implementation(model.config)):
         plan.windowed_cache = cache
     # What prefill runs on: the padded prompt, or, continuing from a cache, the tokens the cache lacks.
     cached_tokens = (cache_seq_length(cache) or 0) if cache is not None else 0  # `None`: the model keeps no cache
@@ -153,7 +153,7 @@ def _prepare_cache_for_generation(plan, step):
             filled += length
             shapes.add((length, _window_of(plan, filled, cache_length)))
         decode_windows = {None}
-        if plan.windowed_cache is not None:  # from the first decode step (at least) to the last
+        if has_windows(plan.windowed_cache):  # from the first decode step (at least) to the last
             first = (plan.prompt_slots if plan.right is None else plan.right.past_length) + 1
             decode_windows = windows_between(first, max(first, max_cache_length), cache_length)
         plan.expected_graphs = budget_of(model).account(model, rows, shapes, cache_length, plan.side, decode_windows)
@@ -163,7 +163,7 @@ def _prepare_cache_for_generation(plan, step):
 
 def _window_of(plan, tokens: int, cache_length: int) -> int | None:
     """The window a forward reads after which the cache holds `tokens` tokens (`None`: no windowed layers)."""
-    return window_length(tokens, cache_length) if plan.windowed_cache is not None else None
+    return window_length(tokens, cache_length) if has_windows(plan.windowed_cache) else None
 
 
 @hook("prepare_inputs_for_generation", reads=("input_ids", "attention_mask", "inputs_embeds"))
