@@ -134,7 +134,7 @@ class BucketPolicy:
         return length if self.pad_to_multiple_of is None else round_up(max(length, 1), self.pad_to_multiple_of)
 
     def exceeds_buckets(self, length: int) -> bool:
-        """Whether `length` is longer than every (aligned) listed bucket; never true for a named set or a bare multiple."""
+        """Whether `length` is longer than every (aligned) listed bucket; never for a named set or a bare multiple."""
         return self.largest_bucket is not None and length > self._align(self.largest_bucket)
 
     def bucket(self, length: int) -> int:

