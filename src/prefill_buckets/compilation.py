@@ -7,7 +7,7 @@ import torch
 from transformers.utils import logging
 
 from . import _compat
-from .cache import cache_argument
+from .call.cache import cache_argument
 from .state import LOCK, state_of
 
 

@@ -19,7 +19,8 @@ import threading
 from transformers import GenerationConfig
 from transformers.generation.utils import GenerationMixin
 
-from . import _compat, generation, support
+from . import _compat, support
+from .call import generation
 from .config import FIELD_DOCS, FIELDS, validate_fields
 
 

@@ -19,7 +19,8 @@ import transformers
 from packaging import version
 from transformers.utils import logging
 
-from . import _compat, hooks, selftest
+from . import _compat, selftest
+from .call import hooks
 
 
 logger = logging.get_logger(__name__)

@@ -13,13 +13,13 @@ from transformers.utils import logging
 from . import _compat
 from ._compat import graphs_compiled
 from .buckets import BucketPolicy, check_positive_int, is_positive_int
-from .budget import budget_of, make_room
-from .cache import pinned_cache_length
+from .call.budget import budget_of, make_room
+from .call.cache import pinned_cache_length
+from .call.generation import generate
+from .call.inputs import capped_bucket
+from .call.settings import resolve_fields, resolve_settings
+from .call.windows import decode_warmups
 from .config import PREFILL_BUCKETS, PREFILL_PAD_TO_MULTIPLE_OF
-from .generation import generate
-from .inputs import capped_bucket
-from .settings import resolve_fields, resolve_settings
-from .windows import decode_warmups
 
 
 logger = logging.get_logger(__name__)

@@ -227,7 +227,7 @@ class UntestedVersionTest(unittest.TestCase):
 
     def test_a_changed_step_fails_loudly(self):
         # As if a release changed what a hooked step means: here, the padding is no longer stripped.
-        with mock.patch("prefill_buckets.generation.strip_output", lambda output, plan: output):
+        with mock.patch("prefill_buckets.call.generation.strip_output", lambda output, plan: output):
             with self.assertRaisesRegex(RuntimeError, "self-test failed on transformers"):
                 prefill_buckets.generate(tiny_llama(), random_ids(5), max_new_tokens=2, prefill_buckets=[8])
 
@@ -236,7 +236,7 @@ class UntestedVersionTest(unittest.TestCase):
         # on a version the self-test has shown to be broken. The self-test runs once.
         model = tiny_llama()
         with mock.patch("prefill_buckets.selftest.self_test", wraps=self_test) as spy:
-            with mock.patch("prefill_buckets.generation.strip_output", lambda output, plan: output):
+            with mock.patch("prefill_buckets.call.generation.strip_output", lambda output, plan: output):
                 with self.assertRaisesRegex(RuntimeError, "self-test failed on transformers"):
                     prefill_buckets.generate(model, random_ids(5), max_new_tokens=2, prefill_buckets=[8])
             for _ in range(2):

@@ -687,7 +687,7 @@ class SharedRecompileLimitTest(CompilationTestCase):
         # and each call whose forwards may have run eagerly says so, naming the model and the shapes.
         config = make_config(max_cache_len=128, prefill_buckets=self.BUCKETS)
         counters = []
-        with mock.patch("prefill_buckets.budget.make_room"), CaptureLogger(logger) as captured:
+        with mock.patch("prefill_buckets.call.budget.make_room"), CaptureLogger(logger) as captured:
             for model in self.three_models():
                 counters.append(GraphCounter())
                 model.compile(backend=counters[-1], dynamic=False)

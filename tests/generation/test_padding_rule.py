@@ -5,8 +5,8 @@ import re
 import unittest
 from pathlib import Path
 
-from prefill_buckets import padding_side
-from prefill_buckets.padding_side import RULE, rule_table
+from prefill_buckets.call import padding_side
+from prefill_buckets.call.padding_side import RULE, rule_table
 
 
 GUIDE = Path(__file__).resolve().parents[2] / "docs" / "source" / "en" / "llm_optims.md"

@@ -10,8 +10,8 @@ from typing import Any
 import torch
 from transformers import GenerationConfig
 
-from .buckets import BucketPolicy, is_positive_int
-from .config import FIELDS, batch_policy_from_fields, padding_side_from_fields, policy_from_fields
+from ..buckets import BucketPolicy, is_positive_int
+from ..config import FIELDS, batch_policy_from_fields, padding_side_from_fields, policy_from_fields
 
 
 _MISSING = object()

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from transformers.utils import logging
 
-from ._compat import (
+from .._compat import (
     is_static_cache,
     lazy_static_cache,
     previous_max_cache_length,
@@ -36,10 +36,10 @@ from ._compat import (
     static_cache_slots,
     submodule,
 )
-from .buckets import BucketPolicy, is_positive_int, round_up
-from .config import PREFILL_BUCKETS
+from ..buckets import BucketPolicy, is_positive_int, round_up
+from ..config import PREFILL_BUCKETS
+from ..state import state_of
 from .settings import CallSettings
-from .state import state_of
 
 
 logger = logging.get_logger(__name__)

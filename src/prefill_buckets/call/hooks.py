@@ -31,16 +31,17 @@ import functools
 import torch
 from transformers.utils import logging
 
-from . import _compat, prefill_right, views  # noqa: F401  (they declare the hooks of their own steps)
-from .aot_compiled import is_aot_forward
+from .. import _compat
+from ..aot_compiled import is_aot_forward
+from ..compilation import EagerFallback, compiled_forward
+from ..config import PREFILL_PAD_TO_MULTIPLE_OF, PREFILL_PADDING_SIDE
+from ..state import LOCK, PROCESS, state_of
+from . import prefill_right, views  # noqa: F401  (they declare the hooks of their own steps)
 from .budget import budget_of, restore_recompile_limit, restore_user_recompile_limits
 from .cache import cache_seq_length, early_initialize, passed_cache, sequence_length, static_cache_length
-from .compilation import EagerFallback, compiled_forward
-from .config import PREFILL_PAD_TO_MULTIPLE_OF, PREFILL_PADDING_SIDE
 from .hook_registry import _ACTIVE_PLAN, HOOKS, hook, hook_targets, make_hooked
 from .padding import strip_left
 from .plan import PER_TOKEN_KWARGS
-from .state import LOCK, PROCESS, state_of
 from .windows import close_windows, has_windows, open_windows, set_window, window_length, windows_between
 
 

@@ -19,7 +19,7 @@ import contextlib
 import torch
 from transformers.utils import logging
 
-from . import _compat
+from .. import _compat
 from .cache import cache_argument, cache_seq_length, early_initialize
 from .hook_registry import hook
 from .padding import fill_embedding

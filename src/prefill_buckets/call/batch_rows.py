@@ -9,7 +9,7 @@ import torch
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 from transformers.utils import logging
 
-from .config import PREFILL_BATCH_BUCKETS
+from ..config import PREFILL_BATCH_BUCKETS
 from .padding import fill_embedding
 from .plan import PER_TOKEN_KWARGS, Plan
 from .views import DummyRowsFinished, PromptStrippingStreamer

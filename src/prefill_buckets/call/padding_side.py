@@ -27,12 +27,12 @@ from functools import cached_property
 import torch
 from transformers.utils import logging
 
-from . import _compat
+from .. import _compat
+from ..config import PREFILL_PADDING_SIDE
+from ..state import state_of
 from .cache import cache_seq_length, continued_padding, passed_cache, ragged_rows_mask
-from .config import PREFILL_PADDING_SIDE
 from .settings import CallSettings, prompt_rows
 from .side_assumptions import side_assumption_broken
-from .state import state_of
 
 
 logger = logging.get_logger(__name__)

@@ -25,13 +25,14 @@ from collections.abc import Callable
 import torch
 from transformers.utils import ModelOutput, logging
 
-from . import _compat, support
-from .buckets import BucketPolicy
+from .. import _compat, support
+from ..buckets import BucketPolicy
+from ..compilation import compiled_forward, compiled_wrapper_forward
+from ..config import BUCKET_FIELDS, FIELDS, PREFILL_BUCKETS, PREFILL_PAD_TO_MULTIPLE_OF
+from ..distributed import generate_call, ranks_agree
+from ..state import state_of
 from .budget import budget_of, check_compiled
 from .cache import cache_seq_length, continued_padding, holds_padding, passed_cache, record_call
-from .compilation import compiled_forward, compiled_wrapper_forward
-from .config import BUCKET_FIELDS, FIELDS, PREFILL_BUCKETS, PREFILL_PAD_TO_MULTIPLE_OF
-from .distributed import generate_call, ranks_agree
 from .hook_registry import active_plan
 from .hooks import bucketed_call
 from .inputs import plan_call
@@ -39,7 +40,6 @@ from .output import strip_output
 from .padding_side import choose_side
 from .plan import Plan, RunsUnpadded
 from .settings import CallSettings, resolve_settings
-from .state import state_of
 
 
 logger = logging.get_logger(__name__)

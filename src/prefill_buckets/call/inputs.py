@@ -10,9 +10,9 @@ what was added, which the hooks and `output.strip_output` read.
 import torch
 from transformers.utils import logging
 
+from ..config import PREFILL_BATCH_BUCKETS, PREFILL_BUCKETS, PREFILL_PAD_TO_MULTIPLE_OF
 from .batch_rows import check_pad_token_id, pad_rows
 from .cache import continued_padding, passed_cache, ragged_rows_mask, unpadded_for_room
-from .config import PREFILL_BATCH_BUCKETS, PREFILL_BUCKETS, PREFILL_PAD_TO_MULTIPLE_OF
 from .padding import fill_embedding, left_pad
 from .plan import PER_TOKEN_KWARGS, Plan, RightPadding, RunsUnpadded
 from .settings import CallSettings, bos_prompt

@@ -17,7 +17,7 @@ from transformers.generation.logits_process import LogitsProcessor, LogitsProces
 from transformers.generation.stopping_criteria import MaxLengthCriteria, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
-from . import _compat
+from .. import _compat
 from .hook_registry import hook
 from .padding import strip_left
 

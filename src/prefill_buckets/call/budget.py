@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 from transformers.utils import logging
 
-from . import _compat
-from .config import PREFILL_BUCKETS
-from .state import PROCESS, state_of
+from .. import _compat
+from ..config import PREFILL_BUCKETS
+from ..state import PROCESS, state_of
 
 
 logger = logging.get_logger(__name__)

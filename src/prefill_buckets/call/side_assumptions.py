@@ -9,8 +9,8 @@ import inspect
 
 import torch
 
+from ..state import state_of
 from .settings import max_positions
-from .state import state_of
 
 
 def _attention_is_bidirectional(model) -> bool:
