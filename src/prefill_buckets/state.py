@@ -12,16 +12,18 @@ Everything that outlives a single `generate` call is named here. Most of it live
 
 The rest must live where it is, each for its reason:
 
-- the hooks, in the model's `__dict__` while a bucketed call runs (`hooks.py`): upstream `generate` looks its steps up
-  on the instance;
-- a `CacheRecord` in the cache's `__dict__` (`cache.py`): it describes that cache's layout, and a later call finds it
-  on the cache the user passes;
-- the active plan and the mask flag, in context variables (`hook_registry.py`, `hooks.py`): they belong to one call,
-  and concurrent calls on one model (threads, tasks) must not see each other's;
-- torch's `recompile_limit` itself (raised by `budget.make_room` while calls need it, restored when none is in flight);
-- module-level registries that are the process's by nature: `hook_registry.HOOKS` (declarations, fixed at import),
-  the self-test's verdict per class (`selftest`/`_compat`), `patch`'s originals of the methods `enable()` replaced,
-  and `aot_compiled`'s graphs loaded from a file but not yet taken by a model, with the live `AOTForward`s they go to.
+- the hooks, in the model's `__dict__` while a bucketed call runs (`call/hooks.py`): upstream `generate` looks its
+  steps up on the instance;
+- a `CacheRecord` in the cache's `__dict__` (`call/cache.py`): it describes that cache's layout, and a later call
+  finds it on the cache the user passes;
+- the active plan and the mask flag, in context variables (`call/hook_registry.py`, `call/hooks.py`): they belong to
+  one call, and concurrent calls on one model (threads, tasks) must not see each other's;
+- torch's `recompile_limit` itself (raised by `call.budget.make_room` while calls need it, restored when none is in
+  flight);
+- module-level registries that are the process's by nature: `call.hook_registry.HOOKS` (declarations, fixed at
+  import), the version gate's verdicts per class and the self-test's (`support.py`), `_compat`'s verdict on
+  upstream's sliding-window layer, `patch`'s originals of the methods `enable()` replaced, and `aot_compiled`'s graphs
+  loaded from a file but not yet taken by a model, with the live `AOTForward`s they go to.
 """
 
 import threading

@@ -64,7 +64,8 @@ def check_pad_token_id(plan: Plan, arguments: dict) -> dict:
 def pad_rows(plan: Plan, arguments: dict, model_kwargs: dict):
     """
     Appends dummy rows up to the batch bucket: one unmasked pad token each (a fully masked row would give NaNs), no
-    other inputs; on the right, a row of unmasked pad tokens as long as the prompt (all rows one length). A stopping criterion marks them finished from the first step, so they never keep generation going,
+    other inputs; on the right, a row of unmasked pad tokens as long as the prompt (all rows one length). A stopping
+    criterion marks them finished from the first step, so they never keep generation going,
     and `output.strip_output` drops them.
     """
     model, settings = plan.model, plan.settings

@@ -82,8 +82,8 @@ def _upstream_parameters(target: str) -> tuple[list[str], dict[str, Any]]:
 class StepArguments:
     """
     The arguments of one call of a hooked step, as upstream passed them. `step[name]` reads one by the name upstream's
-    method (`GenerationMixin`'s, or `PreTrainedModel`'s) gives it (its default when upstream left it out), `step[name] = value` changes it where
-    it was passed, and `step.call()` runs the method the hook replaces.
+    method (`GenerationMixin`'s, or `PreTrainedModel`'s) gives it (its default when upstream left it out),
+    `step[name] = value` changes it where it was passed, and `step.call()` runs the method the hook replaces.
     """
 
     def __init__(self, target: str, original: Callable, args: tuple, kwargs: dict):
