@@ -11,6 +11,7 @@ nothing: each strategy runs the workload twice, and the second pass is timed). S
 - `dynamic-none`: `model.compile(dynamic=None)`, no buckets, a static cache sized per call.
 - `pow2`: `prefill_buckets="pow2"`, no `max_cache_len`, `model.compile(dynamic=False)`.
 - `pow2-precompiled`: the same after `precompile(max_prompt_length=700)`.
+- `pow2-quarters`: `prefill_buckets="pow2-quarters"` (4 buckets per doubling), no `max_cache_len`, `dynamic=False`.
 - `chunked`: `prefill_chunk_size=128`, `prefill_pad_to_multiple_of=128`, no `max_cache_len`.
 """
 
@@ -25,7 +26,7 @@ import sys
 import time
 
 
-STRATEGIES = ("eager", "dynamic-none", "pow2", "pow2-precompiled", "chunked")
+STRATEGIES = ("eager", "dynamic-none", "pow2", "pow2-precompiled", "pow2-quarters", "chunked")
 
 
 def run_strategy(strategy: str, calls: int, new_tokens: int) -> dict:
@@ -47,7 +48,9 @@ def run_strategy(strategy: str, calls: int, new_tokens: int) -> dict:
     fields = {}
     if strategy != "eager":
         model.compile(backend=counter, dynamic=None if strategy == "dynamic-none" else False)
-    if strategy.startswith("pow2"):
+    if strategy == "pow2-quarters":
+        fields = {"prefill_buckets": "pow2-quarters"}
+    elif strategy.startswith("pow2"):
         fields = {"prefill_buckets": "pow2"}
     elif strategy == "chunked":
         fields = {"prefill_chunk_size": 128, "prefill_pad_to_multiple_of": 128}
@@ -86,6 +89,7 @@ def main() -> None:
         print(json.dumps(run_strategy(args.worker, args.calls, args.new_tokens)))
         return
     results = []
+    start_load = os.getloadavg()[0]
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
     for strategy in args.strategies:
         command = [sys.executable, __file__, "--worker", strategy, "--calls", str(args.calls)]
@@ -93,7 +97,9 @@ def main() -> None:
         done = subprocess.run(command, capture_output=True, text=True, env=env, check=True)
         results.append(json.loads(done.stdout.strip().splitlines()[-1]))
         print(f"{strategy}: done", file=sys.stderr)
+    load_end = os.getloadavg()[0]
     reference = next((r["tokens"] for r in results if r["strategy"] == "eager"), None)
+    print(f"load average {start_load:.1f} at the start, {load_end:.1f} at the end")
     print("| strategy | graphs | total s | steady-state median s | tokens == eager |")
     print("| --- | --- | --- | --- | --- |")
     for r in results:

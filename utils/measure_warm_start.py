@@ -1,9 +1,9 @@
 """Cold vs warm start of `precompile`, side by side: each in a fresh process with an empty inductor cache.
 
     python utils/measure_warm_start.py [--max-prompt-length 64] [--compile aot_forward|model.compile|reduce-overhead]
-                                       [--device cpu|cuda]
+                                       [--device cpu|cuda] [--buckets pow2|pow2-quarters]
 
-1. cold: compiles every graph of a pow2 bucket config with inductor, then saves the compile cache with
+1. cold: compiles every graph of a bucket config (`--buckets`, default `"pow2"`) with inductor, then saves the compile cache with
    `prefill_buckets.save_compile_cache`, and publishes its SHA-256;
 2. warm: a new process (a replica), a new empty inductor cache directory, `load_compile_cache` with that hash, then the
    same `precompile`.
@@ -28,7 +28,13 @@ import time
 
 
 def child(
-    mode: str, artifacts: str, max_prompt_length: int, compile_with: str, sha256: str | None, device: str
+    mode: str,
+    artifacts: str,
+    max_prompt_length: int,
+    compile_with: str,
+    sha256: str | None,
+    device: str,
+    buckets: str = "pow2",
 ) -> None:
     start = time.perf_counter()
     import torch
@@ -50,7 +56,7 @@ def child(
         model.compile(dynamic=False, mode="reduce-overhead")
     else:
         model.compile(dynamic=False)
-    gc = GenerationConfig(cache_implementation="static", max_new_tokens=8, prefill_buckets="pow2")
+    gc = GenerationConfig(cache_implementation="static", max_new_tokens=8, prefill_buckets=buckets)
     setup = time.perf_counter() - start
     shapes = prefill_buckets.precompile(model, gc, max_prompt_length=max_prompt_length, progress=False)
     first_call = shapes[0].seconds
@@ -93,12 +99,13 @@ def main() -> None:
         "--compile", choices=["aot_forward", "model.compile", "reduce-overhead"], default="aot_forward"
     )
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--buckets", default="pow2", help="a named bucket set: pow2 or pow2-quarters")
     parser.add_argument("--child", choices=["cold", "warm"])
     parser.add_argument("--artifacts")
     parser.add_argument("--sha256")
     args = parser.parse_args()
     if args.child:
-        child(args.child, args.artifacts, args.max_prompt_length, args.compile, args.sha256, args.device)
+        child(args.child, args.artifacts, args.max_prompt_length, args.compile, args.sha256, args.device, args.buckets)
         return
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -107,6 +114,7 @@ def main() -> None:
             env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(tmp, f"inductor-{mode}"))
             cmd = [sys.executable, __file__, "--child", mode, "--artifacts", artifacts, "--compile", args.compile]
             cmd += ["--max-prompt-length", str(args.max_prompt_length), "--device", args.device]
+            cmd += ["--buckets", args.buckets]
             if mode == "warm":
                 cmd += ["--sha256", results["cold"]["sha256"]]  # as a replica gets it, with the file
             done = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -115,7 +123,8 @@ def main() -> None:
             results[mode] = json.loads(done.stdout.strip().splitlines()[-1])
     cold, warm = results["cold"], results["warm"]
     print(
-        f"compile: {args.compile}, device {args.device}, pow2 buckets up to {args.max_prompt_length}, cache loaded "
+        f"compile: {args.compile}, device {args.device}, {args.buckets} buckets up to {args.max_prompt_length}, "
+        f"load average {os.getloadavg()[0]:.1f}, cache loaded "
         f"warm: {warm['loaded']}"
     )
     columns = ("frames traced", "graphs traced", "ops captured", "graphs compiled", "load s", "precompile s")

@@ -108,7 +108,7 @@ def sweep_one(model_type: str, timeout: float = 120.0) -> SlidingRow | None:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     import prefill_buckets
-    from prefill_buckets import ring
+    from prefill_buckets.call import ring
     from prefill_buckets.compilation import GraphCounter
 
     start = time.perf_counter()

@@ -5,7 +5,8 @@ here, so it can be read (and tested) on its own.
 
 The rule, in one place:
 
-1. `pad_to_multiple_of` aligns the buckets: each is rounded up to a multiple of it (`"pow2"`: every power of two).
+1. `pad_to_multiple_of` aligns the buckets: each is rounded up to a multiple of it (a named set, `NAMED_BUCKETS`:
+   each of its lengths).
 2. A prompt is padded to the smallest aligned bucket that holds it.
 3. A prompt longer than every aligned bucket of a list is padded to the next multiple of `pad_to_multiple_of` when it
    is set, else of the largest bucket. With `pad_to_multiple_of` alone, a prompt is padded to its next multiple.
@@ -20,13 +21,21 @@ rule falls back to for a model that states no maximum length; the rule itself li
 
 import numbers
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 
 POW2 = "pow2"
-BUCKET_POLICIES = (POW2,)
+POW2_QUARTERS = "pow2-quarters"
+# The named bucket sets, as data: the lengths of each doubling. `"pow2"`: every power of two (pads up to 2x).
+# `"pow2-quarters"`: every power of two and, from `FINE_FROM` on, the three lengths evenly between it and the next,
+# 4 per doubling like vLLM's capture sizes and the attention windows (`windows.py`): 1, 2, 4, 8, 10, 12, 14, 16, 20,
+# 24, ..., 128, 160, 192, 224, 256, 320, ... (pads at most 25% past 8 tokens).
+STEPS_PER_DOUBLING = {POW2: 1, POW2_QUARTERS: 4}
+NAMED_BUCKETS = tuple(STEPS_PER_DOUBLING)
+BUCKET_POLICIES = NAMED_BUCKETS  # the names `validate_buckets` accepts
+FINE_FROM = 8  # below it a finer step would be under 2 tokens: powers of two only
 
 
 def round_up(length: int, multiple: int) -> int:
@@ -39,14 +48,35 @@ def next_power_of_two(length: int) -> int:
     return 1 << max(length - 1, 0).bit_length()
 
 
-def _is_positive_int(value: Any) -> bool:
-    # `bool` is an `int` subclass: `True` is not a length.
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+def is_positive_int(value: Any, *, integral: bool = False) -> bool:
+    """
+    Whether `value` is an `int` of at least 1; with `integral`, any `numbers.Integral` (numpy's ints: a sample of
+    lengths). Never a `bool`: it is an `int` subclass, and `True` is not a length.
+    """
+    return isinstance(value, numbers.Integral if integral else int) and not isinstance(value, bool) and value > 0
+
+
+def check_positive_int(value: Any, name: str) -> None:
+    """Raises `ValueError` naming the argument `name` unless `value` is a positive `int`."""
+    if not is_positive_int(value):
+        raise ValueError(f"`{name}` must be a positive integer, but is {value!r}.")
+
+
+def named_bucket_lengths(name: str) -> Iterator[int]:
+    """The lengths of the named bucket set `name` (a key of `STEPS_PER_DOUBLING`), increasing, without end."""
+    steps = STEPS_PER_DOUBLING[name]
+    yield 1
+    power = 1
+    while True:  # the lengths in (power, 2 * power]
+        count = steps if power >= FINE_FROM else 1
+        for k in range(1, count + 1):
+            yield power + k * power // count
+        power *= 2
 
 
 def validate_pad_to_multiple_of(value: Any, field: str) -> None:
     """Raises `ValueError` naming `field` unless `value` is `None` or a positive `int`."""
-    if value is not None and not _is_positive_int(value):
+    if value is not None and not is_positive_int(value):
         raise ValueError(f"`{field}` must be a positive integer (such as 64) or None, but is {value!r}.")
 
 
@@ -69,7 +99,7 @@ def validate_buckets(value: Any, field: str) -> None:
         raise ValueError(f"`{field}` must be {valid}, but is {value!r} of type {type(value).__name__}.")
     if len(value) == 0:
         raise ValueError(f"`{field}` must be {valid}, but is an empty list.")
-    bad = [bucket for bucket in value if not _is_positive_int(bucket)]
+    bad = [bucket for bucket in value if not is_positive_int(bucket)]
     if bad:
         raise ValueError(f"`{field}` must be {valid}, but {value!r} holds {bad[0]!r}, which is not.")
     if any(later <= earlier for earlier, later in zip(value, value[1:])):
@@ -82,8 +112,9 @@ class BucketPolicy:
     Maps a length to its padded length. Built from the two `GenerationConfig` fields; at least one is set.
 
     Args:
-        buckets (`tuple[int, ...]` or `"pow2"`, *optional*):
-            Increasing bucket lengths, or `"pow2"` for every power of two.
+        buckets (`tuple[int, ...]` or `str`, *optional*):
+            Increasing bucket lengths, or a named set: `"pow2"` for every power of two, `"pow2-quarters"` for every
+            power of two and, from 8 on, the three lengths evenly between it and the next (`STEPS_PER_DOUBLING`).
         pad_to_multiple_of (`int`, *optional*):
             Alignment applied after the bucket: the padded length is a multiple of it.
 
@@ -105,26 +136,25 @@ class BucketPolicy:
 
     @property
     def largest_bucket(self) -> int | None:
-        """The largest listed bucket, or `None` when the policy has no upper end (`"pow2"` or no list)."""
+        """The largest listed bucket, or `None` when the policy has no upper end (a named set or no list)."""
         return self.buckets[-1] if isinstance(self.buckets, tuple) else None
 
     def _align(self, length: int) -> int:
         return length if self.pad_to_multiple_of is None else round_up(max(length, 1), self.pad_to_multiple_of)
 
     def exceeds_buckets(self, length: int) -> bool:
-        """Whether `length` is longer than every (aligned) listed bucket; never true for `"pow2"` or a bare multiple."""
+        """Whether `length` is longer than every (aligned) listed bucket; never for a named set or a bare multiple."""
         return self.largest_bucket is not None and length > self._align(self.largest_bucket)
 
     def bucket(self, length: int) -> int:
         """The padded length for a sequence of `length` tokens: the smallest aligned bucket `>= length`."""
         if length < 0:
             raise ValueError(f"A length must be >= 0, got {length}.")
-        if self.buckets == POW2:
-            # Aligned powers of two never decrease: the first that holds `length` is at most its next power of two.
-            power = 1
-            while self._align(power) < length:
-                power *= 2
-            return self._align(power)
+        if isinstance(self.buckets, str):
+            # A named set's aligned lengths never decrease: the first that holds `length` is the smallest.
+            for candidate in named_bucket_lengths(self.buckets):
+                if self._align(candidate) >= length:
+                    return self._align(candidate)
         if isinstance(self.buckets, tuple):
             fitting = [aligned for aligned in map(self._align, self.buckets) if aligned >= length]
             if fitting:
@@ -159,7 +189,7 @@ def _check_lengths(lengths: Iterable[int], function: str) -> list[int]:
         raise ValueError(f"`{function}` needs at least one length, got an empty `lengths`.")
     checked = []
     for position, length in enumerate(lengths):
-        if isinstance(length, bool) or not isinstance(length, numbers.Integral) or length < 1:
+        if not is_positive_int(length, integral=True):
             raise ValueError(
                 f"`lengths` must hold positive ints (prompt lengths in tokens), got {length!r} at position {position}."
             )
@@ -170,7 +200,7 @@ def _check_lengths(lengths: Iterable[int], function: str) -> list[int]:
 def _check_positive_int(value, name: str, optional: bool = False) -> None:
     if optional and value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+    if not is_positive_int(value, integral=True):
         valid = "an int >= 1" + (" or None" if optional else "")
         raise ValueError(f"`{name}` must be {valid}, got {value!r}.")
 

@@ -29,8 +29,9 @@ FIELD_DOCS = """
             rounded up to a multiple of this value, and the prompt takes the smallest aligned bucket that holds it.
         prefill_buckets (`list[int]` or `str`, *optional*):
             Pad the prompt up to the smallest of these lengths that holds it, and strip the padding from the
-            output. Either a list of strictly increasing positive lengths, such as `[64, 256, 1024]`, or `"pow2"` for
-            every power of two. A prompt longer than the largest listed bucket is padded to a multiple of the largest
+            output. Either a list of strictly increasing positive lengths, such as `[64, 256, 1024]`, or a named set:
+            `"pow2"` for every power of two (up to 2x padding), `"pow2-quarters"` for every power of two and, from 8
+            on, the three lengths evenly between each and the next (at most 25% padding, more graphs). A prompt longer than the largest listed bucket is padded to a multiple of the largest
             bucket (or of `prefill_pad_to_multiple_of` when set) and logs a warning, since each such length compiles a
             new graph. With a static cache and no `max_cache_len`, the model's first cache holds the largest bucket
             (8192 slots for `"pow2"`), and a prompt that outgrows it grows it (see the guide's "Cache sizing"), so

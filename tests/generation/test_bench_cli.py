@@ -41,7 +41,12 @@ class BenchPromptsTest(unittest.TestCase):
     def test_default_uses_every_other_prompt_and_eager_first(self):
         parser = _bench_parser()
         self.assertEqual(bench.strategy_list(parser.parse_args([]))[0], "eager")
-        self.assertEqual(bench.strategy_list(parser.parse_args(["--full"])), list(bench.STRATEGIES))
+        # Each model's reference first: eager, then the sliding pair's.
+        references = ["eager", "sliding-eager"]
+        self.assertEqual(
+            bench.strategy_list(parser.parse_args(["--full"])),
+            references + [name for name in bench.STRATEGIES if name not in references],
+        )
         self.assertEqual(bench.strategy_list(parser.parse_args(["--strategies", "pow2,eager"])), ["eager", "pow2"])
         with self.assertRaises(SystemExit):
             bench.strategy_list(parser.parse_args(["--strategies", "pow3"]))
@@ -95,7 +100,7 @@ class BenchTableTest(unittest.TestCase):
             ]
         )
         self.assertIn("NO (1)", table)
-        self.assertIn("chunked          FAILED: exit code 1", table)
+        self.assertRegex(table, r"(?m)^chunked +FAILED: exit code 1$")
 
 
 @unittest.skipUnless(importlib.util.find_spec("matplotlib"), "the benchmark plot needs matplotlib (the `bench` extra)")
@@ -127,7 +132,15 @@ class BenchQuickTest(unittest.TestCase):
         self.assertEqual(pow2["eager_fallbacks"], 0)
         self.assertTrue(pow2["tokens_equal_eager"], pow2["mismatched_prompts"])
         self.assertEqual(pow2["compile_free_calls"], len(bench.QUICK_LENGTHS) - 1)
-        for call in results["pow2"]["record"]["calls"]:
+        # The second pass, on the same prompts in the same process, compiles nothing and runs every forward compiled.
+        self.assertEqual(pow2["second_pass_graphs"], 0)
+        self.assertEqual(pow2["second_pass_fallbacks"], 0)
+        self.assertIsNotNone(pow2["second_ttft_median_ms"])
+        self.assertIsNotNone(pow2["second_decode_median_ms_per_token"])
+        self.assertIsNone(eager["payback_calls"])
+        second = results["pow2"]["record"]["second_calls"]
+        self.assertEqual([c["length"] for c in second], list(bench.QUICK_LENGTHS))
+        for call in results["pow2"]["record"]["calls"] + second:
             self.assertEqual(len(call["tokens"]), report["max_new_tokens"])
             self.assertEqual(call["forwards"], report["max_new_tokens"])
 

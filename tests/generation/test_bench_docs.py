@@ -89,6 +89,39 @@ class RenderTest(unittest.TestCase):
         self.assertIn("`pow2-default` took 0.50x `dynamic-auto`'s total time", flat)
         self.assertIn("Every strategy's tokens equal eager's.", flat)
 
+    def test_second_pass_payback_and_targets(self):
+        report = synthetic_report()
+        by_name = {result["strategy"]: result["summary"] for result in report["strategies"]}
+        by_name["dynamic-auto"].update(second_ttft_median_ms=200.0, second_decode_median_ms_per_token=50.0)
+        by_name["pow2-default"].update(
+            second_ttft_median_ms=230.0, second_decode_median_ms_per_token=51.0, payback_calls=37
+        )
+        by_name["pow2-default"]["decode_median_ms_per_token"] = 63.525  # 1.05x dynamic-auto's 60.5
+        by_name["upstream-static"].update(second_ttft_median_ms=150.0, second_decode_median_ms_per_token=40.0)
+        block = docs.render(docs.docs_summary(report))
+        flat = " ".join(block.split())
+        rows = {row.split("`")[1]: row for row in block.splitlines() if row.startswith("| `")}
+        self.assertTrue(rows["pow2-default"].endswith("| 230 / 51.0 | 37 |"), rows["pow2-default"])
+        # Second-pass figures but no payback: it never pays back; the reference has none to pay.
+        self.assertTrue(rows["upstream-static"].endswith("| 150 / 40.0 | never |"), rows["upstream-static"])
+        self.assertTrue(rows["eager"].endswith("| - / - | - |"), rows["eager"])
+        self.assertIn("`pow2-default` decode median: 1.05x `dynamic-auto`'s (target: at most 1.05x).", flat)
+        self.assertIn("`pow2-default` time to first token 1.15x and decode 1.02x `dynamic-auto`'s", flat)
+
+    def test_sliding_pair_finding(self):
+        report = synthetic_report()
+        sliding = {"strategy": "sliding-upstream-static", "summary_text": "tiny", "summary": {}}
+        sliding["summary"] = dict(report["strategies"][1]["summary"], graphs=8, eager_fallbacks=40)
+        bucketed = {"strategy": "sliding-pow2", "summary_text": "tiny", "summary": {}}
+        bucketed["summary"] = dict(report["strategies"][1]["summary"], graphs=5, eager_fallbacks=0)
+        bucketed["summary"].update(second_decode_median_ms_per_token=2.5)
+        report["strategies"] += [sliding, bucketed]
+        flat = " ".join(docs.render(docs.docs_summary(report)).split())
+        self.assertIn(
+            "static cache + compile 8 graphs, 40 eager fallbacks; bucketed 5 graphs, 0 eager fallbacks", flat
+        )
+        self.assertIn("second-pass decode - and 2.5 ms/token", flat)
+
     def test_a_mismatch_is_said(self):
         report = synthetic_report()
         report["strategies"][3]["summary"]["tokens_equal_eager"] = False

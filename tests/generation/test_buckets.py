@@ -1,6 +1,7 @@
 # Unit tests of the pure parts: `BucketPolicy` (which length a prompt is padded to) and `left_pad` / `strip_left`.
 
 import dataclasses
+import itertools
 import unittest
 
 import torch
@@ -9,8 +10,8 @@ from hypothesis import strategies as st
 from parameterized import parameterized
 
 from prefill_buckets import BucketPolicy
-from prefill_buckets.buckets import next_power_of_two, round_up
-from prefill_buckets.padding import left_pad, strip_left
+from prefill_buckets.buckets import NAMED_BUCKETS, named_bucket_lengths, next_power_of_two, round_up
+from prefill_buckets.call.padding import left_pad, strip_left
 
 
 def is_power_of_two(n: int) -> bool:
@@ -91,6 +92,30 @@ class BucketPolicyTest(unittest.TestCase):
     )
     def test_pow2(self, length, expected):
         self.assertEqual(BucketPolicy(buckets="pow2").bucket(length), expected)
+
+    @parameterized.expand(
+        [(1, 1), (3, 4), (5, 8), (8, 8), (9, 10), (15, 16), (17, 20), (33, 40), (129, 160), (131, 160), (145, 160)]
+        + [(161, 192), (219, 224), (257, 320), (523, 640), (953, 1024), (1025, 1280), (4097, 5120)]
+    )
+    def test_pow2_quarters(self, length, expected):
+        self.assertEqual(BucketPolicy(buckets="pow2-quarters").bucket(length), expected)
+
+    def test_pow2_quarters_pads_at_most_a_quarter_past_8(self):
+        policy = BucketPolicy(buckets="pow2-quarters")
+        for length in range(9, 20_000):
+            self.assertLessEqual(policy.bucket(length), 1.25 * length)
+        # Its lengths: the powers of two and, from 8 on, three evenly between each and the next.
+        lengths = sorted({policy.bucket(n) for n in range(1, 257)})
+        self.assertEqual(lengths[:8], [1, 2, 4, 8, 10, 12, 14, 16])
+        self.assertEqual(lengths[-8:], [80, 96, 112, 128, 160, 192, 224, 256])
+        self.assertTrue({1 << k for k in range(9)} <= set(lengths))
+
+    def test_pow2_quarters_with_multiple(self):
+        # Aligned to 64: 64 for every prompt up to 64, then 128, 192 (160 and 192 align to 192), 256, 320, ...
+        policy = BucketPolicy(buckets="pow2-quarters", pad_to_multiple_of=64)
+        self.assertEqual(
+            [policy.bucket(n) for n in (1, 64, 65, 129, 161, 257, 330)], [64, 64, 128, 192, 192, 320, 384]
+        )
 
     @parameterized.expand(
         [
@@ -220,7 +245,7 @@ bucket_lists = st.lists(st.integers(1, 4096), min_size=1, max_size=8, unique=Tru
 
 @st.composite
 def policy_strategy(draw):
-    buckets = draw(st.one_of(st.none(), st.just("pow2"), bucket_lists))
+    buckets = draw(st.one_of(st.none(), st.sampled_from(NAMED_BUCKETS), bucket_lists))
     if buckets is None:
         multiple = draw(st.integers(1, 512))
     else:
@@ -248,12 +273,19 @@ class BucketPolicyPropertyTest(unittest.TestCase):
                 self.assertLess(padded - length, policy.pad_to_multiple_of)
             else:
                 # The smallest of the aligned buckets that holds it.
-                raw = policy.buckets if policy.buckets != "pow2" else [1 << k for k in range(length.bit_length() + 1)]
+                raw = policy.buckets
+                if isinstance(raw, str):
+                    raw = list(itertools.takewhile(lambda b: b < 2 * length + 2, named_bucket_lengths(raw)))
                 aligned = [round_up(b, policy.pad_to_multiple_of) for b in raw]
                 self.assertEqual(padded, min(a for a in aligned if a >= length))
         elif policy.buckets == "pow2":
             self.assertTrue(is_power_of_two(padded))
             self.assertLess(padded, 2 * length)
+        elif policy.buckets == "pow2-quarters":
+            self.assertLessEqual(padded, max(1.25 * length, next_power_of_two(length)))
+            self.assertIn(
+                padded, set(itertools.takewhile(lambda b: b <= padded, named_bucket_lengths("pow2-quarters")))
+            )
         elif policy.exceeds_buckets(length):
             self.assertEqual(padded % policy.largest_bucket, 0)
             self.assertLess(padded - length, policy.largest_bucket)

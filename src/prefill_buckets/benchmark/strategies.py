@@ -7,6 +7,7 @@ from ..buckets import BucketPolicy
 
 CHUNK = 128  # chunk size (and padding multiple) of the `chunked` strategy
 SHUFFLE_SEED = 0  # the order of a `shuffled` strategy's prompts: the same in every run
+TINY_SLIDING = "tiny-sliding"  # the tiny Gemma-3-like model of `sliding.py`, built from a config
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,14 @@ class Strategy:
     # transformers' continuous batching, `model.generate_batch` (see `batched.py`).
     kind: str = "generate"
     cb_config: dict = field(default_factory=dict)  # `ContinuousBatchingConfig` fields of a "continuous" strategy
+    # Started from torch's own saved compile artifacts (`torch.compiler.save_cache_artifacts`), which the process of
+    # the strategy named here saved at its end, after the same workload.
+    artifacts_from: str | None = None
+    model: str | None = None  # None: the run's model; `TINY_SLIDING`: the tiny sliding-window model
+
+
+# The reference strategy of each model: it runs first, uncompiled, and its tokens are what the others must equal.
+REFERENCE = {None: "eager", TINY_SLIDING: "sliding-eager"}
 
 
 STRATEGIES = {
@@ -34,12 +43,25 @@ STRATEGIES = {
         Strategy("eager", "no compile, static cache (the reference tokens)", compiled=False),
         Strategy("upstream-static", "torch.compile(model.forward, dynamic=False), static cache, no padding"),
         Strategy("dynamic-auto", "torch.compile(model.forward, dynamic=None): automatic dynamic shapes", dynamic=None),
+        Strategy(
+            "dynamic-auto-warm",
+            "dynamic-auto started from torch's own compile artifacts (torch.compiler.save_cache_artifacts at the end "
+            "of dynamic-auto's process, load_cache_artifacts in a new one): the warm peer of pow2-warm",
+            dynamic=None,
+            artifacts_from="dynamic-auto",
+        ),
         Strategy("dynamic-true", "torch.compile(model.forward, dynamic=True)", dynamic=True),
         Strategy(
             "pow2-default",
             'the simplest config: prefill_buckets="pow2", dynamic=False, no max_cache_len, no precompile, the prompts '
             f"in a shuffled order (seed {SHUFFLE_SEED})",
             fields={"prefill_buckets": "pow2"},
+            shuffled=True,
+        ),
+        Strategy(
+            "quarters-default",
+            'pow2-default with prefill_buckets="pow2-quarters" (4 buckets per doubling: at most 25% padding)',
+            fields={"prefill_buckets": "pow2-quarters"},
             shuffled=True,
         ),
         Strategy("pow2", 'prefill_buckets="pow2", dynamic=False', fields={"prefill_buckets": "pow2"}),
@@ -67,6 +89,30 @@ STRATEGIES = {
             "from a compile cache saved by an earlier process (which traces and compiles nothing)",
             fields={"prefill_buckets": "pow2"},
             warm=True,
+        ),
+        Strategy(
+            "quarters-warm",
+            'pow2-warm with prefill_buckets="pow2-quarters"',
+            fields={"prefill_buckets": "pow2-quarters"},
+            warm=True,
+        ),
+        Strategy(
+            "sliding-eager",
+            "tiny Gemma-3-like model (a sliding-window layer and a full one, built from a config): no compile, static "
+            "cache (the reference tokens of the sliding pair)",
+            compiled=False,
+            model=TINY_SLIDING,
+        ),
+        Strategy(
+            "sliding-upstream-static",
+            "tiny Gemma-3-like model: torch.compile(model.forward, dynamic=False), static cache, no padding",
+            model=TINY_SLIDING,
+        ),
+        Strategy(
+            "sliding-pow2",
+            'tiny Gemma-3-like model: prefill_buckets="pow2", dynamic=False, no max_cache_len',
+            fields={"prefill_buckets": "pow2"},
+            model=TINY_SLIDING,
         ),
         Strategy(
             "batch-eager",
@@ -118,6 +164,8 @@ STRATEGIES = {
 # default took 21 minutes there, so they run with `--full` or `--strategies`.
 DEFAULT_STRATEGIES = ("eager", "dynamic-auto", "pow2-default", "chunked")
 QUICK_STRATEGIES = ("eager", "pow2")
+# The sliding-window pair (issue 28): upstream's static cache + compile against bucketed + compile, on a tiny model.
+SLIDING_STRATEGIES = ("sliding-upstream-static", "sliding-pow2")
 # Batch against batch: continuous batching and bucketed generate with every prompt in one call (`--full` runs them).
 BATCH_STRATEGIES = ("batch-eager", "batch-pow2", "cb-eager", "cb-level1", "cb-static")
 

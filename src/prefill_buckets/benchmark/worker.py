@@ -4,6 +4,9 @@ One strategy of the benchmark, in its own process: `python -m prefill_buckets.be
 The driver (`command.py`) writes the spec (strategy, model folder, workload file, new tokens) and reads back the
 record this writes: per call its tokens, wall time, graphs compiled, time to first token and decode time per token;
 over the run the graphs, compiled calls, forwards, graph breaks and inductor cache hits.
+
+A "generate" strategy runs the workload twice, on the same prompts in the same order: the first (cold) pass compiles
+and is the strategy's total time; the second (`second_calls`) is its steady state.
 """
 
 import copy
@@ -117,6 +120,23 @@ def start_process(spec: dict) -> None:
     torch._dynamo.utils.counters.clear()
 
 
+def load_artifacts(path: str) -> dict:
+    """Torch's own compile artifacts, saved by an earlier process (`save_artifacts`), loaded into this one."""
+    begin = time.perf_counter()
+    with open(path, "rb") as f:
+        loaded = torch.compiler.load_cache_artifacts(f.read())
+    return {"artifacts_loaded": loaded is not None, "artifacts_load_seconds": time.perf_counter() - begin}
+
+
+def save_artifacts(path: str) -> dict:
+    """Everything torch's caches compiled in this process (`torch.compiler.save_cache_artifacts`), written to `path`."""
+    saved = torch.compiler.save_cache_artifacts()
+    data = saved[0] if saved is not None else b""
+    with open(path, "wb") as f:
+        f.write(data)
+    return {"artifacts_bytes": len(data)}
+
+
 def run_worker(spec: dict) -> dict:
     """Runs one strategy (or, with `phase == "prepare"`, builds the compile cache of a warm one); returns its record."""
     strategy = STRATEGIES[spec["strategy"]]
@@ -172,6 +192,8 @@ def run_worker(spec: dict) -> dict:
         record.update(run_counters(counter, forwards[0]), graphs=graphs)
         return record
     begin = time.perf_counter()
+    if strategy.artifacts_from is not None:
+        record.update(load_artifacts(spec["artifacts_file"]))
     if strategy.warm:
         if spec["phase"] == "run":
             # As a replica of a fleet does: the file with the hash its preparing process published.
@@ -198,6 +220,16 @@ def run_worker(spec: dict) -> dict:
     if spec["phase"] == "run":
         record["calls"] = run_workload(workload, model, run, config, counter, forwards, synchronize, progress, spec)
     record["total_seconds"] = time.perf_counter() - begin
+    # The forwards (and compiled calls) of the cold pass, precompile included: its eager fallbacks.
+    record["cold_forwards"], record["cold_compiled_calls"] = forwards[0], counter.calls
+    if spec["phase"] == "run":
+        second = time.perf_counter()
+        record["second_calls"] = run_workload(
+            workload, model, run, config, counter, forwards, synchronize, progress, spec
+        )
+        record["second_pass_seconds"] = time.perf_counter() - second
+    if spec.get("save_artifacts"):
+        record.update(save_artifacts(spec["save_artifacts"]))
     record.update(run_counters(counter, forwards[0]))
     return record
 

@@ -31,7 +31,7 @@ the window (`padding_side.py`), where the offset is 0 whatever the count.
 
 import torch
 
-from . import _compat
+from .. import _compat
 
 
 class SlidingWindowRing(_compat.StaticSlidingWindowLayer):

@@ -29,8 +29,8 @@ it holds past 1,024, and a 131,072-slot cache has 32 of them.
 
 from transformers.utils import logging
 
-from . import _compat
-from .buckets import round_up
+from .. import _compat
+from ..buckets import round_up
 from .ring import SlidingWindowRing
 
 

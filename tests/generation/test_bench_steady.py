@@ -1,0 +1,150 @@
+# The benchmark's steady state (a second pass on the same prompts), its payback against eager, the warm start from
+# torch's own compile artifacts (`dynamic-auto-warm`), and the sliding-window pair's model and references. Runs no
+# compiler: the worker runs eagerly in this process, and the driver's processes are mocked.
+
+import json
+import os
+import tempfile
+import unittest
+from pathlib import Path
+from unittest import mock
+
+import torch
+
+from prefill_buckets import benchmark as bench
+from prefill_buckets.benchmark import command, sliding, worker
+from prefill_buckets.benchmark.report import payback_calls
+from prefill_buckets.testing_utils import tiny_llama
+
+
+def record(total: float, second: float, calls: int = 4) -> dict:
+    return {"calls": [{}] * calls, "total_seconds": total, "second_pass_seconds": second}
+
+
+class PaybackTest(unittest.TestCase):
+    def test_the_calls_at_which_the_compiled_process_catches_up(self):
+        eager = record(total=8.0, second=8.0)  # 2 s a call
+        # Cold pass 68 s (60 s of compiling), then 1 s a call: 4 + (68 - 8) / 1 = 64 calls from its start.
+        self.assertEqual(payback_calls(record(total=68.0, second=4.0), eager), 64)
+        # Checked by hand: after 64 calls, 68 + 60 * 1 == 8 + 60 * 2; after 63, the compiled process is still behind.
+        self.assertEqual(68 + 60 * 1, 8 + 60 * 2)
+        # A cold pass faster than eager's has paid back within it.
+        self.assertEqual(payback_calls(record(total=5.0, second=4.0), eager), 1)
+
+    def test_never_when_not_faster_once_warm(self):
+        eager = record(total=8.0, second=4.0)
+        self.assertIsNone(payback_calls(record(total=60.0, second=4.0), eager))
+        self.assertIsNone(payback_calls(record(total=60.0, second=5.0), eager))
+        self.assertIsNone(payback_calls(record(total=60.0, second=1.0), None))
+        self.assertIsNone(payback_calls({"calls": [{}], "total_seconds": 60.0}, eager))  # no second pass
+
+
+class WorkerSecondPassTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.TemporaryDirectory()
+        cls.model_dir = os.path.join(cls.tmp.name, "tiny")
+        tiny_llama().save_pretrained(cls.model_dir)
+        cls.workload_path = os.path.join(cls.tmp.name, "workload.json")
+        workload = [
+            {
+                "name": f"p{n}",
+                "length": n,
+                "ids": torch.randint(3, 128, (n,), generator=torch.Generator().manual_seed(n)).tolist(),
+            }
+            for n in (5, 40, 17)
+        ]
+        Path(cls.workload_path).write_text(json.dumps(workload))
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.tmp.cleanup()
+
+    def test_the_second_pass_runs_the_same_prompts(self):
+        spec = {
+            "strategy": "eager",
+            "phase": "run",
+            "model": self.model_dir,
+            "device": "cpu",
+            "dtype": "float32",
+            "workload": self.workload_path,
+            "max_new_tokens": 4,
+            "progress": False,
+        }
+        eager = worker.run_worker(spec)
+        self.assertEqual([c["name"] for c in eager["second_calls"]], [c["name"] for c in eager["calls"]])
+        self.assertEqual([c["tokens"] for c in eager["second_calls"]], [c["tokens"] for c in eager["calls"]])
+        self.assertGreater(eager["second_pass_seconds"], 0)
+        # The cold pass's forwards: 4 new tokens per prompt; the second pass's are not counted in them.
+        self.assertEqual(eager["cold_forwards"], 3 * 4)
+        self.assertEqual(eager["forwards"], 2 * 3 * 4)
+        reference = {c["name"]: c["tokens"] for c in eager["calls"]}
+        summary = bench.summarize(eager, bench.STRATEGIES["eager"], reference, [5, 40, 17], eager=eager)
+        self.assertIsNotNone(summary["second_ttft_median_ms"])
+        self.assertIsNotNone(summary["second_decode_median_ms_per_token"])
+        self.assertEqual(summary["second_pass_graphs"], 0)
+        self.assertIsNone(summary["payback_calls"])  # eager has nothing to pay back
+        # A token that differs in the second pass only is a mismatch.
+        eager["second_calls"][1]["tokens"] = [0] * 4
+        summary = bench.summarize(eager, bench.STRATEGIES["pow2"], reference, [5, 40, 17])
+        self.assertEqual(summary["mismatched_prompts"], ["p40 (second pass)"])
+
+
+class WarmFromTorchArtifactsTest(unittest.TestCase):
+    def test_dynamic_auto_saves_and_the_warm_peer_loads(self):
+        calls = []
+
+        def fake_spawn(spec, workdir, tag):
+            calls.append((tag, spec.get("save_artifacts"), spec.get("artifacts_file")))
+            if spec.get("save_artifacts"):
+                Path(spec["save_artifacts"]).write_bytes(b"artifacts")
+            return {"strategy": spec["strategy"], "total_seconds": 5.0, "artifacts_loaded": True}
+
+        names = ["eager", "dynamic-auto", "dynamic-auto-warm"]
+        record = {"artifacts_load_seconds": 0.1, "fxgraph_cache_hits": 3, "fxgraph_cache_misses": 0}
+        with tempfile.TemporaryDirectory() as tmp:
+            workdir = Path(tmp)
+            with mock.patch.object(command, "spawn", side_effect=lambda *a: {**fake_spawn(*a), **record}):
+                command.run_strategy("dynamic-auto", {}, workdir, names)
+                warm = command.run_strategy("dynamic-auto-warm", {}, workdir, names)
+            source = str(command.artifacts_file(workdir, "dynamic-auto"))
+            # dynamic-auto's own run saved them; the warm process loaded that file, and no extra process ran.
+            self.assertEqual(calls, [("dynamic-auto", source, None), ("dynamic-auto-warm", None, source)])
+            self.assertIsNone(warm["prep_seconds"])  # the bench loop fills it from dynamic-auto's run
+
+            # Alone, the warm peer first runs its source once (its preparation).
+            calls.clear()
+            os.remove(source)
+            with mock.patch.object(command, "spawn", side_effect=lambda *a: {**fake_spawn(*a), **record}):
+                warm = command.run_strategy("dynamic-auto-warm", {}, workdir, ["eager", "dynamic-auto-warm"])
+            self.assertEqual(calls, [("source", source, None), ("dynamic-auto-warm", None, source)])
+            self.assertEqual(warm["prep_seconds"], 5.0)
+
+
+class SlidingPairTest(unittest.TestCase):
+    def test_reference_per_model_runs_first(self):
+        parser = _bench_parser()
+        names = bench.strategy_list(parser.parse_args(["--strategies", "sliding-pow2,pow2"]))
+        self.assertEqual(names, ["eager", "sliding-eager", "sliding-pow2", "pow2"])
+
+    def test_tiny_sliding_model(self):
+        workload = [{"ids": [3, 5, 700]}, {"ids": [9]}]
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = sliding.save_tiny_sliding_model(Path(tmp) / "m", workload)
+            config = json.loads((folder / "config.json").read_text())
+        self.assertEqual(config["model_type"], "gemma3_text")
+        self.assertEqual(config["layer_types"], ["sliding_attention", "full_attention"])
+        self.assertEqual(config["sliding_window"], sliding.SLIDING_WINDOW)
+        self.assertEqual(config["vocab_size"], 704)  # holds id 700, rounded up to 64
+
+
+def _bench_parser():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    return parser
+
+
+if __name__ == "__main__":
+    unittest.main()
