@@ -200,12 +200,15 @@ def _model_class(model_type: str):
     return getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
 
 
-def build_tiny_model(model_type: str):
-    """A tiny random model of `model_type` in eval mode, fp32, on CPU. Raises `ValueError` when none is tiny."""
+def build_tiny_model(model_type: str, config=None):
+    """
+    A tiny random model of `model_type` (of `config`, default `tiny_config(model_type)`) in eval mode, fp32, on CPU.
+    Raises `ValueError` when none is tiny.
+    """
     import torch
 
     model_class = _model_class(model_type)
-    config = tiny_config(model_type)
+    config = tiny_config(model_type) if config is None else config
     with torch.device("meta"):
         parameters = sum(p.numel() for p in model_class(config).parameters())
     if parameters > MAX_PARAMETERS:

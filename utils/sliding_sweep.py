@@ -52,19 +52,22 @@ class SlidingRow:
         return self.tokens.startswith(("DIFFERS", "CRASH"))
 
 
-def sliding_kinds(model) -> str:
-    """The attention kinds of `model`'s layers ("sliding", "chunked", "full"), or "" when none slides."""
+def sliding_kinds(config) -> str:
+    """
+    The attention kinds of the layers of `config`'s static cache ("sliding", "chunked", "full", "linear and sliding"
+    for a hybrid layer), or "" when none slides. Raises where no static cache can be made from `config`.
+    """
     from transformers import StaticCache
 
     from prefill_buckets import _compat
 
-    try:
-        layers = StaticCache(config=model.config, max_cache_len=64).layers
-    except Exception:  # no static cache for this config
+    layers = StaticCache(config=config, max_cache_len=64).layers
+    sliding = [layer for layer in layers if _compat.sliding_window_slots(layer) is not None]
+    if not sliding:
         return ""
-    if not any(type(layer) is _compat.StaticSlidingWindowLayer for layer in layers):
-        return ""
-    text_config = model.config.get_text_config(decoder=True)
+    if not any(type(layer) is _compat.StaticSlidingWindowLayer for layer in sliding):
+        return "linear and sliding"  # hybrid layers: not rings (`windows.py`)
+    text_config = config.get_text_config(decoder=True)
     types = set(getattr(text_config, "layer_types", None) or ())
     kinds = [kind for kind in ("sliding", "chunked", "full") if f"{kind}_attention" in types]
     if not kinds or kinds == ["full"]:  # no layer list: a window or a chunk for every layer
@@ -72,16 +75,28 @@ def sliding_kinds(model) -> str:
     return ", ".join(kinds)
 
 
-def _tiny_model(model_type: str):
-    import torch
-
-    model_class = arch_sweep._model_class(model_type)
+def _tiny_config(model_type: str):
     config = arch_sweep.tiny_config(model_type)
     for sub_config in {id(c): c for c in (config, config.get_text_config(decoder=True))}.values():
         if getattr(sub_config, "attention_chunk_size", None):
             sub_config.attention_chunk_size = WINDOW
-    torch.manual_seed(0)
-    return model_class(config).eval()
+    return config
+
+
+def _slides_by_default(model_type: str) -> bool:
+    """Whether the default config of `model_type` (whose tiny one can't be built) has sliding or chunked layers."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.for_model(model_type).get_text_config(decoder=True)
+    except Exception:
+        return False
+    types = getattr(config, "layer_types", None) or ()
+    return bool(
+        getattr(config, "sliding_window", None)
+        or getattr(config, "attention_chunk_size", None)
+        or any(kind in ("sliding_attention", "chunked_attention") for kind in types)
+    )
 
 
 def sweep_one(model_type: str, timeout: float = 120.0) -> SlidingRow | None:
@@ -97,14 +112,28 @@ def sweep_one(model_type: str, timeout: float = 120.0) -> SlidingRow | None:
     from prefill_buckets.compilation import GraphCounter
 
     start = time.perf_counter()
+    row = SlidingRow(model_type, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, "?"))
     try:
-        model = _tiny_model(model_type)
-    except Exception:
+        config = _tiny_config(model_type)
+    except Exception as error:
+        if not _slides_by_default(model_type):
+            return None
+        row.tokens = f"no tiny config: {arch_sweep._short(error)}"
+        return row
+    try:
+        row.kinds = sliding_kinds(config)
+    except Exception as error:  # no static cache for this config
+        if not _slides_by_default(model_type):
+            return None
+        row.tokens = f"no static cache: {arch_sweep._short(error)}"
+        return row
+    if not row.kinds:
         return None
-    kinds = sliding_kinds(model)
-    if not kinds:
-        return None
-    row = SlidingRow(model_type, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, "?"), kinds)
+    try:
+        model = arch_sweep.build_tiny_model(model_type, config)
+    except Exception as error:
+        row.tokens = f"no tiny model: {arch_sweep._short(error)}"
+        return row
     torch._dynamo.reset()
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, arch_sweep.VOCAB, (1, n), generator=generator) for n in PROMPT_LENGTHS]

@@ -18,6 +18,8 @@ at the positions `held, ..., held + q - 1`:
 2. keeps the last `S` positions: slot `j` of the storage gets the slot `j + new_start - start` of what it read, where
    `new_start = max(0, held + q - S)` (a tensor offset again), and adds `q` to the count in place.
 
+A decode step copies the window twice (the read, the keep), as upstream's roll and copy do.
+
 The mask spans the `S + q` slots it reads from the position `start` (`get_mask_sizes`): a Python int, decided outside
 the compiled graph, from the tokens the cache holds after the forward (`set_tokens`, before each forward, as the
 attention windows of the full-attention layers: `windows.set_window`). Upstream's mask function applies the sliding
@@ -52,12 +54,18 @@ class SlidingWindowRing(_compat.StaticSlidingWindowLayer):
         new_start = (held + new - window).clamp(min=0)  # [] the position in slot 0 after this forward
         written = torch.arange(new, device=self.device) + (held - start)  # [q]
         kept = torch.arange(window, device=self.device) + (new_start - start)  # [S]
-        room = (torch.zeros_like(key_states), torch.zeros_like(value_states))  # the slots past the stored ones
-        keys = torch.cat((self.keys, room[0]), dim=-2).index_copy(2, written, key_states)  # [B, H, S + q, D]
-        values = torch.cat((self.values, room[1]), dim=-2).index_copy(2, written, value_states)
-        # In place: the storage keeps its static address.
-        self.keys.copy_(keys.index_select(2, kept))  # [B, H, S, D]
-        self.values.copy_(values.index_select(2, kept))
+        # The stored slots, then zeros: room for the new tokens. [B, H, S + q, D]
+        keys = torch.cat((self.keys, torch.zeros_like(key_states)), dim=-2)
+        values = torch.cat((self.values, torch.zeros_like(value_states)), dim=-2)
+        try:
+            keys.index_copy_(2, written, key_states)
+            values.index_copy_(2, written, value_states)
+        except NotImplementedError:  # devices without `index_copy_` (MPS), as upstream's layers fall back
+            keys[:, :, written] = key_states
+            values[:, :, written] = value_states
+        # Into the storage itself (its static address), with no copy in between. [B, H, S, D]
+        torch.index_select(keys, 2, kept, out=self.keys)
+        torch.index_select(values, 2, kept, out=self.values)
         self.cumulative_length.add_(new)
         return keys, values
 

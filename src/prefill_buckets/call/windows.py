@@ -110,6 +110,11 @@ def _ring_layers(cache, attention: str | None) -> list:
     if not _compat.is_static_cache(cache):
         return []
     layers = [layer for layer in cache.layers if type(layer) is _compat.StaticSlidingWindowLayer]
+    if any(_compat.sliding_window_slots(layer) is not None and layer not in layers for layer in cache.layers):
+        logger.warning_once(
+            "Hybrid layers (linear attention with a sliding window) stay upstream's: a compiled forward traces a new "
+            "graph at every decode step past their window (upstream's own behaviour); outputs are exact."
+        )
     if not layers:
         return []
     problem = _compat.sliding_layer_problem()
