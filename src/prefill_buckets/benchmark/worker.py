@@ -129,7 +129,7 @@ def load_artifacts(path: str) -> dict:
 
 
 def save_artifacts(path: str) -> dict:
-    """Everything torch's caches compiled in this process (`torch.compiler.save_cache_artifacts`), written to `path`."""
+    """What torch's caches compiled in this process (`torch.compiler.save_cache_artifacts`), written to `path`."""
     saved = torch.compiler.save_cache_artifacts()
     data = saved[0] if saved is not None else b""
     with open(path, "wb") as f:
