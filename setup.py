@@ -28,10 +28,10 @@ HERE = Path(__file__).resolve().parent
 
 
 def read_version():
-    init = (HERE / "src" / "prefill_buckets" / "__init__.py").read_text(encoding="utf-8")
-    match = re.search(r"""^__version__\s*=\s*["']([^"']+)["']""", init, re.MULTILINE)
+    source = (HERE / "src" / "prefill_buckets" / "version.py").read_text(encoding="utf-8")
+    match = re.search(r"""^__version__\s*=\s*["']([^"']+)["']""", source, re.MULTILINE)
     if match is None:
-        raise RuntimeError("Unable to find __version__ in src/prefill_buckets/__init__.py")
+        raise RuntimeError("Unable to find __version__ in src/prefill_buckets/version.py")
     return match.group(1)
 
 
@@ -65,7 +65,7 @@ setup(
     package_data={"prefill_buckets": ["data/*.json"]},
     python_requires=">=3.10.0",
     install_requires=[
-        "transformers>=5.17.0",  # no upper bound: `_compat.check_upstream` checks newer releases at run time
+        "transformers>=5.17.0",  # no upper bound: `support.check_upstream` checks newer releases at run time
         "torch>=2.7",
     ],
     extras_require=extras,

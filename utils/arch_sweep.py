@@ -238,7 +238,7 @@ class _SideRecorder:
 
         from transformers.utils import logging
 
-        import prefill_buckets.generation as generation
+        import prefill_buckets.call.generation as generation
 
         original = generation.choose_side
 

@@ -2,28 +2,24 @@
 
 Bucketing works by hooking a few private steps of upstream `generate` for the duration of a call. A transformers
 release that renames or reshapes one of them must fail loudly, never run with a hook silently skipped (a missed
-`_prepare_generated_length` hook, for instance, would shift `max_length` by the padding). `check_upstream` verifies
-them all; `enable()` and the first bucketed call on each model class run it.
+`_prepare_generated_length` hook, for instance, would shift `max_length` by the padding). `upstream_problems` lists
+what is missing; `support.check_upstream` (run by `enable()` and the first bucketed call on each model class) raises
+it, and on a version outside `TESTED_TRANSFORMERS` also runs the self-test.
 
-The versions this release is tested on are `TESTED_TRANSFORMERS` (CI runs both ends). setup.py sets no upper bound,
-so pip never downgrades a newer transformers: on a version outside the range the check still runs, and the first
-bucketed call also runs `selftest.self_test` (a tiny model, bucketed against unpadded) and logs which version it is.
+This module is the package's bottom floor: it imports nothing of the package, and no other module names a private
+torch or transformers name (`tests/generation/test_imports.py` checks both).
 """
 
 import contextlib
 import inspect
-import threading
 
 import torch
 import transformers
 from packaging import version
-from transformers import PreTrainedModel, StaticCache, StaticLayer, masking_utils
+from transformers import PreTrainedModel, StaticCache, StaticLayer, StaticSlidingWindowLayer, masking_utils
 from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS
 from transformers.generation.utils import GenerationMixin
-from transformers.utils import logging
 
-
-logger = logging.get_logger(__name__)
 
 TESTED_TRANSFORMERS = ("5.17.0", "5.24.0")  # oldest and newest, both run in CI
 TRANSFORMERS_VERSION = version.parse(transformers.__version__)
@@ -32,81 +28,36 @@ TRANSFORMERS_VERSION = version.parse(transformers.__version__)
 # holds their start: a call continuing from a cache must then prefill in one (eager) forward.
 CHUNKED_PREFILL_RESUMES = TRANSFORMERS_VERSION.release >= (5, 21)
 
-__all__ = ["ALL_STATIC_CACHE_IMPLEMENTATIONS", "StaticLayer", "UPSTREAM_GENERATE", "UPSTREAM_GENERATE_SIGNATURE"]
+__all__ = [
+    "ALL_STATIC_CACHE_IMPLEMENTATIONS",
+    "StaticLayer",
+    "StaticSlidingWindowLayer",
+    "UPSTREAM_GENERATE",
+    "UPSTREAM_GENERATE_SIGNATURE",
+]
 
 # Captured at import, before `enable()` can replace it.
 UPSTREAM_GENERATE = GenerationMixin.generate
 UPSTREAM_GENERATE_SIGNATURE = inspect.signature(UPSTREAM_GENERATE)
 
-# The methods hooked on a model instance during a bucketed call, and the parameters each hook reads by name.
-HOOK_TARGETS: dict[str, tuple[str, ...]] = {
-    "_prepare_generated_length": (
-        "generation_config",
-        "has_default_max_length",
-        "has_default_min_length",
-        "model_input_name",
-        "input_ids_length",
-        "inputs_tensor",
-    ),
-    "_prepare_cache_for_generation": (
-        "generation_config",
-        "model_kwargs",
-        "generation_mode",
-        "batch_size",
-        "max_cache_length",
-    ),
-    "prepare_inputs_for_generation": ("input_ids", "attention_mask", "inputs_embeds"),
-    "_get_logits_processor": ("generation_config", "logits_processor"),
-    "_get_stopping_criteria": ("generation_config", "stopping_criteria"),
-    "_get_candidate_generator": ("generation_config",),
-    "get_compiled_call": ("compile_config",),
-    # Right padding (`padding_side.py` chooses it) replaces the prefill forward (`prefill_right.py`).
-    "_prefill": ("input_ids", "generation_config", "model_kwargs"),
-}
-# The hooks that call the method they replace with exactly these arguments, by position and in this order: an override
-# must take them there (or pass `*args` on). The others pass everything on by keyword, so an override that takes a
-# parameter through `**kwargs` passes it on to the definition it extends, which must take it by name.
-POSITIONAL_HOOK_TARGETS = ("_prepare_generated_length", "_prepare_cache_for_generation", "_prefill")
 # Other private methods called on the model.
 CALLED_METHODS = ("_valid_auto_compile_criteria",)
-
-# The verdict of `check_upstream` per class: `None` (passed) or the message it raises, every time it is asked.
-_checked: dict[type, str | None] = {}
-# The self-test's verdict for this process (it tests the transformers version, not a class): `_PENDING` until it has
-# run, `_RUNNING` while it runs (its own bucketed calls come back to `check_upstream`), then `None` or a message.
-_PENDING, _RUNNING = object(), object()
-_self_test_verdict = {"verdict": _PENDING}
-# Held while a verdict is made, so a concurrent first call waits for it. Reentrant: the self-test's calls re-enter.
-_checked_lock = threading.RLock()
 
 
 class _GenerativeModel(PreTrainedModel, GenerationMixin):
     """What `enable()` checks when no model is known yet: the upstream classes every generative model inherits."""
 
 
-def check_upstream(model_class: type = _GenerativeModel) -> None:
+def upstream_problems(model_class: type, hook_targets: dict[str, tuple[tuple[str, ...], bool]]) -> str | None:
     """
-    Raises `RuntimeError` naming the transformers version and the missing piece when a hook target or another private
-    name the package relies on is missing, or no longer takes the parameters the hook reads, and, outside the tested
-    range, when the self-test fails. The verdict is kept per class (and for the self-test, per process): a class that
-    failed keeps raising.
+    What `support.check_upstream` raises for `model_class`: the hook targets (`{method: (parameters the hook reads,
+    whether upstream passes them by position)}`, `hook_registry.hook_targets`) and other private names the package
+    relies on that are missing, or no longer take the parameters the hooks read. `None` when every one is in place.
     """
-    with _checked_lock:
-        if model_class not in _checked:
-            _checked[model_class] = _problems_message(model_class)
-        failure = _checked[model_class]
-        if failure is None and not _is_tested_range():
-            failure = _self_test_failure()
-    if failure is not None:
-        raise RuntimeError(failure)
-
-
-def _problems_message(model_class: type) -> str | None:
-    """What `check_upstream` raises for `model_class`, or `None` when every private name it needs is in place."""
     problems = [
         problem
-        for name, parameters in HOOK_TARGETS.items()
-        if (problem := _hook_target_problem(model_class, name, parameters)) is not None
+        for name, (parameters, positional) in hook_targets.items()
+        if (problem := _hook_target_problem(model_class, name, parameters, positional)) is not None
     ]
     for name in CALLED_METHODS:
         if not callable(getattr(model_class, name, None)):
@@ -128,43 +79,12 @@ def _problems_message(model_class: type) -> str | None:
     )
 
 
-def _self_test_failure() -> str | None:
-    """
-    The self-test's verdict on this transformers version, run on first use (under `_checked_lock`): `None` when it
-    passed, or its error message. While it runs, its own bucketed calls pass.
-    """
-    verdict = _self_test_verdict["verdict"]
-    if verdict is _RUNNING:
-        return None
-    if verdict is not _PENDING:
-        return verdict
-    logger.warning(
-        f"prefill_buckets is tested on transformers {TESTED_TRANSFORMERS[0]} to {TESTED_TRANSFORMERS[-1]}, and "
-        f"this is {transformers.__version__}. Every private step it hooks is present with the parameters it "
-        "reads, and its self-test (a tiny model, bucketed against unpadded) passes on this version; compare a few "
-        "of your own outputs against an unbucketed call."
-    )
-    from .selftest import self_test
-
-    _self_test_verdict["verdict"] = _RUNNING
-    verdict = _PENDING  # interrupted (`KeyboardInterrupt`): no verdict, the next call runs it again
-    try:
-        self_test()
-        verdict = None
-    except Exception as error:  # any failure of a bucketed call on this version is the verdict, kept
-        verdict = str(error) if isinstance(error, RuntimeError) else f"prefill_buckets' self-test failed: {error!r}"
-    finally:
-        _self_test_verdict["verdict"] = verdict
-    return verdict
-
-
-def _hook_target_problem(model_class: type, name: str, parameters: tuple[str, ...]) -> str | None:
+def _hook_target_problem(model_class: type, name: str, parameters: tuple[str, ...], positional: bool) -> str | None:
     """
     What is wrong with `model_class`'s hook target `name` for a hook that reads `parameters`, or `None`. Each
     definition along the MRO is checked from the model's own override down: a parameter it doesn't name but passes on
     (`**kwargs`, or `*args` for a positional target) must be named by the definition it extends (`super()`'s).
     """
-    positional = name in POSITIONAL_HOOK_TARGETS
     for owner in model_class.__mro__:
         if name not in owner.__dict__:
             continue
@@ -208,9 +128,40 @@ def _static_layer_problems() -> list[str]:
     return problems
 
 
-def _is_tested_range() -> bool:
-    oldest, newest = (version.parse(v).release[:2] for v in (TESTED_TRANSFORMERS[0], TESTED_TRANSFORMERS[-1]))
-    return oldest <= TRANSFORMERS_VERSION.release[:2] <= newest
+_sliding_verdict: dict = {}
+
+
+def sliding_layer_problem() -> str | None:
+    """
+    What the sliding-window rings (`ring.py`) rely on and this transformers version does not do, or `None`: a
+    `StaticSlidingWindowLayer` counts its tokens in `cumulative_length_int` (a tensor `cumulative_length` beside it),
+    and keeps the last `max_cache_len` of them in order, slot `j` the position `max(0, held - max_cache_len) + j`.
+    Checked once, on a 4-slot layer fed 3, 2 and 1 tokens.
+    """
+    if "verdict" not in _sliding_verdict:
+        _sliding_verdict["verdict"] = _sliding_layer_check()
+    return _sliding_verdict["verdict"]
+
+
+def _sliding_layer_check() -> str | None:
+    try:
+        layer = StaticSlidingWindowLayer(max_cache_len=16, sliding_window=4)
+        held = []
+        for new in (3, 2, 1):
+            positions = torch.arange(len(held), len(held) + new, dtype=torch.float32)
+            held += positions.tolist()
+            keys = positions.view(1, 1, new, 1)
+            layer.update(keys, keys)
+        stored = layer.keys.view(-1).tolist()
+        if layer.max_cache_len != 4 or stored != held[-4:] or layer.cumulative_length_int != len(held):
+            return (
+                "`transformers.StaticSlidingWindowLayer` no longer keeps the last tokens in order, counted in an int"
+            )
+        if not isinstance(layer.cumulative_length, torch.Tensor):
+            return "`transformers.StaticSlidingWindowLayer` has no tensor `cumulative_length`"
+    except Exception as error:  # a reshaped upstream layer: its own path, unchanged
+        return f"`transformers.StaticSlidingWindowLayer` can't be checked ({type(error).__name__}: {error})"
+    return None
 
 
 # ---- transformers ------------------------------------------------------------------------------------------------
@@ -222,6 +173,16 @@ def get_sdpa_mask_skip():
 
 def set_sdpa_mask_skip(function) -> None:
     masking_utils._ignore_causal_mask_sdpa = function
+
+
+def attention_implementation(config) -> str | None:
+    """The attention implementation a model config says its layers run (`"sdpa"`, `"eager"`, ...), or `None`."""
+    return getattr(config, "_attn_implementation", None)
+
+
+def mark_dequantized(config) -> None:
+    """Tells `save_pretrained` that a model whose weights were dequantized while loading is no longer quantized."""
+    config._is_quantized = False
 
 
 def recurrent_mask_keys() -> tuple[str, ...]:
@@ -330,10 +291,72 @@ def is_prompt_lookup(candidate_generator) -> bool:
 
 # ---- torch ------------------------------------------------------------------------------------------------------
 
+OptimizedModule = torch._dynamo.eval_frame.OptimizedModule  # what `torch.compile(model)` returns
+BackendCompilerFailed = torch._dynamo.exc.BackendCompilerFailed  # a compiler backend raised while compiling a graph
+
+
+def recompile_limit() -> int:
+    """`torch._dynamo.config.recompile_limit`: the graphs dynamo compiles per code object before it runs it eagerly."""
+    return torch._dynamo.config.recompile_limit
+
+
+def set_recompile_limit(limit: int) -> None:
+    torch._dynamo.config.recompile_limit = limit
+
+
+def accumulated_recompile_limit() -> int | None:
+    """The cap on any one code object's graphs, whatever the recompile limit (`None` where torch has none)."""
+    return getattr(torch._dynamo.config, "accumulated_recompile_limit", None)
+
+
+def set_accumulated_recompile_limit(limit: int) -> None:
+    torch._dynamo.config.accumulated_recompile_limit = limit
+
+
+def reset_compiled() -> None:
+    """`torch._dynamo.reset()`: forgets every compiled graph of the process (the next call compiles again)."""
+    torch._dynamo.reset()
+
+
+def lookup_backend(name: str):
+    """The compiler backend `torch.compile(backend=name)` would use."""
+    return torch._dynamo.lookup_backend(name)
+
+
+def inductor_backend(mode: str | None, options: dict | None):
+    """Inductor as `torch.compile(mode=mode, options=options)` configures it: a backend taking `(gm, example_inputs)`."""
+    return torch._TorchCompileInductorWrapper(mode, options, False)
+
+
+def inductor_cache_dir() -> str:
+    """The folder inductor writes its compiled kernels to."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return cache_dir()
+
+
+def inductor_cpu_vec_isa():
+    """Inductor's module of CPU vector instruction sets (`torch._inductor.cpu_vec_isa`), or `None` where absent."""
+    try:
+        from torch._inductor import cpu_vec_isa
+    except ImportError:
+        return None
+    return cpu_vec_isa
+
+
+def call_impl(module):
+    """What `module(...)` runs when the module is not compiled: `nn.Module._call_impl`, bound to it."""
+    return module._call_impl
+
+
+def submodule(module, name: str):
+    """The child module registered on `module` as `name`, or `None`."""
+    return module._modules.get(name)
+
 
 def is_compiled_wrapper(model) -> bool:
     """Whether `model` is the `OptimizedModule` that `torch.compile(model)` returns."""
-    return isinstance(model, torch._dynamo.eval_frame.OptimizedModule)
+    return isinstance(model, OptimizedModule)
 
 
 def unwrap(model):
@@ -377,9 +400,14 @@ def forward_graphs(model) -> int:
     return max((len(entries(code)) for code in codes), default=0)
 
 
+def compile_counters():
+    """dynamo's counters for this process, by kind (`"stats"`, `"graph_break"`, `"inductor"`): `.clear()` resets them."""
+    return torch._dynamo.utils.counters
+
+
 def graphs_compiled() -> int:
     """The graphs dynamo has compiled in this process so far (every frame, every model)."""
-    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    return compile_counters()["stats"]["unique_graphs"]
 
 
 def eager_callable(compiled):

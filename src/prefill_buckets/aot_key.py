@@ -26,10 +26,10 @@ What the package sets on instances while a bucketed call runs, and how each is c
 | set on | attribute | does the forward read it? | covered by |
 |---|---|---|---|
 | the cache | `get_query_offset`, for a fresh cache's right-padded prefill | yes: an identity guard, dropped | the key |
-| the cache | `_prefill_buckets_padding` (`cache.py`) | no | - |
+| the cache | `_prefill_buckets_record` (`cache.CacheRecord`) | no | - |
 | a cache layer | `cumulative_length` (a tensor, written in place) | yes, as data: no guard | - |
-| a cache layer | `cumulative_length_int` (sliding windows) | yes: a value guard, saved | the guards |
-| the model | the hooks (`hooks.HOOKS`), `forward`, `_prefill_buckets_state` | no | - |
+| a cache layer | `overflow` (sliding-window rings, `ring.py`) | only a forward that builds its mask (a right-padded prefill, where it is 0): a value guard, saved | the guards |
+| the model | the hooks (`hook_registry.HOOKS`), `forward`, `_prefill_buckets_state` | no | - |
 | `transformers.masking_utils` | `_ignore_causal_mask_sdpa` (a global) | yes: upstream's own while compiling | the code |
 
 A new state is one line: a field of `DispatchKey` and the value it takes in `dispatch_key`.

@@ -48,6 +48,20 @@ def next_power_of_two(length: int) -> int:
     return 1 << max(length - 1, 0).bit_length()
 
 
+def is_positive_int(value: Any, *, integral: bool = False) -> bool:
+    """
+    Whether `value` is an `int` of at least 1; with `integral`, any `numbers.Integral` (numpy's ints: a sample of
+    lengths). Never a `bool`: it is an `int` subclass, and `True` is not a length.
+    """
+    return isinstance(value, numbers.Integral if integral else int) and not isinstance(value, bool) and value > 0
+
+
+def check_positive_int(value: Any, name: str) -> None:
+    """Raises `ValueError` naming the argument `name` unless `value` is a positive `int`."""
+    if not is_positive_int(value):
+        raise ValueError(f"`{name}` must be a positive integer, but is {value!r}.")
+
+
 def named_bucket_lengths(name: str) -> Iterator[int]:
     """The lengths of the named bucket set `name` (a key of `STEPS_PER_DOUBLING`), increasing, without end."""
     steps = STEPS_PER_DOUBLING[name]
@@ -60,14 +74,9 @@ def named_bucket_lengths(name: str) -> Iterator[int]:
         power *= 2
 
 
-def _is_positive_int(value: Any) -> bool:
-    # `bool` is an `int` subclass: `True` is not a length.
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
-
 def validate_pad_to_multiple_of(value: Any, field: str) -> None:
     """Raises `ValueError` naming `field` unless `value` is `None` or a positive `int`."""
-    if value is not None and not _is_positive_int(value):
+    if value is not None and not is_positive_int(value):
         raise ValueError(f"`{field}` must be a positive integer (such as 64) or None, but is {value!r}.")
 
 
@@ -90,7 +99,7 @@ def validate_buckets(value: Any, field: str) -> None:
         raise ValueError(f"`{field}` must be {valid}, but is {value!r} of type {type(value).__name__}.")
     if len(value) == 0:
         raise ValueError(f"`{field}` must be {valid}, but is an empty list.")
-    bad = [bucket for bucket in value if not _is_positive_int(bucket)]
+    bad = [bucket for bucket in value if not is_positive_int(bucket)]
     if bad:
         raise ValueError(f"`{field}` must be {valid}, but {value!r} holds {bad[0]!r}, which is not.")
     if any(later <= earlier for earlier, later in zip(value, value[1:])):
@@ -180,7 +189,7 @@ def _check_lengths(lengths: Iterable[int], function: str) -> list[int]:
         raise ValueError(f"`{function}` needs at least one length, got an empty `lengths`.")
     checked = []
     for position, length in enumerate(lengths):
-        if isinstance(length, bool) or not isinstance(length, numbers.Integral) or length < 1:
+        if not is_positive_int(length, integral=True):
             raise ValueError(
                 f"`lengths` must hold positive ints (prompt lengths in tokens), got {length!r} at position {position}."
             )
@@ -191,7 +200,7 @@ def _check_lengths(lengths: Iterable[int], function: str) -> list[int]:
 def _check_positive_int(value, name: str, optional: bool = False) -> None:
     if optional and value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+    if not is_positive_int(value, integral=True):
         valid = "an int >= 1" + (" or None" if optional else "")
         raise ValueError(f"`{name}` must be {valid}, got {value!r}.")
 

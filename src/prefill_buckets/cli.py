@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from . import benchmark, env, generate
+from . import _compat, benchmark, env, generate
 from .buckets import next_power_of_two
 from .compilation import GraphCounter
 from .testing_utils import tiny_llama
@@ -50,11 +50,9 @@ def demo_rows(lengths=DEMO_LENGTHS, new_tokens: int = 4, backend: str = "eager")
         "prefill_pad_to_multiple_of=64": {"prefill_pad_to_multiple_of": 64},
         f'prefill_buckets="pow2", max_cache_len={ceiling}': {"prefill_buckets": "pow2", "max_cache_len": ceiling},
     }
-    limit = torch._dynamo.config.recompile_limit
     rows = []
     for name, fields in strategies.items():
-        torch._dynamo.reset()
-        torch._dynamo.config.recompile_limit = limit  # a bucketed strategy may raise it; each starts from torch's
+        _compat.reset_compiled()  # each strategy from no graphs (bucketed calls put torch's limit back when they end)
         model = tiny_llama()
         counter = GraphCounter(backend)
         model.compile(backend=counter, dynamic=False)
@@ -66,7 +64,6 @@ def demo_rows(lengths=DEMO_LENGTHS, new_tokens: int = 4, backend: str = "eager")
             equal &= torch.equal(out, want)
         forwards = new_tokens * len(prompts)
         rows.append((name, counter.graphs, counter.calls, forwards - counter.calls, equal))
-    torch._dynamo.config.recompile_limit = limit
     return rows
 
 
@@ -79,7 +76,7 @@ def demo(args) -> int:
         print(f"{name:<48} {graphs:>6} {calls:>15} {fallbacks:>16} {str(equal):>16}")
     print(
         "\nEach forward is one compiled call when it runs compiled; past torch's recompile limit "
-        f"({torch._dynamo.config.recompile_limit} graphs per function) the rest run eagerly: the 'eager fallbacks'. "
+        f"({_compat.recompile_limit()} graphs per function) the rest run eagerly: the 'eager fallbacks'. "
         "With buckets set, the graphs are bounded, and when they need more than the limit it is raised (with a "
         "warning), so they never fall back."
     )

@@ -7,7 +7,7 @@ import torch
 from transformers.utils import logging
 
 from . import _compat
-from .cache import CACHE_KWARGS
+from .call.cache import cache_argument
 from .state import LOCK, state_of
 
 
@@ -44,10 +44,10 @@ class GraphCounter:
             compiled = gm.forward
         elif self.backend == "inductor" and kwargs:
             # `torch.compile(mode=..., options=...)` hands these to a custom backend; inductor takes them this way.
-            inductor = torch._TorchCompileInductorWrapper(kwargs.get("mode"), kwargs.get("options"), False)
+            inductor = _compat.inductor_backend(kwargs.get("mode"), kwargs.get("options"))
             compiled = inductor(gm, example_inputs)
         else:
-            compiled = torch._dynamo.lookup_backend(self.backend)(gm, example_inputs, **kwargs)
+            compiled = _compat.lookup_backend(self.backend)(gm, example_inputs, **kwargs)
 
         def run(*args):
             self.calls += 1
@@ -72,7 +72,7 @@ def compiled_forward(model) -> str | None:
     With `None`, `generate` may still compile on its own: upstream compiles decode with a static cache on CUDA/XPU or
     with `compile_config`, and with bucket fields set prefill goes through that compiled call too.
     """
-    if getattr(model, "_compiled_call_impl", None) is not None:
+    if _compat.compiled_call_impl(model) is not None:
         return "model.compile()"
     if _compat.eager_callable(model.__dict__.get("forward")) is not None:
         return "torch.compile(model.forward)"
@@ -90,7 +90,7 @@ def compiled_wrapper_forward(wrapper):
     wrapper, so its graphs are reused by later calls. Calls may overlap (threads sharing one wrapper): the module's
     compiled call is set by the first to enter and removed by the last to leave.
     """
-    module = wrapper._orig_mod
+    module = _compat.unwrap(wrapper)
     state = state_of(wrapper)
     with LOCK:
         if state.wrapper_users == 0 and _compat.compiled_call_impl(module) is not None:
@@ -98,7 +98,7 @@ def compiled_wrapper_forward(wrapper):
         else:
             own = True
             if state.wrapper_compiled_call is None:
-                state.wrapper_compiled_call = _compat.compile_with_wrapper(wrapper, module._call_impl)
+                state.wrapper_compiled_call = _compat.compile_with_wrapper(wrapper, _compat.call_impl(module))
             if state.wrapper_users == 0:
                 _compat.set_compiled_call_impl(module, state.wrapper_compiled_call)
             state.wrapper_users += 1
@@ -143,11 +143,11 @@ class EagerFallback:
             return self.eager(*args, **kwargs)
         cache = before = None
         if signature not in state["compiled"]:  # a new shape: a graph is compiled before it runs
-            cache = next((kwargs[key] for key in CACHE_KWARGS if kwargs.get(key) is not None), None)
+            _, cache = cache_argument(kwargs)
             before = _cache_counters(cache)
         try:
             output = self.compiled(*args, **kwargs)
-        except torch._dynamo.exc.BackendCompilerFailed as error:
+        except _compat.BackendCompilerFailed as error:
             if before is None or not _same_counters(before, _cache_counters(cache)):
                 error.add_note(
                     "prefill_buckets could not fall back to eager for this forward: it can't show that the failed "

@@ -16,7 +16,8 @@ import torch
 import transformers
 from transformers.utils import logging
 
-from . import aot_compiled
+from . import _compat, aot_compiled
+from .buckets import check_positive_int
 
 
 logger = logging.get_logger(__name__)
@@ -91,9 +92,7 @@ def save_compile_cache(path: str | os.PathLike) -> CompileCacheFile | None:
         logger.warning("Nothing compiled in this process can be saved (no inductor artifacts).")
         return None
     artifacts = saved[0] if saved is not None else b""  # none with a backend other than inductor
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-    root = cache_dir()
+    root = _compat.inductor_cache_dir()
     kernels = _kernels(root)
     manifest = _environment() | {"format": _ARCHIVE_FORMAT, "aot_forwards": []}
     for index, (meta, _) in enumerate(forwards):
@@ -167,8 +166,7 @@ def load_compile_cache(path: str | os.PathLike, sha256: str | None = None, max_b
         sha256 = sha256.lower() if isinstance(sha256, str) else sha256
         if not isinstance(sha256, str) or len(sha256) != 64 or not set(sha256) <= _SHA256_HEX:
             raise ValueError(f"`sha256` must be a SHA-256 hex digest (64 hexadecimal digits), but is {sha256!r}.")
-    if not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes < 1:
-        raise ValueError(f"`max_bytes` must be a positive integer, but is {max_bytes!r}.")
+    check_positive_int(max_bytes, "max_bytes")
     try:
         data = _read(path, sha256, max_bytes)
         artifacts, kernels, forwards = _unpack(data, max_bytes)
@@ -180,9 +178,7 @@ def load_compile_cache(path: str | os.PathLike, sha256: str | None = None, max_b
             "compiles from scratch."
         )
         return False
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-    restored = _restore_kernels(kernels, cache_dir())
+    restored = _restore_kernels(kernels, _compat.inductor_cache_dir())
     aot_compiled.stage(forwards, os.fspath(path))
     logger.info(
         f"load_compile_cache: torch's artifacts loaded, C++ kernels copied: {restored} of {len(kernels)}, compiled "
@@ -347,9 +343,8 @@ def _isa_probes(root: str) -> list[str]:
     sets (AVX2, AVX-512, ...) the compiler and CPU support, one small C++ program per set (the `*_code` sources of
     `torch._inductor.cpu_vec_isa`). A subprocess loads them, so `_kernels` doesn't see them as loaded.
     """
-    try:
-        from torch._inductor import cpu_vec_isa
-    except ImportError:
+    cpu_vec_isa = _compat.inductor_cpu_vec_isa()
+    if cpu_vec_isa is None:
         return []
     sources = {
         value.strip()

@@ -13,8 +13,8 @@ from pathlib import Path
 
 from transformers.utils import logging
 
-from . import __version__
 from .config import FIELDS
+from .version import __version__
 
 
 logger = logging.get_logger(__name__)

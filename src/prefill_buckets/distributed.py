@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from . import _compat
-from .cache import cache_seq_length
+from .call.cache import cache_seq_length
 
 
 _RANK_FIELD = "{rank}"

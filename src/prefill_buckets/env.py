@@ -24,10 +24,11 @@ def environment() -> dict[str, str]:
     import transformers
 
     from . import __file__ as package_file
-    from . import __version__, _compat
+    from . import _compat, support
+    from .version import __version__
 
     tested = _compat.TESTED_TRANSFORMERS
-    in_range = "yes" if _compat._is_tested_range() else "NO: outside the tested range (the self-test runs first)"
+    in_range = "yes" if support.is_tested_range() else "NO: outside the tested range (the self-test runs first)"
     if torch.cuda.is_available():
         names = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
         device = f"cuda ({torch.cuda.device_count()}: {names}; CUDA {torch.version.cuda})"

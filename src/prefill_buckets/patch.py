@@ -16,11 +16,11 @@ What `enable()` changes, and `disable()` puts back exactly:
 import functools
 import threading
 
-from torch._dynamo.eval_frame import OptimizedModule
 from transformers import GenerationConfig
 from transformers.generation.utils import GenerationMixin
 
-from . import _compat, generation
+from . import _compat, support
+from .call import generation
 from .config import FIELD_DOCS, FIELDS, validate_fields
 
 
@@ -51,7 +51,7 @@ def enable() -> None:
     >>> prefill_buckets.disable()
     ```
     """
-    _compat.check_upstream()
+    support.check_upstream(generate=generation.generate)
     with _lock:
         if _originals:
             return
@@ -75,7 +75,7 @@ def enable() -> None:
             return generation.generate(self, *args, **kwargs)
 
         def compiled_generate(self):
-            module_generate = getattr(self._orig_mod, "generate")  # AttributeError when the module has none
+            module_generate = getattr(_compat.unwrap(self), "generate")  # AttributeError when the module has none
 
             @functools.wraps(module_generate)
             def generate(*args, **kwargs):
@@ -91,7 +91,7 @@ def enable() -> None:
         GenerationConfig.validate = validate
         GenerationConfig.__doc__ = (GenerationConfig.__doc__ or "") + FIELD_DOCS
         GenerationMixin.generate = generate
-        OptimizedModule.generate = property(compiled_generate)
+        _compat.OptimizedModule.generate = property(compiled_generate)
 
 
 def disable() -> None:
@@ -100,5 +100,7 @@ def disable() -> None:
         for (owner, name), original in _originals.items():
             setattr(owner, name, original)
         if _originals:
-            del OptimizedModule.generate  # upstream has none: attribute lookup falls back to the wrapped module
+            del (
+                _compat.OptimizedModule.generate
+            )  # upstream has none: attribute lookup falls back to the wrapped module
         _originals.clear()

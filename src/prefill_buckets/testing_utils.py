@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from . import _compat
+
 
 # ---------------------------------------------------------------------------------------------------------------
 # The tiny model
@@ -115,7 +117,7 @@ def smollm2_folder() -> Path:
     # drops the quantizer, `config.quantization_config` and the quantized flags.
     if getattr(model, "hf_quantizer", None) is not None:
         model.hf_quantizer.remove_quantization_config(model)
-    model.config._is_quantized = False
+    _compat.mark_dequantized(model.config)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{SMOLLM2_CACHE_NAME}-", dir=target.parent))
     try:

@@ -10,15 +10,16 @@ from transformers import GenerationConfig
 from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS
 from transformers.utils import logging
 
+from . import _compat
 from ._compat import graphs_compiled
-from .buckets import BucketPolicy
-from .budget import held_graphs, make_room
-from .cache import pinned_cache_length
+from .buckets import BucketPolicy, check_positive_int, is_positive_int
+from .call.budget import budget_of, make_room
+from .call.cache import pinned_cache_length
+from .call.generation import generate
+from .call.inputs import capped_bucket
+from .call.settings import resolve_fields, resolve_settings
+from .call.windows import decode_warmups
 from .config import PREFILL_BUCKETS, PREFILL_PAD_TO_MULTIPLE_OF
-from .generation import generate
-from .inputs import capped_bucket
-from .settings import resolve_fields, resolve_settings
-from .windows import decode_warmups
 
 
 logger = logging.get_logger(__name__)
@@ -132,7 +133,7 @@ def precompile(
                 "`min_prompt_length` / `max_prompt_length`, not both."
             )
         lengths = list(prompt_lengths)
-        bad = [n for n in lengths if not isinstance(n, int) or isinstance(n, bool) or n < 1]
+        bad = [n for n in lengths if not is_positive_int(n)]
         if not lengths or bad:
             raise ValueError(
                 f"`prompt_lengths` must be a non-empty sample of positive integers (prompt lengths in tokens), but "
@@ -140,7 +141,7 @@ def precompile(
             )
         min_prompt_length, max_prompt_length = min(lengths), max(lengths)
     wrapper = model
-    module = getattr(model, "_orig_mod", model)
+    module = _compat.unwrap(model)
     generation_config = copy.deepcopy(generation_config if generation_config is not None else module.generation_config)
     fields = resolve_fields(module, generation_config, {})
     settings = resolve_settings(module, generation_config, {}, {})
@@ -157,17 +158,15 @@ def precompile(
                 "prompt your calls will send."
             )
         max_prompt_length = policy.largest_bucket
-    if not isinstance(max_prompt_length, int) or isinstance(max_prompt_length, bool) or max_prompt_length < 1:
-        raise ValueError(f"`max_prompt_length` must be a positive integer, but is {max_prompt_length!r}.")
+    check_positive_int(max_prompt_length, "max_prompt_length")
     if min_prompt_length is not None:
-        if not isinstance(min_prompt_length, int) or isinstance(min_prompt_length, bool) or min_prompt_length < 1:
-            raise ValueError(f"`min_prompt_length` must be a positive integer, but is {min_prompt_length!r}.")
+        check_positive_int(min_prompt_length, "min_prompt_length")
         if min_prompt_length > max_prompt_length:
             raise ValueError(
                 f"`min_prompt_length` ({min_prompt_length}) must not be larger than `max_prompt_length` "
                 f"({max_prompt_length})."
             )
-    if not batch_sizes or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in batch_sizes):
+    if not batch_sizes or not all(is_positive_int(b) for b in batch_sizes):
         raise ValueError(f"`batch_sizes` must be a non-empty list of positive integers, but is {batch_sizes!r}.")
 
     batch_policy = settings.batch_policy
@@ -205,7 +204,7 @@ def precompile(
     window_graphs = sum(len(warmups(length)) - 1 for length in lengths)  # the decode windows past the first
     make_room(
         module,
-        held_graphs(module),
+        budget_of(module).held_graphs(module),
         len(set(batch_sizes)) * (len(lengths) + 1 + window_graphs) + left_graphs,
         "precompile's calls",
     )
@@ -232,12 +231,14 @@ def precompile(
             # graph per bucket; decode shares the graph), warm that one too, with a last row one token shorter.
             attention_mask[-1, 0] = 0
             generate(wrapper, input_ids, attention_mask=attention_mask, generation_config=generation_config)
-        cache_length = getattr(module, "_previous_max_cache_length", None)
+        cache_length = _compat.previous_max_cache_length(module)
         compiled.append(
             CompiledShape(
                 batch_size=batch_size,
                 prompt_length=length,
-                cache_length=cache_length if cache_implementation in ALL_STATIC_CACHE_IMPLEMENTATIONS else None,
+                cache_length=cache_length
+                if cache_implementation in ALL_STATIC_CACHE_IMPLEMENTATIONS and cache_length >= 0
+                else None,
                 graphs=graphs_compiled() - graphs_before,
                 seconds=time.perf_counter() - start,
             )

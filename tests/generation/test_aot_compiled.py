@@ -153,7 +153,7 @@ class AOTForwardTest(unittest.TestCase):
     def test_bucketed_generate_does_not_compile_around_it(self):
         model = self.compiled_model()
         config = GenerationConfig(**CONFIG, compile_config=self.outer_compile_config())
-        with CaptureLogger(logging.get_logger("prefill_buckets.hooks")) as captured:
+        with CaptureLogger(logging.get_logger("prefill_buckets.call.hooks")) as captured:
             tokens = [prefill_buckets.generate(model, prompt, generation_config=config).tolist() for prompt in PROMPTS]
         self.assertEqual(tokens, self.expected())
         self.assertEqual(counters["frames"]["total"], 0)  # no outer `torch.compile` traced a frame

@@ -13,7 +13,7 @@ from transformers.testing_utils import CaptureLogger
 from transformers.utils import logging
 
 import prefill_buckets
-from prefill_buckets import _compat
+from prefill_buckets import support
 from prefill_buckets.compilation import GraphCounter
 from prefill_buckets.selftest import self_test
 
@@ -66,8 +66,8 @@ class KwargsOverOverrideWithoutMask(StepWithoutMask):
         return super().prepare_inputs_for_generation(input_ids, **kwargs)
 
 
-class PositionalTargetThroughKwargs(LlamaForCausalLM):
-    """The hook calls `_prepare_generated_length` by position: `**kwargs` can't take those arguments."""
+class KeywordTargetThroughKwargs(LlamaForCausalLM):
+    """An override of `_prepare_generated_length`, which upstream calls by keyword, taking them through `**kwargs`."""
 
     def _prepare_generated_length(self, generation_config, **kwargs):
         return super()._prepare_generated_length(generation_config, **kwargs)
@@ -95,15 +95,24 @@ class CheckUpstreamTest(unittest.TestCase):
                     RuntimeError,
                     r"`StepWithoutMask\.prepare_inputs_for_generation` takes no parameter `attention_mask`",
                 ):
-                    _compat.check_upstream(model_class)
+                    support.check_upstream(model_class, generate=prefill_buckets.generate)
 
-    def test_positional_target_through_kwargs_raises(self):
-        with self.assertRaisesRegex(RuntimeError, "takes no parameter `has_default_max_length`"):
-            _compat.check_upstream(PositionalTargetThroughKwargs)
+    def test_keyword_target_through_kwargs_is_exact(self):
+        # Upstream passes `_prepare_generated_length` its arguments by keyword, and the hook passes them on as it got
+        # them: an override that takes them through `**kwargs` works, as it does upstream.
+        support.check_upstream(KeywordTargetThroughKwargs, generate=prefill_buckets.generate)
+        torch.manual_seed(0)
+        model = KeywordTargetThroughKwargs(tiny_llama_config()).eval()
+        kwargs = {"max_new_tokens": 4, "do_sample": False}
+        expected = model.generate(random_ids(5), **kwargs)
+        actual = prefill_buckets.generate(
+            model, random_ids(5), prefill_buckets=[8], prefill_padding_side="left", **kwargs
+        )
+        self.assertEqual(actual.tolist(), expected.tolist())
 
     def test_tested_version_passes(self):
-        _compat.check_upstream()
-        _compat.check_upstream(LlamaForCausalLM)
+        support.check_upstream(generate=prefill_buckets.generate)
+        support.check_upstream(LlamaForCausalLM, generate=prefill_buckets.generate)
 
     def test_missing_hook_target_raises(self):
         torch.manual_seed(0)
@@ -194,17 +203,17 @@ class SharedWrapperThreadsTest(unittest.TestCase):
 class UntestedVersionTest(unittest.TestCase):
     def setUp(self):
         # As on a transformers release outside the tested range, in a fresh process: nothing checked yet.
-        checked, verdict = dict(_compat._checked), dict(_compat._self_test_verdict)
-        _compat._checked.clear()
-        _compat._self_test_verdict["verdict"] = _compat._PENDING
-        self.addCleanup(lambda: (_compat._checked.clear(), _compat._checked.update(checked)))
-        self.addCleanup(_compat._self_test_verdict.update, verdict)
-        patcher = mock.patch.object(_compat, "_is_tested_range", return_value=False)
+        checked, verdict = dict(support._checked), dict(support._self_test_verdict)
+        support._checked.clear()
+        support._self_test_verdict["verdict"] = support._PENDING
+        self.addCleanup(lambda: (support._checked.clear(), support._checked.update(checked)))
+        self.addCleanup(support._self_test_verdict.update, verdict)
+        patcher = mock.patch.object(support, "is_tested_range", return_value=False)
         patcher.start()
         self.addCleanup(patcher.stop)
 
     def test_self_test_passes_here(self):
-        self_test()
+        self_test(prefill_buckets.generate)
 
     def test_first_bucketed_call_warns_and_self_tests(self):
         model = tiny_llama()
@@ -218,7 +227,7 @@ class UntestedVersionTest(unittest.TestCase):
 
     def test_a_changed_step_fails_loudly(self):
         # As if a release changed what a hooked step means: here, the padding is no longer stripped.
-        with mock.patch("prefill_buckets.generation.strip_output", lambda output, plan: output):
+        with mock.patch("prefill_buckets.call.generation.strip_output", lambda output, plan: output):
             with self.assertRaisesRegex(RuntimeError, "self-test failed on transformers"):
                 prefill_buckets.generate(tiny_llama(), random_ids(5), max_new_tokens=2, prefill_buckets=[8])
 
@@ -227,7 +236,7 @@ class UntestedVersionTest(unittest.TestCase):
         # on a version the self-test has shown to be broken. The self-test runs once.
         model = tiny_llama()
         with mock.patch("prefill_buckets.selftest.self_test", wraps=self_test) as spy:
-            with mock.patch("prefill_buckets.generation.strip_output", lambda output, plan: output):
+            with mock.patch("prefill_buckets.call.generation.strip_output", lambda output, plan: output):
                 with self.assertRaisesRegex(RuntimeError, "self-test failed on transformers"):
                     prefill_buckets.generate(model, random_ids(5), max_new_tokens=2, prefill_buckets=[8])
             for _ in range(2):
@@ -241,7 +250,7 @@ class UntestedVersionTest(unittest.TestCase):
         # A second thread's first call, made while the self-test runs, waits for its verdict and raises it too.
         started, results = threading.Event(), {}
 
-        def failing_self_test():
+        def failing_self_test(generate):
             started.set()
             time.sleep(0.5)  # long enough for the other thread to be waiting on the verdict
             raise RuntimeError("prefill_buckets' self-test failed on transformers (simulated)")

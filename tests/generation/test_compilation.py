@@ -614,8 +614,22 @@ class GraphCountTest(CompilationTestCase):
                     reference,
                     make_config(max_cache_len=128),
                 )
+            self.assertEqual(counter.graphs, len(buckets) + 1, f"graphs: {counter.shapes}")
+            # With no call in flight the limit is the user's again; a second pass raises it for itself, and says
+            # nothing more (`fullgraph=True`: a graph torch refused would raise).
+            self.assertEqual(torch._dynamo.config.recompile_limit, 4)
+            for length in lengths:
+                self.check_call(
+                    counter,
+                    lambda ids: prefill_buckets.generate(
+                        model, ids, generation_config=config, prefill_buckets=buckets
+                    ),
+                    make_prompt(length),
+                    reference,
+                    make_config(max_cache_len=128),
+                )
         self.assertEqual(counter.graphs, len(buckets) + 1, f"graphs: {counter.shapes}")
-        self.assertGreaterEqual(torch._dynamo.config.recompile_limit, counter.graphs)
+        self.assertEqual(torch._dynamo.config.recompile_limit, 4)
         self.assertEqual(captured.out.count("recompile_limit"), 1, captured.out)
 
 
@@ -665,14 +679,15 @@ class SharedRecompileLimitTest(CompilationTestCase):
                     make_config(),
                 )
             self.assertEqual(counter.graphs, per_model, f"{type(model).__name__}: {counter.shapes}")
-        self.assertGreaterEqual(torch._dynamo.config.recompile_limit, 3 * per_model)
+        # Each call raised the limit for the graphs it needed (3 models' on one code object); none is in flight now.
+        self.assertEqual(torch._dynamo.config.recompile_limit, 8)
 
     def test_forwards_torch_runs_eagerly_are_said(self):
         # As if the budget had missed graphs (it leaves the limit at 8): the third model's calls pass torch's limit,
         # and each call whose forwards may have run eagerly says so, naming the model and the shapes.
         config = make_config(max_cache_len=128, prefill_buckets=self.BUCKETS)
         counters = []
-        with mock.patch("prefill_buckets.budget.make_room"), CaptureLogger(logger) as captured:
+        with mock.patch("prefill_buckets.call.budget.make_room"), CaptureLogger(logger) as captured:
             for model in self.three_models():
                 counters.append(GraphCounter())
                 model.compile(backend=counters[-1], dynamic=False)

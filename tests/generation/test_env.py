@@ -11,7 +11,7 @@ import torch
 import transformers
 
 import prefill_buckets
-from prefill_buckets import _compat
+from prefill_buckets import _compat, support
 from prefill_buckets.cli import main
 
 
@@ -33,16 +33,16 @@ class EnvCommandTest(unittest.TestCase):
         tested = (
             f"transformers in the tested range ({_compat.TESTED_TRANSFORMERS[0]} to {_compat.TESTED_TRANSFORMERS[-1]})"
         )
-        self.assertEqual(lines[tested], "yes" if _compat._is_tested_range() else lines[tested])
+        self.assertEqual(lines[tested], "yes" if support.is_tested_range() else lines[tested])
         self.assertIn("python", lines)
 
     def test_says_when_transformers_is_outside_the_tested_range(self):
         # The positive control of the range line: a version outside it is reported as such.
-        with mock.patch.object(_compat, "_is_tested_range", return_value=False):
+        with mock.patch.object(support, "is_tested_range", return_value=False):
             output = run_env()
         self.assertIn("tested range", output)
         self.assertRegex(output, r"tested range \([^)]*\): NO: outside the tested range")
-        with mock.patch.object(_compat, "_is_tested_range", return_value=True):
+        with mock.patch.object(support, "is_tested_range", return_value=True):
             self.assertRegex(run_env(), r"tested range \([^)]*\): yes\n")
 
     def test_runs_as_a_module_of_the_installed_package(self):

@@ -30,7 +30,7 @@ from transformers.testing_utils import CaptureLogger
 from transformers.utils import logging as transformers_logging
 
 import prefill_buckets
-from prefill_buckets.hooks import HOOKS
+from prefill_buckets.call.hooks import HOOKS
 
 from .tiny_models import CACHE
 

@@ -16,10 +16,10 @@ from transformers.testing_utils import CaptureLogger
 from transformers.utils import logging
 
 import prefill_buckets
+from prefill_buckets.call.generation import UPSTREAM_GENERATE
+from prefill_buckets.call.hooks import HOOKS
 from prefill_buckets.compilation import EagerFallback, GraphCounter
 from prefill_buckets.compilation import logger as compilation_logger
-from prefill_buckets.generation import UPSTREAM_GENERATE
-from prefill_buckets.hooks import HOOKS
 
 from .test_equivalence import _LLAMA_LIKE, _SPECIAL_TOKENS
 from .tiny_models import CACHE, tiny_llama
@@ -177,7 +177,7 @@ class GenerationModesTest(RobustnessTestBase):
         received = []
         input_ids = random_ids(1, 5)
         with mock.patch(
-            "prefill_buckets.generation.UPSTREAM_GENERATE", lambda model, **kwargs: received.append(kwargs)
+            "prefill_buckets.call.generation.UPSTREAM_GENERATE", lambda model, **kwargs: received.append(kwargs)
         ):
             clear_warning_once()
             with CaptureLogger(package_logger) as logs:

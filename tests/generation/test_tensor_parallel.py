@@ -260,7 +260,7 @@ def _worker(rank: int, directory: str, port: int) -> None:
         # Other prompts in one bucket: without `generate`'s check the collectives match, and the activations they
         # sum don't...
         length = 10 if rank == 0 else 12
-        with mock.patch("prefill_buckets.generation.ranks_agree", lambda *args: contextlib.nullcontext()):
+        with mock.patch("prefill_buckets.call.generation.ranks_agree", lambda *args: contextlib.nullcontext()):
             out = prefill_buckets.generate(
                 model, prompt(1, length), generation_config=generation_config(), prefill_buckets=BUCKETS
             )

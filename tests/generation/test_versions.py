@@ -48,7 +48,7 @@ class TestedVersionsTest(unittest.TestCase):
         self.assertEqual(pinned("oldest.txt", "torch"), pinned("dev.txt", "torch"))
 
     def test_tested_versions_are_the_pins(self):
-        # The range `_compat.check_upstream` calls tested (and warns outside of) is the range CI tests.
+        # The range `support.check_upstream` calls tested (and warns outside of) is the range CI tests.
         from prefill_buckets import _compat
 
         self.assertEqual(

@@ -30,8 +30,8 @@ from transformers.testing_utils import CaptureLogger
 from transformers.utils import logging as transformers_logging
 
 import prefill_buckets
-from prefill_buckets import windows
-from prefill_buckets.cache import DEFAULT_CACHE_SLOTS, MAX_UNASKED_SLOTS
+from prefill_buckets.call import windows
+from prefill_buckets.call.cache import DEFAULT_CACHE_SLOTS, MAX_UNASKED_SLOTS
 from prefill_buckets.compilation import GraphCounter
 
 from .tiny_models import CACHE, tiny_llama

@@ -10,8 +10,8 @@ from typing import Any
 import torch
 from transformers import GenerationConfig
 
-from .buckets import BucketPolicy
-from .config import FIELDS, batch_policy_from_fields, padding_side_from_fields, policy_from_fields
+from ..buckets import BucketPolicy, is_positive_int
+from ..config import FIELDS, batch_policy_from_fields, padding_side_from_fields, policy_from_fields
 
 
 _MISSING = object()
@@ -54,7 +54,7 @@ def max_positions(model) -> int | None:
     """The model's `max_position_embeddings`, when its config states one."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     value = getattr(config, "max_position_embeddings", None)
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None  # XLNet: -1
+    return value if is_positive_int(value) else None  # XLNet: -1
 
 
 @dataclass(frozen=True)
@@ -142,3 +142,18 @@ def resolve_settings(
         max_new_tokens=value("max_new_tokens"),
         max_length=value("max_length"),
     )
+
+
+def prompt_rows(model_kwargs: dict) -> int:
+    """The rows of a call that passes no prompt, as upstream counts them: those of its first tensor input (or 1)."""
+    return next((v.shape[0] for v in model_kwargs.values() if isinstance(v, torch.Tensor)), 1)
+
+
+def bos_prompt(model, settings: CallSettings, model_kwargs: dict) -> torch.Tensor:
+    """
+    The prompt upstream starts from when a call passes none, `[rows, 1]`: one BOS token per row. Raises upstream's
+    `ValueError` when there is no `bos_token_id`.
+    """
+    if settings.bos_token_id is None:
+        raise ValueError("`bos_token_id` has to be defined when no `input_ids` are provided.")
+    return torch.full((prompt_rows(model_kwargs), 1), settings.bos_token_id, dtype=torch.long, device=model.device)

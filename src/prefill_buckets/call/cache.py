@@ -22,20 +22,24 @@ bytes when it is made. Pin `max_cache_len` to the largest bucket plus `max_new_t
 (`unpadded_for_room` checks a call against a pinned or passed cache).
 """
 
+from dataclasses import dataclass
+
 import torch
 from transformers.utils import logging
 
-from ._compat import (
+from .._compat import (
     is_static_cache,
     lazy_static_cache,
     previous_max_cache_length,
+    sliding_window_slots,
     static_cache_init_shape,
     static_cache_slots,
+    submodule,
 )
-from .buckets import BucketPolicy, round_up
-from .config import PREFILL_BUCKETS
+from ..buckets import BucketPolicy, is_positive_int, round_up
+from ..config import PREFILL_BUCKETS
+from ..state import state_of
 from .settings import CallSettings
-from .state import state_of
 
 
 logger = logging.get_logger(__name__)
@@ -51,13 +55,8 @@ CACHE_ALIGNMENT = 64
 DEFAULT_CACHE_SLOTS = 8192
 # A growth goes straight to the longest sequence the model takes only when that is at most this many slots.
 MAX_UNASKED_SLOTS = 16384
-# Set on a cache filled by a bucketed call: `(columns added in front, batch size with dummy rows)`. A later call that
-# continues from the cache (multi-turn chat) pads its prompt by the same columns, so cache and prompt line up.
-_CACHE_PADDING = "_prefill_buckets_padding"
-# Set on a cache filled by a right-padded call of rows of different lengths: the call's attention mask `[rows, S]`, as
-# the user passed it (left-padded). Row i's `L_i` prompt tokens sit in slots `0..L_i-1` (the mask's ones moved to the
-# front), its generated tokens in the slots of their columns. A later call lines its mask up with that.
-_CACHE_RAGGED_ROWS = "_prefill_buckets_ragged_rows"
+# Where a bucketed call leaves its `CacheRecord` on the cache it filled.
+_CACHE_RECORD = "_prefill_buckets_record"
 
 
 def _aligned(policy: BucketPolicy, slots: int) -> int:
@@ -151,9 +150,9 @@ def unpadded_for_room(plan, model_kwargs: dict) -> str | None:
     cache = passed_cache(model_kwargs)
     if cache is not None and is_static_cache(cache):
         slots = static_cache_slots(cache)
-        if slots >= needed:
-            return None
-        if is_marked(cache):
+        if slots >= needed or all(sliding_window_slots(layer) is not None for layer in cache.layers):
+            return None  # sliding-window layers drop the tokens past their window: they never run out of slots
+        if holds_padding(cache):
             raise ValueError(
                 f"The cache passed in has {slots} slots, fewer than the {needed} this call needs ({what}; the cache "
                 f"holds a bucketed call's padding, which this prompt is padded by too). A static cache does not grow: "
@@ -175,9 +174,17 @@ def unpadded_for_room(plan, model_kwargs: dict) -> str | None:
     return None
 
 
+def cache_argument(kwargs: dict) -> tuple[str | None, object]:
+    """
+    `(name, value)` of the cache a call's keyword arguments pass (to `generate` or a forward, or in what `generate`
+    returns): the first of `CACHE_KWARGS` that is set, whatever it holds. `(None, None)` when none is.
+    """
+    return next(((key, kwargs[key]) for key in CACHE_KWARGS if kwargs.get(key) is not None), (None, None))
+
+
 def passed_cache(model_kwargs: dict):
     """The cache passed to (or returned by) `generate`, or to a forward, when it is a cache object."""
-    cache = next((model_kwargs[key] for key in CACHE_KWARGS if model_kwargs.get(key) is not None), None)
+    _, cache = cache_argument(model_kwargs)
     return cache if hasattr(cache, "get_seq_length") else None
 
 
@@ -189,32 +196,67 @@ def cache_seq_length(cache) -> int | None:
         return None
 
 
-def mark_padding(cache, pad: int, padded_batch: int) -> None:
-    """Records on a cache that a bucketed call filled it with `pad` columns in front and `padded_batch` rows."""
-    cache.__dict__[_CACHE_PADDING] = (pad, padded_batch)
+@dataclass(frozen=True)
+class CacheRecord:
+    """
+    What the bucketed calls that filled a cache left in it, for a later call that continues from it (multi-turn chat).
+    Every bucketed call writes it (`record_call`); a cache that holds no tokens (reset) has none (`cache_record`).
+    """
+
+    # `(columns added in front, batch size with dummy rows)`, when the cache's layout is not an unpadded call's: a
+    # later call pads its prompt by the same columns (and brings the rows), so cache and prompt line up. `None`: the
+    # cache holds what an unpadded call would (a right-padded call of rows of one length).
+    padding: tuple[int, int] | None
+    # A right-padded call of rows of different lengths: its attention mask `[rows, S]`, as the user passed it
+    # (left-padded). Row i's `L_i` prompt tokens sit in slots `0..L_i-1` (the mask's ones moved to the front), its
+    # generated tokens in the slots of their columns. A later call lines its mask up with that.
+    ragged_rows: torch.Tensor | None = None
 
 
-def mark_ragged_rows(cache, attention_mask) -> None:
-    """Records on a cache that a right-padded call filled it with rows of different lengths (`attention_mask`)."""
-    cache.__dict__[_CACHE_RAGGED_ROWS] = attention_mask
+def cache_record(cache) -> CacheRecord | None:
+    """The record of the bucketed calls that filled `cache`, or `None`; a reset cache (no tokens) loses its record."""
+    if cache is None or _CACHE_RECORD not in cache.__dict__:
+        return None
+    if cache_seq_length(cache) == 0:
+        del cache.__dict__[_CACHE_RECORD]
+        return None
+    return cache.__dict__[_CACHE_RECORD]
+
+
+def record_call(cache, plan, attention_mask, continues: bool) -> None:
+    """
+    Writes the record of the bucketed call `plan` that filled `cache` (`continues`: from the tokens it held). A
+    left-padded call, one with dummy rows, and one of ragged rows leave padding a later call must continue; a
+    continuation keeps the ragged rows the cache was first filled with.
+    """
+    previous = cache.__dict__.get(_CACHE_RECORD)
+    right = plan.right
+    padding = previous.padding if previous is not None else None
+    if right is None or plan.padded_batch > plan.batch_size or right.ragged:
+        padding = (plan.added_positions, plan.padded_batch)
+    if continues:
+        ragged_rows = previous.ragged_rows if previous is not None else None
+    else:
+        ragged_rows = attention_mask if right is not None and right.ragged else None
+    cache.__dict__[_CACHE_RECORD] = CacheRecord(padding, ragged_rows)
 
 
 def ragged_rows_mask(cache):
     """The attention mask of the ragged right-padded call that filled `cache`, or `None`."""
-    return cache.__dict__.get(_CACHE_RAGGED_ROWS) if cache is not None else None
+    record = cache_record(cache)
+    return record.ragged_rows if record is not None else None
 
 
-def is_marked(cache) -> bool:
-    """Whether a bucketed call filled `cache`."""
-    return _CACHE_PADDING in cache.__dict__
+def holds_padding(cache) -> bool:
+    """Whether a bucketed call left padding in `cache` that a later call must continue."""
+    record = cache_record(cache)
+    return record is not None and record.padding is not None
 
 
 def continued_padding(model_kwargs: dict) -> tuple[int, int] | None:
-    """`(pad, padded batch)` when the call continues from a cache that a bucketed call filled, else `None`."""
-    cache = passed_cache(model_kwargs)
-    if cache is None or not cache_seq_length(cache):
-        return None
-    return cache.__dict__.get(_CACHE_PADDING)
+    """`(pad, padded batch)` when the call continues from a cache that holds a bucketed call's padding, else `None`."""
+    record = cache_record(passed_cache(model_kwargs))
+    return record.padding if record is not None else None
 
 
 def early_initialize(model, cache, rows: int) -> None:
@@ -267,7 +309,7 @@ _KV_HEAD_COUNTS = ("num_key_value_heads", "num_kv_heads", "kv_heads", "n_kv_head
 def _int_attribute(module, names) -> int | None:
     for name in names:
         value = module.__dict__.get(name)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        if is_positive_int(value):
             return value
     return None
 
@@ -286,7 +328,7 @@ def _output_rows(projection) -> int | None:
 def _output_projection_inputs(module) -> int | None:
     """The input features of an attention module's output projection: its query heads times `head_dim`."""
     for name in _OUTPUT_PROJECTIONS:
-        projection = module._modules.get(name)
+        projection = submodule(module, name)
         weight = getattr(projection, "weight", None)
         if isinstance(weight, torch.Tensor) and weight.ndim == 2 and not hasattr(projection, "nf"):
             local = weight.to_local() if hasattr(weight, "to_local") else weight
@@ -300,13 +342,13 @@ def _module_kv_shape(module) -> tuple[int, int] | None:
     if head_dim is None:
         return None
     for name in _KEY_PROJECTIONS:
-        rows = _output_rows(module._modules.get(name))
+        rows = _output_rows(submodule(module, name))
         if rows is not None:
             return (rows // head_dim, head_dim) if rows % head_dim == 0 else None
     query_heads = _int_attribute(module, _QUERY_HEAD_COUNTS)
     query_rows = query_heads * head_dim if query_heads is not None else _output_projection_inputs(module)
     for name in _FUSED_PROJECTIONS:
-        rows = _output_rows(module._modules.get(name))
+        rows = _output_rows(submodule(module, name))
         if rows is not None and query_rows is not None:
             kv_rows = rows - query_rows  # queries first, then keys and values of one size
             if kv_rows <= 0 or kv_rows % (2 * head_dim):
@@ -341,7 +383,7 @@ def sequence_length(input_ids, kwargs: dict) -> int:
     mask = kwargs.get("attention_mask")
     if isinstance(mask, torch.Tensor) and mask.ndim == 2:
         return mask.shape[1]
-    cache = next((kwargs[key] for key in CACHE_KWARGS if kwargs.get(key) is not None), None)
+    _, cache = cache_argument(kwargs)
     past_length = (cache_seq_length(cache) or 0) if cache is not None else 0
     next_sequence_length = kwargs.get("next_sequence_length")
     inputs_embeds = kwargs.get("inputs_embeds")

@@ -4,8 +4,8 @@ import torch
 from transformers.utils import ModelOutput
 
 from .cache import CACHE_KWARGS
-from .inputs import Plan
 from .padding import strip_left
+from .plan import Plan
 
 
 def strip_output(output, plan: Plan):

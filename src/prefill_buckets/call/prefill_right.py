@@ -19,28 +19,32 @@ import contextlib
 import torch
 from transformers.utils import logging
 
-from . import _compat
-from .cache import CACHE_KWARGS, cache_seq_length, early_initialize
-from .inputs import Plan
+from .. import _compat
+from .cache import cache_argument, cache_seq_length, early_initialize
+from .hook_registry import hook
+from .padding import fill_embedding
+from .plan import Plan
 from .windows import set_window
 
 
 logger = logging.get_logger(__name__)
 
 
-def prefill_right(plan: Plan, original, input_ids, generation_config, model_kwargs, *args, **kwargs):
-    if plan.side != "right" or plan.bucket == 1:  # a 1-token bucket has no padding: upstream's prefill, decode's graph
-        return original(input_ids, generation_config, model_kwargs, *args, **kwargs)
+@hook("_prefill", reads=("input_ids", "generation_config", "model_kwargs"), positional=True)
+def prefill_right(plan: Plan, step):
+    right = plan.right
+    if right is None or right.bucket == 1:  # a 1-token bucket has no padding: upstream's prefill, decode's graph
+        return step.call()
     model = plan.model
-    found = next(((key, model_kwargs[key]) for key in CACHE_KWARGS if model_kwargs.get(key) is not None), None)
-    if found is None or not _compat.is_static_cache(found[1]):
+    input_ids, generation_config, model_kwargs = step["input_ids"], step["generation_config"], step["model_kwargs"]
+    cache_key, cache = cache_argument(model_kwargs)
+    if cache_key is None or not _compat.is_static_cache(cache):
         # Upstream made no static cache for this model (it keeps its own, or none): nothing to rewind after the pads.
         logger.warning_once(
             f"The prompt is not padded: `generate` made no static cache for `{type(model).__name__}` to pad on the "
             "right, so this call runs unpadded (exact), and its prompt length may compile a new graph."
         )
-        return original(input_ids, generation_config, model_kwargs, *args, **kwargs)
-    cache_key, cache = found
+        return step.call()
     rows = input_ids.shape[0] if input_ids.shape[1] else model_kwargs["inputs_embeds"].shape[0]
     if not all(getattr(layer, "is_initialized", True) for layer in cache.layers):
         early_initialize(model, cache, rows)  # outside the compiled forward: static addresses, as on the left
@@ -49,21 +53,21 @@ def prefill_right(plan: Plan, original, input_ids, generation_config, model_kwar
     if past == 0:
         prompt, row_lengths = _rows_from_the_start(plan, input_ids, inputs_embeds, model_kwargs.get("attention_mask"))
         new_tokens = (inputs_embeds if inputs_embeds is not None else input_ids).shape[1]
-        keep, column = _last_positions(row_lengths, plan.bucket)
+        keep, column = _last_positions(row_lengths, right.bucket)
     else:  # a continued conversation: the rows are one length (the rule), the new tokens follow the cached ones
         new_ids = input_ids[:, past:]  # [rows, S]
         new_tokens = new_ids.shape[1]
-        padding = new_ids.new_full((rows, plan.bucket - new_tokens), plan.settings.fill_token_id)
+        padding = new_ids.new_full((rows, right.bucket - new_tokens), plan.settings.fill_token_id)
         prompt = {"input_ids": torch.cat([new_ids, padding], dim=1)}  # [rows, bucket]
         keep, column = torch.tensor([new_tokens - 1], device=input_ids.device), None  # [1]: an input, not a shape
     device = keep.device
-    positions = past + torch.arange(plan.bucket, device=device).expand(rows, -1)  # [rows, bucket]
+    positions = past + torch.arange(right.bucket, device=device).expand(rows, -1)  # [rows, bucket]
     if _compat.valid_auto_compile(model, model_kwargs, generation_config):
         forward = model.get_compiled_call(generation_config.compile_config)  # as upstream decodes
     else:
         forward = model.__call__  # compiled in place, through the compiled wrapper, or eager
     if plan.windowed_cache is not None:
-        set_window(plan.windowed_cache, past + plan.bucket)
+        set_window(plan.windowed_cache, past + right.bucket)
     empty = _compat.reports_empty(cache) if past == 0 else contextlib.nullcontext()
     with empty:
         outputs = forward(
@@ -99,12 +103,12 @@ def _rows_from_the_start(plan: Plan, input_ids, inputs_embeds, attention_mask) -
         row_lengths = torch.full((rows,), width, dtype=torch.long, device=device)
     else:
         row_lengths = attention_mask.to(device=device, dtype=torch.long).sum(-1)  # [rows]
-    steps = torch.arange(plan.bucket, device=device)  # [bucket]
+    steps = torch.arange(plan.right.bucket, device=device)  # [bucket]
     real = steps < row_lengths[:, None]  # [rows, bucket]
     source = (steps + (width - row_lengths)[:, None]).clamp(max=width - 1)  # [rows, bucket]: the column it comes from
     fill_id = plan.settings.fill_token_id
     if inputs_embeds is not None:
-        fill = plan.model.get_input_embeddings().weight[fill_id].detach().to(inputs_embeds.dtype)  # [hidden]
+        fill = fill_embedding(plan.model.get_input_embeddings(), fill_id, inputs_embeds)  # [hidden]
         moved = inputs_embeds.gather(1, source[..., None].expand(-1, -1, inputs_embeds.shape[-1]))
         return {"inputs_embeds": torch.where(real[..., None], moved, fill)}, row_lengths  # [rows, bucket, hidden]
     moved = input_ids.gather(1, source)

@@ -26,6 +26,19 @@ def left_pad(tensor: torch.Tensor, pad: int, value: float | torch.Tensor, dim: i
     return torch.cat([filler, tensor], dim=dim)
 
 
+def fill_embedding(embedding: torch.nn.Module, token_id: int, like: torch.Tensor) -> torch.Tensor:
+    """
+    What a pad position of `inputs_embeds` holds: the input embedding of `token_id` (the pad token), `[H]`, detached,
+    in the dtype and on the device of the embeddings `like` (`[B, S, H]`) it pads, as the user's own are.
+
+    Args:
+        embedding (`torch.nn.Module`): the model's input embedding (`model.get_input_embeddings()`).
+        token_id (`int`): the id whose embedding fills the pads.
+        like (`torch.Tensor`): the embeddings the fill goes beside.
+    """
+    return embedding.weight[token_id].detach().to(device=like.device, dtype=like.dtype)
+
+
 def strip_left(tensor: torch.Tensor, pad: int, dim: int = -1) -> torch.Tensor:
     """Drops the first `pad` entries along `dim`: the inverse of `left_pad`."""
     if pad == 0:

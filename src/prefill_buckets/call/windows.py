@@ -12,19 +12,29 @@ cost of a step becomes the tokens held, rounded up to a window, not the slots al
   covers (`set_window`), and is a plain int attribute of the layer. A compiled forward guards on it: each
   `(bucket, window, batch size)` is one graph, and the window of a decode step changes only when the tokens cross a
   window length (with `dynamic=None`, torch makes it one symbolic size after the second window instead).
-- Sliding-window layers keep upstream's ring buffer (`StaticSlidingWindowLayer`, never windowed here), and
-  recurrent, hybrid and cross-attention layers are untouched: only layers whose type is exactly `StaticLayer`, of a
-  `StaticCache`, are windowed.
-- Outside a bucketed call the layers are upstream's again (`close_windows` restores their class): a cache handed
-  back to the user reads every slot, as upstream's does.
+- Sliding-window and chunked-attention layers (exactly `StaticSlidingWindowLayer`) become rings for the call
+  (`ring.py`): upstream's storage of the window and its layout, written at tensor offsets, so their graphs depend on
+  the forward's length, the window and the batch size only, never on the tokens seen. Only with sdpa or eager
+  attention, whose masks read the slots' positions (flash attention reads its keys from the right); elsewhere, and
+  where `_compat.sliding_layer_problem` finds upstream's layer changed, they stay upstream's, and a compiled forward
+  retraces at every decode step past the window, as upstream's does. Recurrent, hybrid and cross-attention layers are
+  untouched.
+- Outside a bucketed call the layers are upstream's again (`close_windows` restores their class and counts): a cache
+  handed back to the user reads every slot, as upstream's does, and continues as upstream's would.
 
 Window lengths (`window_length`): multiples of `MIN_WINDOW` (256) up to 1,024 slots, then `WINDOWS_PER_OCTAVE` (4)
 per doubling: 256, 512, 768, 1024, 1280, 1536, 1792, 2048, 2560, 3072, ... A window reads at most 1.25x the tokens
 it holds past 1,024, and a 131,072-slot cache has 32 of them.
 """
 
-from . import _compat
-from .buckets import round_up
+from transformers.utils import logging
+
+from .. import _compat
+from ..buckets import round_up
+from .ring import SlidingWindowRing
+
+
+logger = logging.get_logger(__name__)
 
 
 # The shortest window: below it a step's reads are a small fixed cost, and every window is one more decode graph.
@@ -91,28 +101,67 @@ def _windowable(cache) -> list:
     return [layer for layer in cache.layers if type(layer) in (_compat.StaticLayer, WindowedStaticLayer)]
 
 
-def open_windows(cache) -> bool:
+# The attention implementations whose masks place each slot at `kv_offset + its index`, as rings need.
+RING_ATTENTION = ("sdpa", "eager")
+
+
+def _ring_layers(cache, attention: str | None) -> list:
+    """The sliding-window and chunked-attention layers of a static `cache` that become rings for a call."""
+    if not _compat.is_static_cache(cache):
+        return []
+    layers = [layer for layer in cache.layers if type(layer) is _compat.StaticSlidingWindowLayer]
+    if not layers:
+        return []
+    problem = _compat.sliding_layer_problem()
+    if problem is None and attention not in RING_ATTENTION:
+        problem = f"`{attention}` attention reads a sliding window's keys from the right (rings: sdpa and eager)"
+    if problem is not None:
+        logger.warning_once(
+            f"The sliding-window layers stay upstream's for this call: {problem}. A compiled forward then traces a "
+            "new graph at every decode step past the window (upstream's own behaviour); outputs are exact."
+        )
+        return []
+    return layers
+
+
+def open_windows(cache, attention: str | None = "sdpa") -> bool:
     """
-    Makes the full-attention layers of a static `cache` windowed; returns whether it has any. A layer of at most
+    Makes the full-attention layers of a static `cache` windowed and its sliding-window layers rings (for a model
+    with `attention`, its attention implementation); returns whether it has any. A full-attention layer of at most
     `MIN_WINDOW` slots has one window, all of it: it stays upstream's, and shares its graphs with upstream's calls.
     """
     layers = [layer for layer in _windowable(cache) if layer.max_cache_len > MIN_WINDOW]
     for layer in layers:
         layer.__class__ = WindowedStaticLayer
         layer.window = None
-    return bool(layers)
+    rings = _ring_layers(cache, attention)
+    for layer in rings:
+        SlidingWindowRing.open(layer)
+    return bool(layers or rings)
+
+
+def has_windows(cache) -> bool:
+    """Whether `cache` has windowed full-attention layers: then a forward's graph depends on the window it reads."""
+    return cache is not None and any(type(layer) is WindowedStaticLayer for layer in cache.layers)
 
 
 def set_window(cache, tokens: int) -> None:
-    """Before a forward after which `cache` holds `tokens` tokens: its windowed layers read the window that holds them."""
+    """
+    Before a forward after which `cache` holds `tokens` tokens: its windowed layers read the window that holds them,
+    and its rings mask from the position the forward's first slot holds.
+    """
     for layer in cache.layers:
         if type(layer) is WindowedStaticLayer:
             layer.window = window_length(tokens, layer.max_cache_len)
+        elif type(layer) is SlidingWindowRing:
+            layer.set_tokens(tokens)
 
 
 def close_windows(cache) -> None:
-    """Makes `cache`'s windowed layers upstream's `StaticLayer`s again, reading every slot."""
+    """Makes `cache`'s windowed layers and rings upstream's layers again: they read every slot and count in ints."""
     for layer in cache.layers:
         if type(layer) is WindowedStaticLayer:
             layer.__dict__.pop("window", None)
             layer.__class__ = _compat.StaticLayer
+        elif type(layer) is SlidingWindowRing:
+            SlidingWindowRing.close(layer)

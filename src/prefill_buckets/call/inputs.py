@@ -1,64 +1,50 @@
-"""Padding a call's inputs: the prompt to its bucket (columns in front), and the batch to its batch bucket (rows).
+"""The plan of a bucketed call (`plan_call`): the prompt padded to its bucket, and the batch to its batch bucket.
 
-A right-padded call (`padding_side.py`) passes the prompt on unpadded (`plan_right`): the `_prefill` hook
-(`prefill_right.py`) pads it.
+On the left the prompt gets columns in front (masked); a right-padded call (`padding_side.py`) passes the prompt on
+as it is, and the `_prefill` hook (`prefill_right.py`) pads it after its end. Dummy rows pad the batch.
 
 Pure input rewriting: the user's dicts and tensors are never modified, new ones are returned with a `Plan` that says
 what was added, which the hooks and `output.strip_output` read.
 """
 
-from dataclasses import dataclass
-from typing import Any
-
 import torch
-from transformers.generation.stopping_criteria import StoppingCriteriaList
 from transformers.utils import logging
 
-from .cache import continued_padding, passed_cache, ragged_rows_mask
-from .config import PREFILL_BATCH_BUCKETS, PREFILL_BUCKETS, PREFILL_PAD_TO_MULTIPLE_OF
-from .padding import left_pad
-from .settings import CallSettings
-from .views import DummyRowsFinished, PromptStrippingStreamer
+from ..config import PREFILL_BATCH_BUCKETS, PREFILL_BUCKETS, PREFILL_PAD_TO_MULTIPLE_OF
+from .batch_rows import check_pad_token_id, pad_rows
+from .cache import continued_padding, passed_cache, ragged_rows_mask, unpadded_for_room
+from .padding import fill_embedding, left_pad
+from .plan import PER_TOKEN_KWARGS, Plan, RightPadding, RunsUnpadded
+from .settings import CallSettings, bos_prompt
+from .views import PromptStrippingStreamer
 
 
 logger = logging.get_logger(__name__)
 
-# Per-token model inputs that are padded along with the prompt, and their fill value. Position ids of masked
-# positions are 0, as upstream fills them.
-PER_TOKEN_KWARGS = {"attention_mask": 0, "position_ids": 0, "token_type_ids": 0, "mm_token_type_ids": 0}
 
+def plan_call(model, settings: CallSettings, side, arguments: dict, model_kwargs: dict) -> tuple[Plan, dict, dict]:
+    """
+    The plan of a bucketed call padded on `side` (a `padding_side.PaddingSide`), and the arguments upstream
+    `generate` runs with. On the left the prompt and its per-token inputs are padded in front to the bucket; on the
+    right they go on as passed, and the `_prefill` hook pads them. Then the batch is padded to its batch bucket, and
+    the pad id checked against the rows that can finish early.
 
-@dataclass
-class Plan:
-    """What one bucketed `generate` call does to its inputs, read by the hooks while the call runs."""
-
-    model: Any
-    settings: CallSettings
-    prompt_length: int  # tokens in the prompt as the user passed it (their own padding included)
-    padded_length: int  # the bucket
-    added_id_columns: int  # columns added to `input_ids` (0 when the prompt is only `inputs_embeds`)
-    batch_size: int = 1  # prompts the user passed
-    padded_batch: int = 1  # prompts generated from, dummy rows of `prefill_batch_buckets` included
-    rows: int = 1  # output rows the user gets: batch * max(num_beams, num_return_sequences)
-    padded_rows: int = 1  # output rows generated, dummy rows of `prefill_batch_buckets` included
-    recompile_limit: int | None = None  # torch's limit once the call's graphs are accounted for
-    expected_graphs: Any = None  # with a compiled forward: what the call expects to compile (`budget.CallGraphs`)
-    static_cache_length: int | None = None  # slots of the call's static cache, once it is made
-    side: str = "left"  # "right": upstream sees the unpadded prompt, the `_prefill` hook pads it after the prompt
-    bucket: int | None = None  # right: the length the new tokens are padded to
-    past_length: int = 0  # right: the tokens the cache held before the call
-    ragged: bool = False  # right: rows of different lengths, each padded after its own end
-    windowed_cache: Any = None  # the static cache whose full-attention layers read windows (`windows.py`)
-
-    @property
-    def prompt_slots(self) -> int:
-        """The cache slots prefill fills: the padded prompt, or on the right the cached tokens plus the bucket."""
-        return self.past_length + self.bucket if self.side == "right" else self.padded_length
-
-    @property
-    def added_positions(self) -> int:
-        """Positions added in front of the sequence the model sees."""
-        return self.padded_length - self.prompt_length
+    Raises `RunsUnpadded` when the padded call doesn't fit the cache it would write (`cache.unpadded_for_room`), and
+    `ValueError` for inputs padding can't serve.
+    """
+    continues = continued_padding(model_kwargs)
+    if side.side == "right":
+        plan, arguments, model_kwargs = _plan_right(model, settings, arguments, model_kwargs, side)
+    else:
+        plan, padded_arguments, padded_kwargs = _pad_prompt(model, settings, arguments, model_kwargs)
+        reason = unpadded_for_room(plan, model_kwargs)
+        if reason is not None:
+            raise RunsUnpadded(reason)
+        arguments, model_kwargs = padded_arguments, padded_kwargs
+    if settings.batch_policy is not None and continues is None:  # a cache's rows are fixed when it is filled
+        plan, arguments, model_kwargs = pad_rows(plan, arguments, model_kwargs)
+    model_kwargs.update(check_pad_token_id(plan, arguments))
+    return plan, arguments, model_kwargs
 
 
 def capped_bucket(settings: CallSettings, prompt_length: int, warn: bool = True) -> int:
@@ -127,49 +113,6 @@ def check_ids_in_vocabulary(settings: CallSettings, input_ids: torch.Tensor) -> 
         )
 
 
-def check_pad_token_id(plan: Plan, arguments: dict) -> dict:
-    """
-    Checks the pad id against the rows that finish early, and returns the generation kwargs the call needs for it.
-
-    Upstream fills a row that finishes before the others with `pad_token_id` and feeds it back to the model, so a pad
-    id outside the vocabulary fails at the embedding (an index error on CPU, a device assert on CUDA). Raises
-    `ValueError` when one of the user's rows can finish early: there is more than one (and no beam search, which does
-    not feed finished beams), and an eos id in the vocabulary, `stop_strings` or the user's own stopping criteria
-    could finish it. The dummy rows of `prefill_batch_buckets` are finished from the first step, so they would be fed
-    the pad id too: when no user row can finish early, the call fills finished rows with an id in the vocabulary
-    instead (`{"pad_token_id": ...}`). No user row is ever filled, so the output is the same.
-    """
-    settings = plan.settings
-    pad_token_id = settings.pad_token_id
-    if pad_token_id is None or settings.vocab_size is None or settings.in_vocabulary(pad_token_id):
-        return {}
-    if settings.num_beams > 1:
-        return {}
-    user_criteria = [c for c in arguments.get("stopping_criteria") or () if not isinstance(c, DummyRowsFinished)]
-    can_finish_early = [
-        reason
-        for reason, present in (
-            (
-                f"the eos ids {list(settings.eos_token_ids)} are in it",
-                any(map(settings.in_vocabulary, settings.eos_token_ids)),
-            ),
-            ("`stop_strings` is set", bool(settings.stop_strings)),
-            ("`stopping_criteria` are passed", bool(user_criteria)),
-        )
-        if present
-    ]
-    if plan.rows > 1 and can_finish_early:
-        raise ValueError(
-            f"`pad_token_id` is {pad_token_id}, outside the model's vocabulary (valid ids: 0 to "
-            f"{settings.vocab_size - 1}). This call generates {plan.rows} rows and a row can finish before the others "
-            f"({', '.join(can_finish_early)}): it is then filled with `pad_token_id` and fed back to the model, which "
-            "can't look it up. Set `pad_token_id` to an id in the vocabulary (the eos token id is the usual choice)."
-        )
-    if plan.padded_rows > plan.rows:
-        return {"pad_token_id": settings.fill_token_id}
-    return {}
-
-
 def _default_attention_mask(settings: CallSettings, input_ids: torch.Tensor) -> torch.Tensor:
     """The mask upstream infers when none is passed: pad tokens are masked, unless the pad token is also eos."""
     if settings.pad_token_is_inferable and (input_ids == settings.pad_token_id).any():
@@ -177,7 +120,7 @@ def _default_attention_mask(settings: CallSettings, input_ids: torch.Tensor) -> 
     return torch.ones(input_ids.shape[:2], dtype=torch.long, device=input_ids.device)
 
 
-def pad_inputs(model, settings: CallSettings, arguments: dict, model_kwargs: dict):
+def _pad_prompt(model, settings: CallSettings, arguments: dict, model_kwargs: dict):
     """Left-pads the prompt and every per-token input to the bucket. Returns the plan and new call arguments."""
     arguments = dict(arguments)
     model_kwargs = dict(model_kwargs)  # the user's dict and tensors are never modified
@@ -196,12 +139,8 @@ def pad_inputs(model, settings: CallSettings, arguments: dict, model_kwargs: dic
                 f"{tuple(input_ids.shape)} and dtype {input_ids.dtype}."
             )
         prompt_length = input_ids.shape[1]
-    else:
-        # Upstream starts from a lone BOS token: one token, one bucket.
-        if settings.bos_token_id is None:
-            raise ValueError("`bos_token_id` has to be defined when no `input_ids` are provided.")
-        batch_size = next((v.shape[0] for v in model_kwargs.values() if isinstance(v, torch.Tensor)), 1)
-        input_ids = torch.full((batch_size, 1), settings.bos_token_id, dtype=torch.long, device=model.device)
+    else:  # upstream starts from a lone BOS token: one token, one bucket
+        input_ids = bos_prompt(model, settings, model_kwargs)
         prompt_length = 1
     if prompt_length == 0:
         raise ValueError(
@@ -258,8 +197,8 @@ def pad_inputs(model, settings: CallSettings, arguments: dict, model_kwargs: dic
             )
         model_kwargs["input_ids"] = input_ids
     if inputs_embeds is not None:
-        fill_embedding = model.get_input_embeddings().weight[fill_token_id].detach()
-        model_kwargs["inputs_embeds"] = left_pad(inputs_embeds, added_positions, fill_embedding, dim=1)
+        fill = fill_embedding(model.get_input_embeddings(), fill_token_id, inputs_embeds)
+        model_kwargs["inputs_embeds"] = left_pad(inputs_embeds, added_positions, fill, dim=1)
 
     for key, fill in PER_TOKEN_KWARGS.items():
         value = model_kwargs.get(key)
@@ -306,7 +245,7 @@ def _line_up_with_ragged_rows(attention_mask: torch.Tensor, ragged: torch.Tensor
     return torch.cat([lined_up, attention_mask[:, width:]], dim=1)
 
 
-def plan_right(model, settings: CallSettings, arguments: dict, model_kwargs: dict, side) -> tuple:
+def _plan_right(model, settings: CallSettings, arguments: dict, model_kwargs: dict, side) -> tuple:
     """
     The plan of a right-padded call (`side`, a `padding_side.PaddingSide`): the prompt goes to upstream unpadded,
     and the `_prefill` hook pads it to `side.bucket`. Returns the plan and the call arguments.
@@ -316,11 +255,7 @@ def plan_right(model, settings: CallSettings, arguments: dict, model_kwargs: dic
     input_ids = input_ids if input_ids is not None else model_kwargs.get("input_ids")
     inputs_embeds = model_kwargs.get("inputs_embeds")
     if input_ids is None and inputs_embeds is None:  # upstream would start from a lone BOS token: made here, as left
-        if settings.bos_token_id is None:
-            raise ValueError("`bos_token_id` has to be defined when no `input_ids` are provided.")
-        rows = next((v.shape[0] for v in model_kwargs.values() if isinstance(v, torch.Tensor)), 1)
-        input_ids = torch.full((rows, 1), settings.bos_token_id, dtype=torch.long, device=model.device)
-        model_kwargs["input_ids"] = input_ids
+        input_ids = model_kwargs["input_ids"] = bos_prompt(model, settings, model_kwargs)
     if inputs_embeds is None and input_ids.dtype in (torch.long, torch.int):
         check_ids_in_vocabulary(settings, input_ids)
     prompt = inputs_embeds if inputs_embeds is not None else input_ids
@@ -338,86 +273,11 @@ def plan_right(model, settings: CallSettings, arguments: dict, model_kwargs: dic
         added_id_columns=0,
         batch_size=batch_size,
         padded_batch=batch_size,
-        side="right",
-        bucket=side.bucket,
-        past_length=side.past_length,
-        ragged=isinstance(mask, torch.Tensor) and not bool(mask.all()),
+        right=RightPadding(
+            bucket=side.bucket,
+            past_length=side.past_length,
+            ragged=isinstance(mask, torch.Tensor) and not bool(mask.all()),
+        ),
     )
     plan.rows = plan.padded_rows = batch_size * settings.rows_per_prompt
-    return plan, arguments, model_kwargs
-
-
-def pad_rows(plan: Plan, arguments: dict, model_kwargs: dict):
-    """
-    Appends dummy rows up to the batch bucket: one unmasked pad token each (a fully masked row would give NaNs), no
-    other inputs; on the right, a row of unmasked pad tokens as long as the prompt (all rows one length). A stopping criterion marks them finished from the first step, so they never keep generation going,
-    and `output.strip_output` drops them.
-    """
-    model, settings = plan.model, plan.settings
-    if plan.side == "right" and arguments.get("inputs") is not None:
-        arguments = dict(arguments)
-        model_kwargs = dict(model_kwargs, input_ids=arguments.pop("inputs"))
-    input_ids = model_kwargs.get("input_ids")
-    prompt = model_kwargs["inputs_embeds"] if model_kwargs.get("inputs_embeds") is not None else input_ids
-    batch_size = prompt.shape[0]
-    padded_batch = settings.batch_policy.bucket(batch_size)
-    expand = settings.rows_per_prompt
-    if padded_batch == batch_size:
-        return plan, arguments, model_kwargs
-    known = {"input_ids", "inputs_embeds", *PER_TOKEN_KWARGS}
-    per_row = sorted(
-        k
-        for k, v in model_kwargs.items()
-        if isinstance(v, torch.Tensor) and k not in known and v.shape[:1] == (batch_size,)
-    )
-    if settings.num_beams > 1 or per_row:
-        reason = "beam search ranks rows together" if not per_row else f"it can't pad the per-row input {per_row[0]!r}"
-        logger.warning_once(f"`{PREFILL_BATCH_BUCKETS}` is not applied to this call: {reason}.")
-        return plan, arguments, model_kwargs
-    if arguments.get("negative_prompt_ids") is not None:
-        logger.warning_once(
-            f"`{PREFILL_BATCH_BUCKETS}` is not applied to this call: it can't pad `negative_prompt_ids`."
-        )
-        return plan, arguments, model_kwargs
-
-    extra = padded_batch - batch_size
-    fill_token_id = settings.fill_token_id
-    length = plan.padded_length
-    model_kwargs = dict(model_kwargs)
-    dummy_mask = torch.zeros(extra, length, dtype=torch.long, device=prompt.device)
-    dummy_mask[:, -1] = 1
-    if plan.side == "right":
-        dummy_mask.fill_(1)
-        if model_kwargs.get("attention_mask") is None:  # else upstream could infer a mask from the pad tokens
-            model_kwargs["attention_mask"] = torch.ones(batch_size, length, dtype=torch.long, device=prompt.device)
-    if input_ids is not None and input_ids.shape[1] > 0:
-        dummy = torch.full((extra, input_ids.shape[1]), fill_token_id, dtype=input_ids.dtype, device=input_ids.device)
-        model_kwargs["input_ids"] = torch.cat([input_ids, dummy])
-    elif input_ids is not None:
-        model_kwargs["input_ids"] = input_ids.new_empty(padded_batch, 0)
-    if model_kwargs.get("inputs_embeds") is not None:
-        embeds = model_kwargs["inputs_embeds"]
-        fill_embedding = model.get_input_embeddings().weight[fill_token_id].detach().to(embeds.dtype)
-        model_kwargs["inputs_embeds"] = torch.cat([embeds, fill_embedding.expand(extra, *embeds.shape[1:])])
-    for key in PER_TOKEN_KWARGS:
-        value = model_kwargs.get(key)
-        if not isinstance(value, torch.Tensor):
-            continue
-        if key == "attention_mask":
-            model_kwargs[key] = torch.cat([value, dummy_mask.to(value.dtype)])
-        else:
-            row_dim = 0 if value.ndim == 2 else 1  # multimodal rope position ids are [3, batch, length]
-            shape = list(value.shape)
-            shape[row_dim] = extra
-            model_kwargs[key] = torch.cat([value, value.new_zeros(shape)], dim=row_dim)
-
-    criteria = StoppingCriteriaList(arguments.get("stopping_criteria") or [])
-    criteria.append(DummyRowsFinished(first_dummy_row=batch_size * expand))
-    arguments = dict(arguments, stopping_criteria=criteria)
-    plan.padded_rows = padded_batch * expand
-    plan.padded_batch = padded_batch
-    if isinstance(arguments.get("streamer"), PromptStrippingStreamer):
-        arguments["streamer"].rows = batch_size * expand
-    elif arguments.get("streamer") is not None:
-        arguments["streamer"] = PromptStrippingStreamer(arguments["streamer"], 0, rows=batch_size * expand)
     return plan, arguments, model_kwargs

@@ -5,17 +5,20 @@ the rest eagerly, without an error. The limit counts every graph on the code obj
 models share code objects: transformers' decorators wrap the `forward` of most model classes in one function. So two
 compiled models in one process share one limit. Bucketed calls need a known, bounded set of graphs; this module counts
 what torch counts (the graphs on the forward's code objects, `_compat.forward_graphs`), adds what a call will compile,
-and, when that passes the limit, raises it, with a warning, never below what the process needs. After a call, a code
-object at the limit with other graphs than the call should have made means torch refused some: that is said too.
+and, when that passes the limit, raises it, with a warning, never below what the process needs. When no bucketed call
+is in flight the limits are the user's again (`restore_user_recompile_limits`): each call raises them for itself.
+After a call, a code object at the limit with other graphs than the call should have made means torch refused some:
+that is said too.
 """
 
 import threading
 from dataclasses import dataclass
 
-import torch
 from transformers.utils import logging
 
-from . import _compat
+from .. import _compat
+from ..config import PREFILL_BUCKETS
+from ..state import PROCESS, state_of
 
 
 logger = logging.get_logger(__name__)
@@ -23,13 +26,10 @@ logger = logging.get_logger(__name__)
 # Changing the limit is read-modify-write: concurrent calls (threads) make room one at a time. Reentrant: `account`
 # holds it around `make_room`.
 _LIMIT_LOCK = threading.RLock()
-# New graphs of bucketed calls still running, which torch's count may not hold yet: concurrent calls, on one model or
-# several, make room for each other's too.
-_in_flight = {"graphs": 0}
 
 
 def recompile_limit() -> int:
-    return torch._dynamo.config.recompile_limit
+    return _compat.recompile_limit()
 
 
 @dataclass
@@ -47,7 +47,8 @@ class GraphBudget:
     A compiled forward compiles one graph per distinct input shape: a prefill graph per `(rows, prompt length,
     cache length, side, window)` (a right-padded prefill has no mask: another graph) and a decode graph per `(rows,
     cache length, window)`, where rows are `batch * max(num_beams, num_return_sequences)` and the window is the slots
-    the forward reads (`windows.py`; `None` where the cache has no windowed layers).
+    the forward reads (`windows.py`; `None` where the cache has no windowed layers). A 1-token prefill is a decode
+    step: the decode graph. Sliding-window layers add no shape (`ring.py`: their graphs depend on none of these).
     """
 
     def __init__(self):
@@ -69,8 +70,11 @@ class GraphBudget:
         `decode_windows` the windows its decode steps read. Returns the shapes not seen before, in words.
         """
         new = []
+        decode_windows = set(decode_windows)
         for prompt_length, window in sorted(prefill_shapes, key=str):
-            if (rows, prompt_length, cache_length, side, window) not in self.prefill:
+            if prompt_length == 1:  # a 1-token prefill into the allocated cache is a decode step: its graph
+                decode_windows.add(window)
+            elif (rows, prompt_length, cache_length, side, window) not in self.prefill:
                 self.prefill.add((rows, prompt_length, cache_length, side, window))
                 new.append(
                     f"prefill [{rows}, {prompt_length}] with a {cache_length}-slot cache ({side}{_read(window)})"
@@ -81,6 +85,15 @@ class GraphBudget:
                 new.append(f"decode [{rows}, 1] with a {cache_length}-slot cache{_read(window)}")
         return new
 
+    def held_graphs(self, model) -> int:
+        """
+        The graphs torch holds on `model`'s compiled forward (this budget is its state's): those on its code objects,
+        counted as torch counts them against the limit (every model whose forward is that code). Where torch holds
+        none it can tell of, the shapes the model has needed (more than torch compiled with dynamic shapes: a limit
+        raised too far, never too little).
+        """
+        return _compat.forward_graphs(model) or self.graphs
+
     def account(
         self, model, rows: int, prefill_shapes, cache_length: int, side: str = "left", decode_windows=(None,)
     ) -> CallGraphs:
@@ -90,10 +103,12 @@ class GraphBudget:
         `check_compiled`.
         """
         with _LIMIT_LOCK:
-            held = held_graphs(model)
+            held = self.held_graphs(model)
             new = self.add(rows, prefill_shapes, cache_length, side, decode_windows)
-            make_room(model, held + _in_flight["graphs"], len(new), "Bucketed calls")
-            _in_flight["graphs"] += len(new)
+            # New graphs of calls still running, which torch's count may not hold yet: concurrent calls, on one model
+            # or several, make room for each other's too.
+            make_room(model, held + PROCESS.graphs_in_flight, len(new), "Bucketed calls")
+            PROCESS.graphs_in_flight += len(new)
         return CallGraphs(held_before=held, new_shapes=new)
 
     def account_unbucketed(self, model, rows: int, prompt_length: int, cache_length: int) -> None:
@@ -101,10 +116,8 @@ class GraphBudget:
         An unbucketed compiled call's shapes. They share the compiled function's limit with bucketed ones, so they are
         counted, but the limit is left alone: this only warns, once, when the next new length will pass it.
         """
-        from .config import PREFILL_BUCKETS
-
         self.add(rows, ((prompt_length, None),), cache_length)
-        held = held_graphs(model)
+        held = self.held_graphs(model)
         limit = recompile_limit()
         if held + 1 >= limit and not self.warned_near_limit:
             self.warned_near_limit = True
@@ -120,15 +133,14 @@ def _read(window: int | None) -> str:
     return "" if window is None else f", reading {window} slots"
 
 
-def held_graphs(model) -> int:
-    """
-    The graphs torch holds on `model`'s compiled forward: those on its code objects, counted as torch counts them
-    against the limit (every model whose forward is that code). Where torch holds none it can tell of, the shapes the
-    model has needed (more than torch compiled with dynamic shapes: a limit raised too far, never too little).
-    """
-    from .state import state_of  # `state` holds a `GraphBudget`: imported here, not at the top
-
-    return _compat.forward_graphs(model) or state_of(model).budget.graphs
+def budget_of(model) -> "GraphBudget":
+    """The `GraphBudget` of `model`, made on first use (kept in its `ModelState`)."""
+    state = state_of(model)
+    if state.budget is None:
+        with _LIMIT_LOCK:
+            if state.budget is None:
+                state.budget = GraphBudget()
+    return state.budget
 
 
 def make_room(model, held: int, graphs: int, who: str) -> None:
@@ -136,19 +148,32 @@ def make_room(model, held: int, graphs: int, who: str) -> None:
     needed = held + graphs
     with _LIMIT_LOCK:
         limit = recompile_limit()
-        if needed > limit:
-            raised = max(needed, 2 * limit)
-            torch._dynamo.config.recompile_limit = raised
+        # The limit as it would be had the package never put it back between calls: raised once per new high, and
+        # said then, not again for each call. A limit the user changed starts over.
+        if PROCESS.saved_recompile_limits is None and PROCESS.raised_recompile_limit[0] != limit:
+            PROCESS.raised_recompile_limit = (limit, limit)
+        user_limit, highest = PROCESS.raised_recompile_limit
+        effective = max(limit, highest)
+        raised = effective
+        if needed > effective:
+            raised = max(needed, 2 * effective)
             logger.warning_once(
                 f"{who} need {needed} compiled graphs of the forward of `{model_name(model)}` (the "
                 f"graphs of every model whose forward is the same code, as torch counts them), more than torch's "
-                f"`torch._dynamo.config.recompile_limit` ({limit}), past which torch silently runs the forward "
+                f"`torch._dynamo.config.recompile_limit` ({effective}), past which torch silently runs the forward "
                 f"eagerly. Raised the limit to {raised}. To need fewer graphs: pin `max_cache_len` (one decode graph "
                 "per batch size), use fewer buckets, or call `prefill_buckets.precompile` to compile them all up front."
             )
-        accumulated = getattr(torch._dynamo.config, "accumulated_recompile_limit", None)
+            PROCESS.raised_recompile_limit = (user_limit, raised)
+        if needed > limit:
+            _save_user_recompile_limits()
+            PROCESS.recompile_limit_set = raised
+            _compat.set_recompile_limit(raised)
+        accumulated = _compat.accumulated_recompile_limit()
         if accumulated is not None and needed > accumulated:  # the cap on any one code object's graphs (256)
-            torch._dynamo.config.accumulated_recompile_limit = needed
+            _save_user_recompile_limits()
+            PROCESS.accumulated_recompile_limit_set = needed
+            _compat.set_accumulated_recompile_limit(needed)
             logger.warning_once(
                 f"Raised torch's `torch._dynamo.config.accumulated_recompile_limit` from {accumulated} to {needed}, "
                 f"the compiled graphs the forward of `{model_name(model)}` needs."
@@ -164,7 +189,7 @@ def check_compiled(model, expected: CallGraphs | None) -> None:
     if expected is None:
         return
     with _LIMIT_LOCK:
-        _in_flight["graphs"] -= len(expected.new_shapes)
+        PROCESS.graphs_in_flight -= len(expected.new_shapes)
     held = _compat.forward_graphs(model)
     limit = recompile_limit()
     if held >= limit and held != expected.held_before + len(expected.new_shapes):
@@ -179,7 +204,7 @@ def check_compiled(model, expected: CallGraphs | None) -> None:
 
 def model_name(model) -> str:
     """The model's class, and where it was loaded from when it says."""
-    path = getattr(getattr(model, "config", None), "_name_or_path", "")
+    path = getattr(getattr(model, "config", None), "name_or_path", "")
     return f"{type(model).__name__}" + (f" ({path})" if path else "")
 
 
@@ -189,4 +214,31 @@ def restore_recompile_limit(at_least: int | None) -> None:
     every chunked prefill, which a bucketed call with `compile_config` runs.
     """
     if at_least is not None and recompile_limit() < at_least:
-        torch._dynamo.config.recompile_limit = at_least
+        _compat.set_recompile_limit(at_least)
+
+
+def _save_user_recompile_limits() -> None:
+    if PROCESS.saved_recompile_limits is None:
+        PROCESS.saved_recompile_limits = (
+            recompile_limit(),
+            _compat.accumulated_recompile_limit(),
+        )
+
+
+def restore_user_recompile_limits() -> None:
+    """
+    Puts torch's recompile limits back to the user's once no bucketed call is in flight (`hooks.bucketed_call` calls
+    it): the graphs compiled stay, and the next call raises the limits again for what it needs. A limit set by anyone
+    else since is left as it is.
+    """
+    with _LIMIT_LOCK:
+        saved, PROCESS.saved_recompile_limits = PROCESS.saved_recompile_limits, None
+        if saved is None:
+            return
+        limit, accumulated = saved
+        if recompile_limit() == PROCESS.recompile_limit_set:
+            _compat.set_recompile_limit(limit)
+        current = _compat.accumulated_recompile_limit()
+        if accumulated is not None and current == PROCESS.accumulated_recompile_limit_set:
+            _compat.set_accumulated_recompile_limit(accumulated)
+        PROCESS.recompile_limit_set = PROCESS.accumulated_recompile_limit_set = None

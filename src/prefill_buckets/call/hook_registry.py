@@ -1,0 +1,130 @@
+"""The registry of hooks: the steps of upstream `generate` a bucketed call replaces on the model instance.
+
+Each hook is declared once, where it is written, with `@hook(target, reads=..., positional=...)`. The declaration is
+the one list the package has: `bucketed_call` (`hooks.py`) installs `HOOKS`, `check_upstream` verifies each target's
+parameters (`hook_targets`), and the docs list is checked against it.
+
+A hook body gets the call's plan and the step's arguments (`StepArguments`), reads and changes them by name, and runs
+upstream's method with `step.call()`. The arguments reach that method in the form upstream passed them (by position
+or by keyword), with every keyword the hook doesn't know passed on, so an override of the step with its own signature
+is called as upstream calls it.
+"""
+
+import contextvars
+import dataclasses
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from transformers import PreTrainedModel
+from transformers.generation.utils import GenerationMixin
+
+
+# The plan of the bucketed call running in this context (thread, task): hooks act for its model only.
+_ACTIVE_PLAN: contextvars.ContextVar[Any] = contextvars.ContextVar("prefill_buckets_plan", default=None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Hook:
+    """One hooked step of upstream `generate`."""
+
+    # The `GenerationMixin` method replaced on the model instance for the duration of a bucketed call.
+    target: str
+    # `body(plan, step)`: runs in place of the method while the model has an active plan (`active_plan`).
+    body: Callable
+    # The parameters of `target` the hook reads or changes by name: `check_upstream` checks that the model's method,
+    # and every override along its MRO, takes them.
+    reads: tuple[str, ...]
+    # Whether upstream `generate` passes `reads` by position (in this order): an override must take them there, or
+    # pass `*args` on. Otherwise they come by keyword, and an override may take them through `**kwargs`.
+    positional: bool
+
+
+HOOKS: dict[str, Hook] = {}
+
+
+def hook(target: str, *, reads: tuple[str, ...], positional: bool = False):
+    """Declares the decorated `body(plan, step)` as the hook of `target` (see `Hook`)."""
+
+    def register(body):
+        if target in HOOKS:
+            raise RuntimeError(
+                f"Two hooks are declared for `{target}`: `{HOOKS[target].body.__name__}` and `{body.__name__}`."
+            )
+        HOOKS[target] = Hook(target, body, tuple(reads), positional)
+        return body
+
+    return register
+
+
+def hook_targets() -> dict[str, tuple[tuple[str, ...], bool]]:
+    """`{target: (reads, positional)}` of every declared hook: what `check_upstream` verifies."""
+    return {name: (entry.reads, entry.positional) for name, entry in HOOKS.items()}
+
+
+def active_plan(model):
+    """The plan of the bucketed call running on `model` in this context, or `None`."""
+    plan = _ACTIVE_PLAN.get()
+    return plan if plan is not None and plan.model is model else None
+
+
+@functools.cache
+def _upstream_parameters(target: str) -> tuple[list[str], dict[str, Any]]:
+    """The positional parameter names (after `self`) of upstream's method `target`, and its defaults."""
+    method = getattr(GenerationMixin, target, None) or getattr(PreTrainedModel, target)
+    parameters = list(inspect.signature(method).parameters.values())[1:]
+    positional = [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    defaults = {p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty}
+    return positional, defaults
+
+
+class StepArguments:
+    """
+    The arguments of one call of a hooked step, as upstream passed them. `step[name]` reads one by the name upstream's
+    method (`GenerationMixin`'s, or `PreTrainedModel`'s) gives it (its default when upstream left it out),
+    `step[name] = value` changes it where it was passed, and `step.call()` runs the method the hook replaces.
+    """
+
+    def __init__(self, target: str, original: Callable, args: tuple, kwargs: dict):
+        self.original = original
+        self.args = list(args)
+        self.kwargs = dict(kwargs)
+        self._positional, self._defaults = _upstream_parameters(target)
+
+    def _index(self, name: str) -> int | None:
+        if name in self._positional and self._positional.index(name) < len(self.args):
+            return self._positional.index(name)
+        return None
+
+    def __getitem__(self, name: str):
+        if name in self.kwargs:
+            return self.kwargs[name]
+        index = self._index(name)
+        if index is not None:
+            return self.args[index]
+        return self._defaults.get(name)
+
+    def __setitem__(self, name: str, value) -> None:
+        index = self._index(name)
+        if index is not None and name not in self.kwargs:
+            self.args[index] = value
+        else:
+            self.kwargs[name] = value
+
+    def call(self):
+        """Runs the method the hook replaces with the arguments as they are now."""
+        return self.original(*self.args, **self.kwargs)
+
+
+def make_hooked(entry: Hook, original: Callable, model) -> Callable:
+    """The function installed on `model` in place of `original`: `entry.body` while `model` has an active plan."""
+
+    @functools.wraps(original)
+    def hooked(*args, **kwargs):
+        plan = active_plan(model)
+        if plan is None:
+            return original(*args, **kwargs)
+        return entry.body(plan, StepArguments(entry.target, original, args, kwargs))
+
+    return hooked

@@ -1,0 +1,66 @@
+"""The plan of one bucketed call (`Plan`): what it adds to the inputs, which the hooks and `output.strip_output` read.
+
+`inputs.plan_call` makes it; the hooks fill in what the call learns as it runs (its cache, its graphs).
+"""
+
+from dataclasses import dataclass
+from typing import Any
+
+from .settings import CallSettings
+
+
+# Per-token model inputs that are padded along with the prompt, and their fill value. Position ids of masked
+# positions are 0, as upstream fills them.
+PER_TOKEN_KWARGS = {"attention_mask": 0, "position_ids": 0, "token_type_ids": 0, "mm_token_type_ids": 0}
+
+
+class RunsUnpadded(Exception):
+    """Raised while a call is planned when it must run as the user made it: upstream's call, exact, after a warning
+    (once) with the reason. Never leaves `generation.py`."""
+
+
+@dataclass
+class RightPadding:
+    """What only a right-padded call needs (`padding_side.py` chose the right): the `_prefill` hook pads its prompt."""
+
+    bucket: int  # the length the prompt's new tokens are padded to, after their end
+    past_length: int = 0  # the tokens the cache held before the call
+    ragged: bool = False  # rows of different lengths, each padded after its own end
+
+
+@dataclass
+class Plan:
+    """What one bucketed `generate` call does to its inputs, read by the hooks while the call runs."""
+
+    model: Any
+    settings: CallSettings
+    prompt_length: int  # tokens in the prompt as the user passed it (their own padding included)
+    # Tokens in the prompt upstream `generate` sees: the bucket on the left; on the right the prompt as passed (the
+    # `_prefill` hook pads it to `right.bucket`).
+    padded_length: int
+    added_id_columns: int  # columns added to `input_ids` (0 when the prompt is only `inputs_embeds`, or on the right)
+    batch_size: int = 1  # prompts the user passed
+    padded_batch: int = 1  # prompts generated from, dummy rows of `prefill_batch_buckets` included
+    rows: int = 1  # output rows the user gets: batch * max(num_beams, num_return_sequences)
+    padded_rows: int = 1  # output rows generated, dummy rows of `prefill_batch_buckets` included
+    right: RightPadding | None = None  # `None`: padded on the left (columns in front, masked)
+    # Set by the hooks while the call runs:
+    recompile_limit: int | None = None  # torch's limit once the call's graphs are accounted for
+    expected_graphs: Any = None  # with a compiled forward: what the call expects to compile (`budget.CallGraphs`)
+    static_cache_length: int | None = None  # slots of the call's static cache, once it is made
+    windowed_cache: Any = None  # the static cache whose full-attention layers read windows (`windows.py`)
+
+    @property
+    def side(self) -> str:
+        """`"left"` or `"right"`, for messages and `GraphBudget`."""
+        return "left" if self.right is None else "right"
+
+    @property
+    def prompt_slots(self) -> int:
+        """The cache slots prefill fills: the padded prompt, or on the right the cached tokens plus the bucket."""
+        return self.padded_length if self.right is None else self.right.past_length + self.right.bucket
+
+    @property
+    def added_positions(self) -> int:
+        """Positions added in front of the sequence the model sees."""
+        return self.padded_length - self.prompt_length

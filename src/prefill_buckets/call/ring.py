@@ -1,0 +1,93 @@
+"""The sliding-window (and chunked-attention) layers of a bucketed call's static cache: a ring whose compiled graph
+depends on the query length, the window and the batch size only.
+
+Upstream's `StaticSlidingWindowLayer` keeps the last `S` tokens (`S` its `max_cache_len`: the window, or the cache
+length when that is shorter) in `[B, H, S, D]`, chronologically: slot `j` holds the position `start + j`, where
+`start = max(0, held - S)` and `held` is the tokens seen. Its `update` branches on a Python count of them
+(`cumulative_length_int`) and increments it, so a compiled forward guards on the count and traces a new graph at every
+decode step until torch's recompile limit, then runs eagerly.
+
+`SlidingWindowRing` keeps upstream's storage and layout, so a cache is handed back to upstream as it is, and does what
+its `update` does with tensor arithmetic on the tensor count (`cumulative_length`) instead. A forward of `q` tokens
+at the positions `held, ..., held + q - 1`:
+
+1. reads `[B, H, S + q, D]`: the `S` slots, then room for the `q` new tokens, which are written at the slots
+   `held - start + arange(q)` (a tensor offset: `held` while the window is not full, `S` once it is). Slot `j` of what
+   it reads holds the position `start + j`; slots past the new tokens hold nothing yet, later positions that the
+   causal mask hides;
+2. keeps the last `S` positions: slot `j` of the storage gets the slot `j + new_start - start` of what it read, where
+   `new_start = max(0, held + q - S)` (a tensor offset again), and adds `q` to the count in place.
+
+The mask spans the `S + q` slots it reads from the position `start` (`get_mask_sizes`): a Python int, decided outside
+the compiled graph, from the tokens the cache holds after the forward (`set_tokens`, before each forward, as the
+attention windows of the full-attention layers: `windows.set_window`). Upstream's mask function applies the sliding
+window (or the attention chunks) on absolute positions, so the positions the window drops are masked as upstream's
+are, and the attention is upstream's with masked slots added. `generate` builds a static cache's 4D masks eagerly
+(`prepare_inputs_for_generation`); the right-padded prefill builds its mask in the forward, but its tokens always fit
+the window (`padding_side.py`), where the offset is 0 whatever the count.
+"""
+
+import torch
+
+from .. import _compat
+
+
+class SlidingWindowRing(_compat.StaticSlidingWindowLayer):
+    """
+    A `StaticSlidingWindowLayer` whose `update` reads no Python count (see the module docstring). A bucketed call gives
+    a `StaticCache`'s sliding-window and chunked-attention layers this class for its duration (`windows.open_windows`);
+    `close` makes them upstream's again.
+    """
+
+    # Of the tokens the cache holds after the coming forward, how many are past the window (`set_tokens`): 0 while
+    # they all fit, which is the only value a graph that builds its mask in the forward sees. `None`: not told.
+    overflow: int | None = None
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        window, new = self.max_cache_len, key_states.shape[-2]
+        held = self.cumulative_length  # [] the tokens seen before this forward
+        start = (held - window).clamp(min=0)  # [] the position in slot 0
+        new_start = (held + new - window).clamp(min=0)  # [] the position in slot 0 after this forward
+        written = torch.arange(new, device=self.device) + (held - start)  # [q]
+        kept = torch.arange(window, device=self.device) + (new_start - start)  # [S]
+        room = (torch.zeros_like(key_states), torch.zeros_like(value_states))  # the slots past the stored ones
+        keys = torch.cat((self.keys, room[0]), dim=-2).index_copy(2, written, key_states)  # [B, H, S + q, D]
+        values = torch.cat((self.values, room[1]), dim=-2).index_copy(2, written, value_states)
+        # In place: the storage keeps its static address.
+        self.keys.copy_(keys.index_select(2, kept))  # [B, H, S, D]
+        self.values.copy_(values.index_select(2, kept))
+        self.cumulative_length.add_(new)
+        return keys, values
+
+    def get_mask_sizes(self, query_length: int, *args, **kwargs) -> tuple[int, int]:
+        """The slots the coming forward reads, `S + query_length`, and the position of the first."""
+        window = self.max_cache_len
+        overflow = self.overflow
+        if overflow is None:  # no `set_tokens` before this forward: count, outside a compiled graph
+            overflow = max(0, int(self.cumulative_length) + query_length - window)
+        return window + query_length, max(0, overflow - query_length)
+
+    def get_seq_length(self):
+        """The tokens seen, as a 0-d tensor (upstream's `StaticLayer` reads): a compiled forward guards on no value."""
+        return self.cumulative_length if self.is_initialized else 0
+
+    def set_tokens(self, tokens: int) -> None:
+        """Before a forward after which the cache holds `tokens` tokens."""
+        self.overflow = max(0, tokens - self.max_cache_len)
+
+    @classmethod
+    def open(cls, layer) -> None:
+        """Makes an upstream `StaticSlidingWindowLayer` a ring; upstream's count moves to the tensor it reads."""
+        layer.__class__ = cls
+        layer.overflow = None
+        # Upstream stops updating the tensor once the window is full (it reads it only before).
+        layer.cumulative_length.fill_(layer.cumulative_length_int)
+
+    @staticmethod
+    def close(layer) -> None:
+        """Makes a ring upstream's `StaticSlidingWindowLayer` again, with the count upstream reads."""
+        layer.__dict__.pop("overflow", None)
+        layer.cumulative_length_int = int(layer.cumulative_length)
+        layer.__class__ = _compat.StaticSlidingWindowLayer

@@ -1,0 +1,134 @@
+"""What each padding side assumes of the model, whatever the call: `SIDE_ASSUMPTIONS`, one line a case.
+
+Right padding needs causal attention and positions that don't come from the mask; left padding a model that takes
+its positions from `position_ids` or the mask, and passes the mask on. `padding_side.choose_side` asks
+`side_assumption_broken` before its rule (right) and after it (left): where neither side holds, the call runs unpadded.
+"""
+
+import inspect
+
+import torch
+
+from ..state import state_of
+from .settings import max_positions
+
+
+def _attention_is_bidirectional(model) -> bool:
+    """
+    BERT-style models attend both ways unless `is_decoder` is set. Other configs carry `is_decoder=False` too (GPT-NeoX),
+    with attention modules that say they are causal: those count as causal.
+    """
+    config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    if getattr(config, "is_decoder", None) is not False:
+        return False
+    return not any(module.__dict__.get("is_causal") is True for module in model.modules())
+
+
+def _positions_from_the_mask(model) -> bool:
+    """
+    No `position_ids` and no `max_position_embeddings`: positions are ALiBi biases built from the attention mask
+    (BLOOM), which the right-padded prefill leaves out (on transformers 5.17 BLOOM then fails), or there are none.
+    """
+    return "position_ids" not in inspect.signature(model.forward).parameters and max_positions(model) is None
+
+
+def _positions_count_from_the_cache(model) -> bool:
+    """No `position_ids`, but position embeddings (learned, sinusoidal or rotary): counted from the cache length."""
+    if "position_ids" in inspect.signature(model.forward).parameters:
+        return False
+    return any(
+        "Positional" in type(module).__name__ or "Rotary" in type(module).__name__ for module in model.modules()
+    )
+
+
+# Models whose forward takes an attention mask and ignores it: pads in front would run through them.
+MASK_IGNORED_BY = ("RwkvForCausalLM",)
+# Models whose attention builds its own mask from the key states over every slot it reads (Doge's dynamic mask): pads
+# on either side reach it (other tokens on transformers 5.17, right and left).
+MASK_FROM_KEYS = ("DogeForCausalLM",)
+# Models that add the cache length to the positions they are given at decode (GIT on transformers 5.17): positions
+# taken from a left-padded mask would be shifted by the pads.
+POSITIONS_PLUS_CACHE = ("GitForCausalLM",)
+
+
+def _ignores_the_mask(model) -> bool:
+    return type(model).__name__ in MASK_IGNORED_BY
+
+
+def _masks_from_keys(model) -> bool:
+    return type(model).__name__ in MASK_FROM_KEYS
+
+
+def _adds_the_cache_length_to_positions(model) -> bool:
+    return type(model).__name__ in POSITIONS_PLUS_CACHE
+
+
+def _compresses_the_cache(model) -> bool:
+    """Whether layers pool the tokens they cache into blocks (DeepSeek-V4's compressed attention): pads would join."""
+    config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    layer_types = getattr(config, "layer_types", None) or ()
+    return getattr(config, "compress_rates", None) is not None or any("compress" in str(t) for t in layer_types)
+
+
+def _drops_the_mask(model) -> bool:
+    """Whether the model's own `prepare_inputs_for_generation` leaves the mask out of the model inputs (XLNet)."""
+    ids = torch.zeros(1, 2, dtype=torch.long, device=model.device)
+    try:
+        model_inputs = model.prepare_inputs_for_generation(ids, attention_mask=torch.ones_like(ids), use_cache=False)
+    except Exception:  # can't tell from here: the hook raises at the call if the mask is dropped
+        return False
+    return isinstance(model_inputs, dict) and "attention_mask" not in model_inputs
+
+
+# What each side assumes of the model, in order: (side, the model breaks it, why). Data, so a case is one line.
+SIDE_ASSUMPTIONS = (
+    (
+        "right",
+        _attention_is_bidirectional,
+        "its attention is not causal (`is_decoder=False`): the prompt would attend to the pads after it",
+    ),
+    (
+        "right",
+        _positions_from_the_mask,
+        "its forward takes no `position_ids` and states no `max_position_embeddings`: positions come from the mask",
+    ),
+    (
+        "right",
+        _masks_from_keys,
+        "its attention builds a dynamic mask from the keys, which would see the pads after it",
+    ),
+    (
+        "left",
+        _attention_is_bidirectional,
+        "its attention is not causal (`is_decoder=False`), and masked pads in front changed XLM-RoBERTa-XL's tokens",
+    ),
+    (
+        "left",
+        _positions_count_from_the_cache,
+        "its forward takes no `position_ids` and counts positions from the cache, so pads in front would shift them",
+    ),
+    ("left", _drops_the_mask, "its `prepare_inputs_for_generation` does not pass the attention mask on"),
+    ("left", _ignores_the_mask, "its forward ignores the attention mask"),
+    ("left", _masks_from_keys, "its attention builds a dynamic mask from the keys, which would see the pads in front"),
+    (
+        "left",
+        _adds_the_cache_length_to_positions,
+        "its forward adds the cache length to the positions at decode, so pads in front would shift them",
+    ),
+    ("left", _compresses_the_cache, "its attention compresses the cached tokens in blocks, pads in front included"),
+)
+
+
+def side_assumption_broken(model, side: str) -> str | None:
+    """Why `model` can't be padded on `side` whatever the call (`SIDE_ASSUMPTIONS`), or `None`. Once per model."""
+    known = state_of(model).side_assumptions
+    if side not in known:
+        known[side] = next(
+            (
+                f"`{type(model).__name__}`: {reason}"
+                for assumed_side, breaks, reason in SIDE_ASSUMPTIONS
+                if assumed_side == side and breaks(model)
+            ),
+            None,
+        )
+    return known[side]

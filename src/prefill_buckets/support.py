@@ -1,0 +1,97 @@
+"""The version gate: whether this transformers can be bucketed on, decided once per model class and per process.
+
+`check_upstream` raises when a private name the hooks rely on is missing or reshaped (`_compat.upstream_problems`),
+and, on a transformers outside the tested range (`_compat.TESTED_TRANSFORMERS`), when `selftest.self_test` fails:
+a release that changed what a hooked step means fails loudly at the first bucketed call instead of running wrong.
+`enable()` and every bucketed call run it; the verdicts are kept, so after a failure every bucketed call of the
+process raises it.
+
+setup.py sets no upper bound on transformers, so pip never downgrades a newer release: on a version outside the
+range the check still runs, and the first bucketed call also runs the self-test and logs which version it is.
+
+The self-test compares the package's `generate` with upstream's, and `generate` checks upstream through this module:
+the caller passes its `generate` in, so this module stays below it (no import cycle).
+"""
+
+import threading
+
+import transformers
+from packaging import version
+from transformers.utils import logging
+
+from . import _compat, selftest
+from .call import hooks
+
+
+logger = logging.get_logger(__name__)
+
+# The verdict of the name check per class: `None` (passed) or the message it raises, every time it is asked.
+_checked: dict[type, str | None] = {}
+# The self-test's verdict for this process (it tests the transformers version, not a class): `_PENDING` until it has
+# run, `_RUNNING` while it runs (its own bucketed calls come back to `check_upstream`), then `None` or a message.
+_PENDING, _RUNNING = object(), object()
+_self_test_verdict = {"verdict": _PENDING}
+# Held while a verdict is made, so a concurrent first call waits for it. Reentrant: the self-test's calls re-enter.
+_checked_lock = threading.RLock()
+
+
+def check_upstream(model_class: type = _compat._GenerativeModel, *, generate) -> None:
+    """
+    Raises `RuntimeError` naming the transformers version and the missing piece when a hook target or another private
+    name the package relies on is missing, or no longer takes the parameters the hook reads, and, outside the tested
+    range, when the self-test of `generate` fails. The verdict is kept per class (and for the self-test, per
+    process): a class that failed keeps raising.
+
+    Args:
+        model_class (`type`, *optional*):
+            The class of the model a bucketed call runs on; by default the upstream classes every generative model
+            inherits (what `enable()` checks).
+        generate (`Callable`):
+            The package's bucketed `generate` (`prefill_buckets.generate`), which the self-test compares with
+            upstream's.
+    """
+    with _checked_lock:
+        if model_class not in _checked:
+            _checked[model_class] = _compat.upstream_problems(model_class, hooks.hook_targets())
+        failure = _checked[model_class]
+        if failure is None and not is_tested_range():
+            failure = _self_test_failure(generate)
+    if failure is not None:
+        raise RuntimeError(failure)
+
+
+def is_tested_range() -> bool:
+    """Whether the installed transformers is within `_compat.TESTED_TRANSFORMERS` (by minor version)."""
+    oldest, newest = (
+        version.parse(v).release[:2] for v in (_compat.TESTED_TRANSFORMERS[0], _compat.TESTED_TRANSFORMERS[-1])
+    )
+    return oldest <= _compat.TRANSFORMERS_VERSION.release[:2] <= newest
+
+
+def _self_test_failure(generate) -> str | None:
+    """
+    The self-test's verdict on this transformers version, run on first use (under `_checked_lock`): `None` when it
+    passed, or its error message. While it runs, its own bucketed calls pass.
+    """
+    verdict = _self_test_verdict["verdict"]
+    if verdict is _RUNNING:
+        return None
+    if verdict is not _PENDING:
+        return verdict
+    tested = _compat.TESTED_TRANSFORMERS
+    logger.warning(
+        f"prefill_buckets is tested on transformers {tested[0]} to {tested[-1]}, and this is "
+        f"{transformers.__version__}. Every private step it hooks is present with the parameters it reads, and its "
+        "self-test (a tiny model, bucketed against unpadded) passes on this version; compare a few of your own "
+        "outputs against an unbucketed call."
+    )
+    _self_test_verdict["verdict"] = _RUNNING
+    verdict = _PENDING  # interrupted (`KeyboardInterrupt`): no verdict, the next call runs it again
+    try:
+        selftest.self_test(generate)
+        verdict = None
+    except Exception as error:  # any failure of a bucketed call on this version is the verdict, kept
+        verdict = str(error) if isinstance(error, RuntimeError) else f"prefill_buckets' self-test failed: {error!r}"
+    finally:
+        _self_test_verdict["verdict"] = verdict
+    return verdict

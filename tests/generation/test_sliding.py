@@ -1,0 +1,446 @@
+# Sliding-window and chunked-attention models in a bucketed call (issue 28): their static cache's sliding layers are
+# rings for the call (`ring.py`), so a compiled forward compiles once per (bucket, window, batch size).
+#
+# - Equivalence: tokens and first-step scores against upstream eager on the unpadded prompt, on tiny Gemma 2, Gemma 3,
+#   GPT-OSS, Mistral (with `sliding_window`), Llama 4 (chunked) and Cohere2, with a 16-token window: prompts shorter
+#   and longer than the window, decode crossing it, a conversation continued past it, chunked prefill across it,
+#   batch buckets with rows of different lengths, beam search, both padding sides.
+# - Graph counts (`GraphCounter`, tracing only): per batch size at most the buckets used plus the windows used plus 2
+#   over 20 random prompt lengths around and beyond the window, 30 new tokens each; every forward compiled; a second
+#   pass compiles nothing; `GraphBudget` and `precompile` count what torch compiled.
+# - Memory: a sliding layer's storage is its window, during the call and after it.
+# - Handed back: the layers are upstream's again, with upstream's count, and continue as upstream's would.
+
+import importlib.util
+import os
+import random
+import re
+import unittest
+from pathlib import Path
+from unittest import mock
+
+import torch
+from parameterized import parameterized
+from transformers import (
+    Cohere2Config,
+    Cohere2ForCausalLM,
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    GenerationConfig,
+    GptOssConfig,
+    GptOssForCausalLM,
+    Llama4ForCausalLM,
+    Llama4TextConfig,
+    MistralConfig,
+    MistralForCausalLM,
+    StaticLayer,
+    StaticSlidingWindowLayer,
+)
+from transformers.testing_utils import CaptureLogger, slow
+from transformers.utils import logging as transformers_logging
+
+import prefill_buckets
+from prefill_buckets import _compat
+from prefill_buckets.call import windows
+from prefill_buckets.call.ring import SlidingWindowRing
+from prefill_buckets.compilation import GraphCounter
+from prefill_buckets.state import state_of
+
+from .tiny_models import CACHE
+
+
+WINDOW = 16  # the sliding window (Llama 4: the attention chunk)
+NEW_TOKENS = 30
+_SIZES = {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4}
+_BASE = {**_SIZES, "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 1024, "num_hidden_layers": 2}
+_TOKENS = {"pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2}
+_HYBRID = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": WINDOW}
+_EXPERTS = {"num_local_experts": 2, "num_experts_per_tok": 1}
+# Each a sliding (or chunked) layer and a full-attention one, except Mistral, whose layers all slide.
+MODELS = {
+    "gemma2": lambda: Gemma2ForCausalLM(Gemma2Config(**_BASE, **_TOKENS, sliding_window=WINDOW)),
+    "gemma3": lambda: Gemma3ForCausalLM(Gemma3TextConfig(**_BASE, **_TOKENS, **_HYBRID)),
+    "gpt_oss": lambda: GptOssForCausalLM(GptOssConfig(**_BASE, **_TOKENS, **_EXPERTS, sliding_window=WINDOW)),
+    "mistral": lambda: MistralForCausalLM(MistralConfig(**_BASE, **_TOKENS, sliding_window=WINDOW)),
+    "llama4": lambda: Llama4ForCausalLM(
+        Llama4TextConfig(
+            **_BASE,
+            **_TOKENS,
+            **_EXPERTS,
+            attention_chunk_size=WINDOW,
+            no_rope_layers=[1, 0],
+            intermediate_size_mlp=64,
+        )
+    ),
+    "cohere2": lambda: Cohere2ForCausalLM(Cohere2Config(**_BASE, **_TOKENS, **_HYBRID)),
+}
+# Each case runs on these in CI (a hybrid of sliding and full attention, and chunked attention), on all with
+# RUN_SLOW=1.
+FAST_MODELS = ("gemma3", "llama4")
+_upstream_static = {}
+_THREADS = {}
+
+
+def setUpModule():
+    # Tiny models: one thread computes them as fast as two, and on a loaded machine the second one's busy-waiting
+    # costs more than it brings. Restored for the other test modules.
+    _THREADS["before"] = torch.get_num_threads()
+    torch.set_num_threads(1)
+
+
+def tearDownModule():
+    torch.set_num_threads(_THREADS.pop("before"))
+
+
+def make(name: str):
+    torch.manual_seed(0)
+    with CaptureLogger(transformers_logging.get_logger("transformers")):  # GPT-OSS's default rope scaling warns
+        model = MODELS[name]().eval()
+    return model
+
+
+def ids(batch: int, length: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, 128, (batch, length), generator=torch.Generator().manual_seed(1000 * seed + length))
+
+
+def config(new_tokens: int = NEW_TOKENS, **fields) -> GenerationConfig:
+    return GenerationConfig(
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        output_scores=True,
+        return_dict_in_generate=True,
+        **fields,
+    )
+
+
+def skip_without_upstream_static(test, name: str, fast=FAST_MODELS) -> None:
+    """
+    Skips `name` outside `FAST_MODELS` unless RUN_SLOW is set, and where upstream's own static cache fails (Llama 4 on
+    transformers 5.17: its chunked mask takes no `block_sequence_ids`): nothing to match.
+    """
+    if name not in fast and os.environ.get("RUN_SLOW", "").lower() not in ("1", "true", "yes"):
+        test.skipTest("test is slow (RUN_SLOW=1 runs it)")
+    if name not in _upstream_static:
+        try:
+            make(name).generate(ids(1, 3), max_new_tokens=2, do_sample=False, cache_implementation="static")
+            _upstream_static[name] = None
+        except Exception as error:
+            _upstream_static[name] = f"{type(error).__name__}: {error}"
+    if _upstream_static[name] is not None:
+        test.skipTest(f"upstream's static cache fails on `{name}` here: {_upstream_static[name]}")
+
+
+class RingEquivalenceTest(unittest.TestCase):
+    """Tokens and first-step scores of upstream eager on the unpadded prompts."""
+
+    models = {}
+
+    def model(self, name):
+        skip_without_upstream_static(self, name)
+        if name not in self.models:
+            self.models[name] = make(name)
+        return self.models[name]
+
+    def assert_upstream(self, ours, theirs, scores=True):
+        torch.testing.assert_close(ours.sequences, theirs.sequences, rtol=0, atol=0)
+        if scores:
+            finite = torch.isfinite(theirs.scores[0])
+            torch.testing.assert_close(ours.scores[0][finite], theirs.scores[0][finite], rtol=1e-5, atol=1e-5)
+
+    def bucketed(self, model, prompt, generation_config=None, **fields):
+        layers = []
+        update = SlidingWindowRing.update
+
+        def recording(layer, *args, **kwargs):
+            read = update(layer, *args, **kwargs)
+            layers.append(layer.keys.shape[-2])
+            return read
+
+        with mock.patch.object(SlidingWindowRing, "update", recording):
+            out = prefill_buckets.generate(
+                model, prompt, generation_config=generation_config or config(cache_implementation="static"), **fields
+            )
+        self.assertTrue(layers, "no ring served the call")
+        self.assertEqual(set(layers), {WINDOW})  # the storage is the window
+        return out
+
+    @parameterized.expand([(name, length) for name in MODELS for length in (12, 40)])
+    def test_prompt_and_decode_past_the_window(self, name, length):
+        # 12 tokens: right-padded to 16, decode crosses the window; 40: longer than the window, padded on the left.
+        model = self.model(name)
+        prompt = ids(1, length)
+        theirs = model.generate(prompt, generation_config=config())
+        for side in ("left", "auto") if length <= WINDOW else ("left",):  # past the window "auto" is the left
+            ours = self.bucketed(model, prompt, prefill_buckets="pow2", prefill_padding_side=side)
+            self.assert_upstream(ours, theirs)
+
+    @parameterized.expand([(name,) for name in MODELS])
+    def test_continued_conversation_past_the_window(self, name):
+        # Left-padded from the first turn: a later turn, whose bucket the window can't hold past the cached tokens,
+        # is padded on the left, in front of the cache's own padding (a right-padded first turn would leave it
+        # unpadded: `padding_side.py`).
+        model = self.model(name)
+        new_tokens = 6
+        ours = self.bucketed(
+            model,
+            ids(1, 10),
+            config(new_tokens, cache_implementation="static"),
+            prefill_buckets="pow2",
+            prefill_padding_side="left",
+        )
+        theirs = model.generate(ids(1, 10), generation_config=config(new_tokens, cache_implementation="static"))
+        self.assert_upstream(ours, theirs)
+        for turn, user_tokens in enumerate((3, 20)):  # 16 + 3 tokens (past the window), then 25 + 20 more
+            user = ids(1, user_tokens, seed=turn + 1)
+            ours = self.bucketed(
+                model,
+                torch.cat([ours.sequences, user], dim=1),
+                config(new_tokens),
+                prefill_buckets="pow2",
+                prefill_padding_side="left",
+                **{CACHE: ours[CACHE]},
+            )
+            theirs = model.generate(
+                torch.cat([theirs.sequences, user], dim=1),
+                **{CACHE: theirs[CACHE]},
+                generation_config=config(new_tokens),
+            )
+            self.assert_upstream(ours, theirs, scores=False)
+
+    @parameterized.expand([(name,) for name in MODELS])
+    def test_handed_back_upstream_continues_past_the_window(self, name):
+        # A right-padded call leaves no padding in the cache: upstream's own `generate` continues it as its own.
+        model = self.model(name)
+        ours = self.bucketed(model, ids(1, 10), config(4, cache_implementation="static"), prefill_buckets="pow2")
+        theirs = model.generate(ids(1, 10), generation_config=config(4, cache_implementation="static"))
+        self.assert_upstream(ours, theirs)
+        for layer in ours[CACHE].layers:
+            self.assertIn(type(layer), (StaticLayer, StaticSlidingWindowLayer))
+        user = ids(1, 5, seed=9)  # 13 + 5 tokens: past the window
+        ours = model.generate(torch.cat([ours.sequences, user], 1), **{CACHE: ours[CACHE]}, generation_config=config())
+        theirs = model.generate(
+            torch.cat([theirs.sequences, user], 1), **{CACHE: theirs[CACHE]}, generation_config=config()
+        )
+        self.assert_upstream(ours, theirs)
+
+    @parameterized.expand([(name,) for name in MODELS])
+    def test_chunked_prefill_across_the_window(self, name):
+        model = self.model(name)
+        prompt = ids(1, 30)  # padded to 32: 4 chunks of 8, the last two past the window
+        theirs = model.generate(prompt, generation_config=config(8))
+        ours = self.bucketed(
+            model,
+            prompt,
+            config(8, cache_implementation="static"),
+            prefill_chunk_size=8,
+            prefill_pad_to_multiple_of=8,
+        )
+        self.assert_upstream(ours, theirs)
+
+    @parameterized.expand([(name,) for name in MODELS])
+    def test_batch_buckets_rows_of_different_lengths(self, name):
+        model = self.model(name)
+        prompt = ids(3, 20)
+        mask = torch.ones_like(prompt)
+        mask[1, :5] = 0
+        mask[2, :13] = 0
+        theirs = model.generate(prompt, attention_mask=mask, generation_config=config(12))
+        ours = self.bucketed(
+            model,
+            prompt,
+            config(12, cache_implementation="static"),
+            attention_mask=mask,
+            prefill_buckets="pow2",
+            prefill_batch_buckets=[4],
+        )
+        self.assert_upstream(ours, theirs)
+
+    @parameterized.expand([(name, side) for name in MODELS for side in ("left", "right")])
+    def test_beam_search(self, name, side):
+        model = self.model(name)
+        prompt = ids(1, 12)
+        beams = {"num_beams": 2, "num_return_sequences": 2}
+        theirs = model.generate(prompt, generation_config=config(12, **beams))
+        ours = self.bucketed(
+            model,
+            prompt,
+            config(12, cache_implementation="static", **beams),
+            prefill_buckets="pow2",
+            prefill_padding_side=side,
+        )
+        self.assert_upstream(ours, theirs, scores=False)
+
+
+class RingGraphTest(unittest.TestCase):
+    """`model.compile(dynamic=False, fullgraph=True)` with the counting backend, 30 new tokens per call."""
+
+    def setUp(self):
+        torch._dynamo.reset()
+        self.addCleanup(torch._dynamo.reset)
+
+    def compiled(self, name):
+        skip_without_upstream_static(self, name, fast=("gemma3",))  # compiling the others: RUN_SLOW=1
+        model = make(name)
+        counter = GraphCounter()
+        model.compile(backend=counter, dynamic=False, fullgraph=True)
+        return model, counter
+
+    def run_workload(self, model, counter, lengths, batch_size=1, **fields):
+        generation_config = GenerationConfig(
+            cache_implementation="static", max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False
+        )
+        for length in lengths:
+            calls = counter.calls
+            out = prefill_buckets.generate(
+                model, ids(batch_size, length), generation_config=generation_config, prefill_buckets="pow2", **fields
+            )
+            self.assertEqual(out.shape, (batch_size, length + NEW_TOKENS))
+            self.assertEqual(counter.calls - calls, NEW_TOKENS, f"a forward of a {length}-token call ran eagerly")
+
+    def assert_bound(self, model, counter, lengths):
+        policy = prefill_buckets.BucketPolicy(buckets="pow2")
+        slots = model._previous_max_cache_length
+        buckets = {policy.bucket(n) for n in lengths}
+        used = set()  # the full-attention windows: one here, the cache being at most 256 slots
+        for n in lengths:
+            used |= windows.windows_between(1, policy.bucket(n) + NEW_TOKENS, slots)
+        self.assertLessEqual(counter.graphs, len(buckets) + len(used) + 2, counter.shapes)
+
+    @parameterized.expand([(name,) for name in MODELS])
+    def test_buckets_plus_windows_plus_two(self, name):
+        model, counter = self.compiled(name)
+        lengths = random.Random(0).sample(range(1, 4 * WINDOW), 20)  # around and beyond the window
+        self.run_workload(model, counter, lengths)
+        self.assert_bound(model, counter, lengths)
+        self.assertEqual(state_of(model).budget.graphs, counter.graphs)  # the budget counts what torch compiled
+        graphs = counter.graphs
+        self.run_workload(model, counter, lengths)  # a second pass compiles nothing
+        self.assertEqual(counter.graphs, graphs)
+
+    @parameterized.expand([(name,) for name in MODELS])
+    @slow
+    def test_per_batch_size(self, name):
+        model, counter = self.compiled(name)
+        lengths = random.Random(1).sample(range(1, 4 * WINDOW), 6)
+        self.run_workload(model, counter, lengths, batch_size=1)
+        one = counter.graphs
+        self.run_workload(model, counter, lengths, batch_size=2)
+        self.assertLessEqual(counter.graphs - one, one)  # batch 2 compiles at most what batch 1 did
+        self.assertEqual(state_of(model).budget.graphs, counter.graphs)
+
+    @parameterized.expand([("gemma3",), ("llama4",)])
+    def test_precompile_counts_the_graphs(self, name):
+        model, counter = self.compiled(name)
+        generation_config = GenerationConfig(
+            cache_implementation="static",
+            max_new_tokens=NEW_TOKENS,
+            min_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            prefill_buckets="pow2",
+        )
+        compiled = prefill_buckets.precompile(model, generation_config, max_prompt_length=2 * WINDOW, progress=False)
+        self.assertEqual(sum(shape.graphs for shape in compiled), counter.graphs)
+        self.assertEqual(state_of(model).budget.graphs, counter.graphs)
+        graphs = counter.graphs
+        for length in random.Random(2).sample(range(1, 2 * WINDOW + 1), 5):
+            calls = counter.calls
+            prefill_buckets.generate(model, ids(1, length), generation_config=generation_config)
+            self.assertEqual(counter.calls - calls, NEW_TOKENS, "a forward ran eagerly")
+        self.assertEqual(counter.graphs, graphs)
+
+    @slow
+    def test_without_rings_every_step_past_the_window_retraces(self):
+        # The fix's counterpart: upstream's sliding layers (here kept by a failed upstream check) make a new decode
+        # graph per step past the window, until torch's limit, and then run eagerly; exact either way.
+        expected = make("gemma3").generate(ids(1, 12), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
+        model, counter = make("gemma3"), GraphCounter()
+        model.compile(backend=counter, dynamic=False)
+        logger = transformers_logging.get_logger("prefill_buckets")
+        with mock.patch.object(_compat, "sliding_layer_problem", return_value="a test"), CaptureLogger(logger) as log:
+            generation_config = GenerationConfig(
+                cache_implementation="static", max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False
+            )
+            out = prefill_buckets.generate(
+                model, ids(1, 12), generation_config=generation_config, prefill_buckets="pow2"
+            )
+        self.assertIn("The sliding-window layers stay upstream's for this call: a test", log.out)
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+        self.assertLess(counter.calls, NEW_TOKENS)  # some forwards ran eagerly
+
+
+class RingMemoryTest(unittest.TestCase):
+    def test_sliding_storage_is_the_window(self):
+        model = make("gemma3")
+        out = prefill_buckets.generate(
+            model, ids(1, 40), generation_config=config(cache_implementation="static"), prefill_buckets="pow2"
+        )
+        sliding, full = out[CACHE].layers
+        self.assertIs(type(sliding), StaticSlidingWindowLayer)
+        self.assertEqual(tuple(sliding.keys.shape), (1, 2, WINDOW, 8))
+        self.assertEqual(tuple(sliding.values.shape), (1, 2, WINDOW, 8))
+        self.assertEqual(full.keys.shape[-2], model._previous_max_cache_length)
+        self.assertGreater(model._previous_max_cache_length, WINDOW)
+        # Upstream's count, and its layout: the last 16 of the 64 + 29 tokens held.
+        self.assertEqual(sliding.cumulative_length_int, 64 + NEW_TOKENS - 1)
+        self.assertEqual(int(sliding.cumulative_length), 64 + NEW_TOKENS - 1)
+
+
+class RingLayerTest(unittest.TestCase):
+    """The ring against upstream's layer, forward by forward: what each keeps, and the keys each forward attends."""
+
+    def test_same_storage_and_positions_as_upstream(self):
+        upstream = StaticSlidingWindowLayer(max_cache_len=64, sliding_window=4)
+        ring = StaticSlidingWindowLayer(max_cache_len=64, sliding_window=4)
+        SlidingWindowRing.open(ring)
+        position = 0
+        for new in (1, 2, 1, 5, 1, 1, 3, 1):
+            keys = torch.arange(position, position + new, dtype=torch.float32).view(1, 1, new, 1) + 1
+            ring.set_tokens(position + new)
+            length, offset = ring.get_mask_sizes(new)
+            expected_keys, _ = upstream.update(keys, keys)
+            read, _ = ring.update(keys, keys)
+            self.assertEqual(read.shape[-2], length)  # the mask spans what the forward reads
+            # Every slot read holds its position (`offset + j`) or nothing yet, and every position upstream's
+            # forward attends is among them.
+            held = {int(k) - 1: j + offset for j, k in enumerate(read.view(-1).tolist()) if k}
+            self.assertTrue(all(slot == key for key, slot in held.items()))
+            self.assertLessEqual({int(k) - 1 for k in expected_keys.view(-1).tolist() if k}, set(held))
+            torch.testing.assert_close(ring.keys, upstream.keys, rtol=0, atol=0)
+            position += new
+        SlidingWindowRing.close(ring)
+        self.assertIs(type(ring), StaticSlidingWindowLayer)
+        self.assertEqual(ring.cumulative_length_int, upstream.cumulative_length_int)
+
+
+class SweepTableTest(unittest.TestCase):
+    """The architecture page's sliding table (`utils/sliding_sweep.py`) says what the sweep finds: one row in CI."""
+
+    @classmethod
+    def setUpClass(cls):
+        path = Path(__file__).resolve().parents[2] / "utils" / "sliding_sweep.py"
+        spec = importlib.util.spec_from_file_location("sliding_sweep", path)
+        cls.sweep = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(cls.sweep)
+        page = (path.parents[1] / "docs" / "source" / "en" / "architectures.md").read_text(encoding="utf-8")
+        cls.rows = {
+            m.group(1): m.group(0) for m in re.finditer(r"^\| `([\w-]+)` \|.*\| (?:ring|upstream).*$", page, re.M)
+        }
+
+    def tearDown(self):
+        torch._dynamo.reset()
+
+    @parameterized.expand([("mistral",), ("gemma3_text",), ("llama4_text",), ("gpt_oss",), ("cohere2",), ("gemma2",)])
+    def test_row(self, model_type):
+        if model_type != "mistral" and os.environ.get("RUN_SLOW", "").lower() not in ("1", "true", "yes"):
+            self.skipTest("test is slow (RUN_SLOW=1 runs it)")
+        import transformers
+
+        if transformers.__version__ != "5.24.0":
+            self.skipTest("the table is of transformers 5.24.0")
+        row = self.sweep.sweep_one(model_type)
+        self.assertIn(model_type, self.rows)
+        self.assertEqual(self.sweep.markdown_table([row]).strip().splitlines()[-1], self.rows[model_type])
+        self.assertEqual((row.layers, row.tokens), ("ring", "same"))
