@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from .. import BucketPolicy, precompile
+from .. import BucketPolicy, _compat, precompile
 from ..buckets import round_up
 from ..testing_utils import TokenClock
 
@@ -122,7 +122,7 @@ def run_continuous_pass(workload, model, config, cb_config) -> tuple[float, list
 def dynamo_graphs() -> int:
     """Graphs dynamo handed to a backend in this process, whichever backend: `default_compile_level` compiles with
     inductor itself, not through a `GraphCounter`."""
-    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    return int(_compat.graphs_compiled())
 
 
 def run_batched(strategy, spec, model, workload, config, counter, run, synchronize, progress) -> dict:

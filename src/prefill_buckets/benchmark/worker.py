@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from .. import aot_forward, load_compile_cache, precompile, save_compile_cache
+from .. import _compat, aot_forward, load_compile_cache, precompile, save_compile_cache
 from .. import generate as bucketed_generate
 from ..buckets import round_up
 from ..compilation import GraphCounter
@@ -28,7 +28,7 @@ from .workload import shuffled
 
 
 def inductor_counter(name: str) -> int:
-    return int(torch._dynamo.utils.counters["inductor"][name])
+    return int(_compat.compile_counters()["inductor"][name])
 
 
 def load_model(spec: dict):
@@ -78,7 +78,7 @@ class AOTCounter:
 
 def run_counters(counter: GraphCounter | AOTCounter, forwards: int) -> dict:
     """What the process compiled and ran, for the record."""
-    graph_breaks = torch._dynamo.utils.counters["graph_break"]
+    graph_breaks = _compat.compile_counters()["graph_break"]
     return {
         "graphs": counter.graphs,
         "graphs_loaded": getattr(counter, "graphs_loaded", None),  # from a compile cache file (`AOTCounter` only)
@@ -86,10 +86,10 @@ def run_counters(counter: GraphCounter | AOTCounter, forwards: int) -> dict:
         "forwards": forwards,
         "graph_breaks": int(sum(graph_breaks.values())),
         "graph_break_reasons": sorted(graph_breaks)[:10],
-        "unique_graphs": int(torch._dynamo.utils.counters["stats"]["unique_graphs"]),
+        "unique_graphs": int(_compat.graphs_compiled()),
         "fxgraph_cache_hits": inductor_counter("fxgraph_cache_hit"),
         "fxgraph_cache_misses": inductor_counter("fxgraph_cache_miss"),
-        "recompile_limit": torch._dynamo.config.recompile_limit,
+        "recompile_limit": _compat.recompile_limit(),
         "recompile_limit_hits": RECOMPILE_LIMIT_HITS.count,
     }
 
@@ -116,8 +116,8 @@ def start_process(spec: dict) -> None:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
+    _compat.reset_compiled()
+    _compat.compile_counters().clear()
 
 
 def load_artifacts(path: str) -> dict:
@@ -129,7 +129,7 @@ def load_artifacts(path: str) -> dict:
 
 
 def save_artifacts(path: str) -> dict:
-    """Everything torch's caches compiled in this process (`torch.compiler.save_cache_artifacts`), written to `path`."""
+    """What torch's caches compiled in this process (`torch.compiler.save_cache_artifacts`), written to `path`."""
     saved = torch.compiler.save_cache_artifacts()
     data = saved[0] if saved is not None else b""
     with open(path, "wb") as f:
