@@ -88,6 +88,8 @@ class ProcessState:
     # `(the user's recompile limit, the highest the package raised it to)`: a call that needs more raises it further,
     # and says so (`budget.make_room`).
     raised_recompile_limit: tuple[int | None, int] = (None, 0)
+    # The highest the package raised torch's `accumulated_recompile_limit` to.
+    raised_accumulated_limit: int = 0
 
 
 PROCESS = ProcessState()

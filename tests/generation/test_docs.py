@@ -402,7 +402,7 @@ class WarningsTableTest(unittest.TestCase):
     def warning_openings(self):
         import ast
 
-        for path in sorted((REPO / "src" / "prefill_buckets").glob("*.py")):
+        for path in sorted((REPO / "src" / "prefill_buckets").rglob("*.py")):
             for node in ast.walk(ast.parse(path.read_text())):
                 if not (
                     isinstance(node, ast.Call)

@@ -165,22 +165,27 @@ def make_room(model, held: int, graphs: int, who: str) -> None:
                 "per batch size), use fewer buckets, or call `prefill_buckets.precompile` to compile them all up front."
             )
             PROCESS.raised_recompile_limit = (user_limit, raised)
-        if needed > limit:
+        # While calls run, the limit is the highest it was raised to: graphs an earlier call expected but did not reach
+        # (a window its decode steps stopped short of) are the shapes a later call compiles, already counted.
+        if raised > limit:
             _save_user_recompile_limits()
             PROCESS.recompile_limit_set = raised
             _compat.set_recompile_limit(raised)
         accumulated = _compat.accumulated_recompile_limit()
-        if accumulated is not None and needed > accumulated:  # the cap on any one code object's graphs (256)
+        if accumulated is not None and max(needed, PROCESS.raised_accumulated_limit) > accumulated:
+            # The cap on any one code object's graphs (256), raised alike.
             _save_user_recompile_limits()
-            PROCESS.accumulated_recompile_limit_set = needed
-            _compat.set_accumulated_recompile_limit(needed)
-            logger.warning_once(
-                f"Raised torch's `torch._dynamo.config.accumulated_recompile_limit` from {accumulated} to {needed}, "
-                f"the compiled graphs the forward of `{model_name(model)}` needs."
-            )
+            if needed > max(accumulated, PROCESS.raised_accumulated_limit):
+                logger.warning_once(
+                    f"Raised torch's `torch._dynamo.config.accumulated_recompile_limit` from {accumulated} to "
+                    f"{needed}, the compiled graphs the forward of `{model_name(model)}` needs."
+                )
+            PROCESS.raised_accumulated_limit = max(needed, PROCESS.raised_accumulated_limit)
+            PROCESS.accumulated_recompile_limit_set = PROCESS.raised_accumulated_limit
+            _compat.set_accumulated_recompile_limit(PROCESS.raised_accumulated_limit)
 
 
-def check_compiled(model, expected: CallGraphs | None) -> None:
+def check_compiled(model, expected: CallGraphs | None, limit: int | None = None) -> None:
     """
     Ends a bucketed call's accounting (`GraphBudget.account`), and warns when torch may have run forwards of the call
     eagerly: its forward's code objects are at the recompile limit, with other graphs than the call expected to add
@@ -191,7 +196,7 @@ def check_compiled(model, expected: CallGraphs | None) -> None:
     with _LIMIT_LOCK:
         PROCESS.graphs_in_flight -= len(expected.new_shapes)
     held = _compat.forward_graphs(model)
-    limit = recompile_limit()
+    limit = recompile_limit() if limit is None else limit  # the call's own, once it has put the user's back
     if held >= limit and held != expected.held_before + len(expected.new_shapes):
         shapes = "; ".join(expected.new_shapes) or "shapes the package did not predict"
         logger.warning(

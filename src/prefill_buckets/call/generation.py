@@ -114,7 +114,8 @@ def generate(model, *args, **kwargs):
         with compiled_wrapper, bucketed_call(plan):
             output = UPSTREAM_GENERATE(model, **call.arguments, **call.model_kwargs)
     finally:
-        check_compiled(model, plan.expected_graphs)  # and says so if torch ran some of the call's forwards eagerly
+        # Says so if torch ran some of the call's forwards eagerly, against the limit the call ran under.
+        check_compiled(model, plan.expected_graphs, plan.recompile_limit)
 
     # 7. Mark the cache, passed in or returned, for a call that continues from it.
     for cache in (passed_cache(call.model_kwargs), _returned_cache(output)):  # often one cache, twice: idempotent
