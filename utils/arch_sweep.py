@@ -109,6 +109,24 @@ def time_limit(seconds: float):
         signal.signal(signal.SIGALRM, previous)
 
 
+@contextlib.contextmanager
+def timed_row(row, timeout: float, on_timeout):
+    """
+    Runs one row's sweep without gradients and within `timeout` seconds: a timeout calls `on_timeout(error)`, and
+    `row.seconds` says how long it took either way.
+    """
+    import torch
+
+    start = time.perf_counter()
+    try:
+        with time_limit(timeout), torch.no_grad():
+            yield
+    except ArchitectureTimeout as error:
+        on_timeout(error)
+    finally:
+        row.seconds = time.perf_counter() - start
+
+
 def _short(error: BaseException, limit: int = 70) -> str:
     text = f"{type(error).__name__}: {error}".replace("\n", " ").replace("|", "/")
     return text if len(text) <= limit else text[: limit - 1] + "…"
@@ -333,41 +351,38 @@ def compare(model, input_ids, attention_mask, cache_implementation) -> tuple[str
 
 def sweep_one(model_type: str, timeout: float = 120.0) -> Row:
     """The row of one `model_type`."""
-    import torch
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     row = Row(model_type, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, "?"))
-    start = time.perf_counter()
-    try:
-        with time_limit(timeout), torch.no_grad():
-            try:
-                model = build_tiny_model(model_type)
-            except ArchitectureTimeout:
-                raise
-            except Exception as error:
-                row.one_prompt = row.batch_of_2 = f"no tiny config: {_short(error)}"
-                return row
-            for name, (input_ids, attention_mask) in _prompts().items():
-                cell = None
-                for cache_implementation in ("static", None):
-                    if row.cache == "dynamic" and cache_implementation == "static":
-                        continue
-                    try:
-                        _, cell = compare(model, input_ids, attention_mask, cache_implementation)
-                    except ArchitectureTimeout:
-                        raise
-                    except Exception as error:  # upstream raised
-                        cell = f"upstream fails: {_short(error)}"
-                        continue
-                    row.cache = row.cache or ("static" if cache_implementation else "dynamic")
-                    break
-                setattr(row, name, cell)
-    except ArchitectureTimeout as error:
+
+    def timed_out(error):
         for name in ("one_prompt", "batch_of_2"):
             if not getattr(row, name):
                 setattr(row, name, f"timeout ({error})")
-    finally:
-        row.seconds = time.perf_counter() - start
+
+    with timed_row(row, timeout, timed_out):
+        try:
+            model = build_tiny_model(model_type)
+        except ArchitectureTimeout:
+            raise
+        except Exception as error:
+            row.one_prompt = row.batch_of_2 = f"no tiny config: {_short(error)}"
+            return row
+        for name, (input_ids, attention_mask) in _prompts().items():
+            cell = None
+            for cache_implementation in ("static", None):
+                if row.cache == "dynamic" and cache_implementation == "static":
+                    continue
+                try:
+                    _, cell = compare(model, input_ids, attention_mask, cache_implementation)
+                except ArchitectureTimeout:
+                    raise
+                except Exception as error:  # upstream raised
+                    cell = f"upstream fails: {_short(error)}"
+                    continue
+                row.cache = row.cache or ("static" if cache_implementation else "dynamic")
+                break
+            setattr(row, name, cell)
     return row
 
 
@@ -401,12 +416,17 @@ def summary(rows: list[Row]) -> str:
     )
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def sweep_arguments(description: str, argv=None) -> argparse.Namespace:
+    """A sweep's command line: `--only` some model types, `--timeout` per architecture, `--write` the table."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--only", nargs="+", help="model types to run (default: all of the causal-LM mapping)")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per architecture")
     parser.add_argument("--write", help="also write the markdown table to this file")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = sweep_arguments(__doc__.split("\n")[0], argv)
 
     import torch
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES

@@ -19,10 +19,8 @@ then the same workload again. A row says:
 pass, the same tokens.
 """
 
-import argparse
 import importlib.util
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -111,7 +109,6 @@ def sweep_one(model_type: str, timeout: float = 120.0) -> SlidingRow | None:
     from prefill_buckets.call import ring
     from prefill_buckets.compilation import GraphCounter
 
-    start = time.perf_counter()
     row = SlidingRow(model_type, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, "?"))
     try:
         config = _tiny_config(model_type)
@@ -138,47 +135,44 @@ def sweep_one(model_type: str, timeout: float = 120.0) -> SlidingRow | None:
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, arch_sweep.VOCAB, (1, n), generator=generator) for n in PROMPT_LENGTHS]
     fields = {"max_new_tokens": NEW_TOKENS, "min_new_tokens": NEW_TOKENS, "do_sample": False, "pad_token_id": 0}
-    try:
-        with arch_sweep.time_limit(timeout), torch.no_grad():
-            try:
-                expected = [model.generate(p, **fields) for p in prompts]
-            except arch_sweep.ArchitectureTimeout:
-                raise
-            except Exception as error:
-                row.tokens = f"upstream fails: {arch_sweep._short(error)}"
-                return row
-            counter = GraphCounter()
-            model.compile(backend=counter, dynamic=False)
-            config = GenerationConfig(cache_implementation="static", prefill_buckets="pow2", **fields)
-            rings = []
-            opened = ring.SlidingWindowRing.open
 
-            def recording(layer):
-                rings.append(layer)
-                opened(layer)
-
-            same, graphs = True, []
-            try:
-                with mock.patch.object(ring.SlidingWindowRing, "open", recording):
-                    for _ in range(2):
-                        for prompt, tokens in zip(prompts, expected):
-                            same &= torch.equal(
-                                prefill_buckets.generate(model, prompt, generation_config=config), tokens
-                            )
-                        graphs.append(counter.graphs)
-            except arch_sweep.ArchitectureTimeout:
-                raise
-            except Exception as error:
-                row.tokens = f"CRASH: {arch_sweep._short(error)}"
-                return row
-            row.tokens = "same" if same else "DIFFERS"
-            row.graphs = f"{graphs[0]}" + (f" +{graphs[1] - graphs[0]}" if graphs[1] > graphs[0] else "")
-            row.compiled = f"{counter.calls} of {2 * len(prompts) * NEW_TOKENS}"
-            row.layers = "ring" if rings else "upstream"
-    except arch_sweep.ArchitectureTimeout as error:
+    def timed_out(error):
         row.tokens = row.tokens or f"timeout ({error})"
-    finally:
-        row.seconds = time.perf_counter() - start
+
+    with arch_sweep.timed_row(row, timeout, timed_out):
+        try:
+            expected = [model.generate(p, **fields) for p in prompts]
+        except arch_sweep.ArchitectureTimeout:
+            raise
+        except Exception as error:
+            row.tokens = f"upstream fails: {arch_sweep._short(error)}"
+            return row
+        counter = GraphCounter()
+        model.compile(backend=counter, dynamic=False)
+        config = GenerationConfig(cache_implementation="static", prefill_buckets="pow2", **fields)
+        rings = []
+        opened = ring.SlidingWindowRing.open
+
+        def recording(layer):
+            rings.append(layer)
+            opened(layer)
+
+        same, graphs = True, []
+        try:
+            with mock.patch.object(ring.SlidingWindowRing, "open", recording):
+                for _ in range(2):
+                    for prompt, tokens in zip(prompts, expected):
+                        same &= torch.equal(prefill_buckets.generate(model, prompt, generation_config=config), tokens)
+                    graphs.append(counter.graphs)
+        except arch_sweep.ArchitectureTimeout:
+            raise
+        except Exception as error:
+            row.tokens = f"CRASH: {arch_sweep._short(error)}"
+            return row
+        row.tokens = "same" if same else "DIFFERS"
+        row.graphs = f"{graphs[0]}" + (f" +{graphs[1] - graphs[0]}" if graphs[1] > graphs[0] else "")
+        row.compiled = f"{counter.calls} of {2 * len(prompts) * NEW_TOKENS}"
+        row.layers = "ring" if rings else "upstream"
     return row
 
 
@@ -203,11 +197,7 @@ def markdown_table(rows: list[SlidingRow]) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--only", nargs="+", help="model types to run (default: all of the causal-LM mapping)")
-    parser.add_argument("--timeout", type=float, default=120.0, help="seconds per architecture")
-    parser.add_argument("--write", help="also write the markdown table to this file")
-    args = parser.parse_args(argv)
+    args = arch_sweep.sweep_arguments(__doc__.split("\n")[0], argv)
 
     import torch
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES

@@ -145,26 +145,31 @@ class BenchQuickTest(unittest.TestCase):
             self.assertEqual(call["forwards"], report["max_new_tokens"])
 
 
+def tiny_workload(lengths):
+    """A saved tiny Llama and a workload of one random prompt per length: `(tmp dir, model dir, path, workload)`."""
+    tmp = tempfile.TemporaryDirectory()
+    model_dir = os.path.join(tmp.name, "tiny")
+    tiny_llama().save_pretrained(model_dir)
+    workload_path = os.path.join(tmp.name, "workload.json")
+    workload = [
+        {
+            "name": f"p{n}",
+            "length": n,
+            "ids": torch.randint(3, 128, (n,), generator=torch.Generator().manual_seed(n)).tolist(),
+        }
+        for n in lengths
+    ]
+    Path(workload_path).write_text(json.dumps(workload))
+    return tmp, model_dir, workload_path, workload
+
+
 class BenchBatchedTest(unittest.TestCase):
     """The batch and continuous-batching strategies' worker, in this process, on the tiny model without compiling."""
 
     @classmethod
     def setUpClass(cls):
-        cls.tmp = tempfile.TemporaryDirectory()
-        cls.model_dir = os.path.join(cls.tmp.name, "tiny")
-        tiny_llama().save_pretrained(cls.model_dir)
-        cls.workload_path = os.path.join(cls.tmp.name, "workload.json")
         # Lengths across pages of the paged cache (256 tokens) and across pow2 buckets.
-        workload = [
-            {
-                "name": f"p{n}",
-                "length": n,
-                "ids": torch.randint(3, 128, (n,), generator=torch.Generator().manual_seed(n)).tolist(),
-            }
-            for n in (5, 300, 40, 17)
-        ]
-        Path(cls.workload_path).write_text(json.dumps(workload))
-        cls.workload = workload
+        cls.tmp, cls.model_dir, cls.workload_path, cls.workload = tiny_workload((5, 300, 40, 17))
 
     @classmethod
     def tearDownClass(cls):

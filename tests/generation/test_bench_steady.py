@@ -9,12 +9,11 @@ import unittest
 from pathlib import Path
 from unittest import mock
 
-import torch
-
 from prefill_buckets import benchmark as bench
 from prefill_buckets.benchmark import command, sliding, worker
 from prefill_buckets.benchmark.report import payback_calls
-from prefill_buckets.testing_utils import tiny_llama
+
+from .test_bench_cli import _bench_parser, tiny_workload
 
 
 def record(total: float, second: float, calls: int = 4) -> dict:
@@ -42,19 +41,7 @@ class PaybackTest(unittest.TestCase):
 class WorkerSecondPassTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
-        cls.tmp = tempfile.TemporaryDirectory()
-        cls.model_dir = os.path.join(cls.tmp.name, "tiny")
-        tiny_llama().save_pretrained(cls.model_dir)
-        cls.workload_path = os.path.join(cls.tmp.name, "workload.json")
-        workload = [
-            {
-                "name": f"p{n}",
-                "length": n,
-                "ids": torch.randint(3, 128, (n,), generator=torch.Generator().manual_seed(n)).tolist(),
-            }
-            for n in (5, 40, 17)
-        ]
-        Path(cls.workload_path).write_text(json.dumps(workload))
+        cls.tmp, cls.model_dir, cls.workload_path, _ = tiny_workload((5, 40, 17))
 
     @classmethod
     def tearDownClass(cls):
@@ -136,14 +123,6 @@ class SlidingPairTest(unittest.TestCase):
         self.assertEqual(config["layer_types"], ["sliding_attention", "full_attention"])
         self.assertEqual(config["sliding_window"], sliding.SLIDING_WINDOW)
         self.assertEqual(config["vocab_size"], 704)  # holds id 700, rounded up to 64
-
-
-def _bench_parser():
-    import argparse
-
-    parser = argparse.ArgumentParser()
-    bench.add_arguments(parser)
-    return parser
 
 
 if __name__ == "__main__":

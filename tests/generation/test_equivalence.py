@@ -32,7 +32,7 @@ from transformers.utils import logging as transformers_logging
 import prefill_buckets
 from prefill_buckets.call.hooks import HOOKS
 
-from .tiny_models import CACHE
+from .tiny_models import CACHE, single_thread_module
 
 
 package_logger = transformers_logging.get_logger("prefill_buckets")  # every module of the package logs under it
@@ -87,18 +87,7 @@ MODEL_SPECS = {
 }
 
 
-_THREADS = {}
-
-
-def setUpModule():
-    # The models are tiny: one thread computes them as fast as two, and on a loaded machine the second thread's
-    # busy-waiting costs more than it brings. Restored for the other test modules.
-    _THREADS["before"] = torch.get_num_threads()
-    torch.set_num_threads(1)
-
-
-def tearDownModule():
-    torch.set_num_threads(_THREADS.pop("before"))
+setUpModule, tearDownModule = single_thread_module()
 
 
 @functools.cache

@@ -48,7 +48,7 @@ from prefill_buckets.call.ring import SlidingWindowRing
 from prefill_buckets.compilation import GraphCounter
 from prefill_buckets.state import state_of
 
-from .tiny_models import CACHE
+from .tiny_models import CACHE, assert_same_generation, single_thread_module, static_config
 
 
 WINDOW = 16  # the sliding window (Llama 4: the attention chunk)
@@ -80,18 +80,7 @@ MODELS = {
 # RUN_SLOW=1.
 FAST_MODELS = ("gemma3", "llama4")
 _upstream_static = {}
-_THREADS = {}
-
-
-def setUpModule():
-    # Tiny models: one thread computes them as fast as two, and on a loaded machine the second one's busy-waiting
-    # costs more than it brings. Restored for the other test modules.
-    _THREADS["before"] = torch.get_num_threads()
-    torch.set_num_threads(1)
-
-
-def tearDownModule():
-    torch.set_num_threads(_THREADS.pop("before"))
+setUpModule, tearDownModule = single_thread_module()
 
 
 def make(name: str):
@@ -145,10 +134,7 @@ class RingEquivalenceTest(unittest.TestCase):
         return self.models[name]
 
     def assert_upstream(self, ours, theirs, scores=True):
-        torch.testing.assert_close(ours.sequences, theirs.sequences, rtol=0, atol=0)
-        if scores:
-            finite = torch.isfinite(theirs.scores[0])
-            torch.testing.assert_close(ours.scores[0][finite], theirs.scores[0][finite], rtol=1e-5, atol=1e-5)
+        assert_same_generation(ours, theirs, scores)
 
     def bucketed(self, model, prompt, generation_config=None, **fields):
         layers = []
@@ -334,13 +320,7 @@ class RingGraphTest(unittest.TestCase):
     @parameterized.expand([("gemma3",), ("llama4",)])
     def test_precompile_counts_the_graphs(self, name):
         model, counter = self.compiled(name)
-        generation_config = GenerationConfig(
-            cache_implementation="static",
-            max_new_tokens=NEW_TOKENS,
-            min_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            prefill_buckets="pow2",
-        )
+        generation_config = static_config(NEW_TOKENS, prefill_buckets="pow2")
         compiled = prefill_buckets.precompile(model, generation_config, max_prompt_length=WINDOW, progress=False)
         self.assertEqual(sum(shape.graphs for shape in compiled), counter.graphs)
         self.assertEqual(state_of(model).budget.graphs, counter.graphs)

@@ -34,7 +34,7 @@ from prefill_buckets.call import windows
 from prefill_buckets.call.cache import DEFAULT_CACHE_SLOTS, MAX_UNASKED_SLOTS
 from prefill_buckets.compilation import GraphCounter
 
-from .tiny_models import CACHE, tiny_llama
+from .tiny_models import CACHE, assert_same_generation, static_config, tiny_llama
 
 
 NEW_TOKENS = 8
@@ -135,10 +135,7 @@ class WindowEquivalenceTest(unittest.TestCase):
         return self.models[name]
 
     def assert_upstream(self, ours, theirs, scores=True):
-        torch.testing.assert_close(ours.sequences, theirs.sequences, rtol=0, atol=0)
-        if scores:
-            finite = torch.isfinite(theirs.scores[0])
-            torch.testing.assert_close(ours.scores[0][finite], theirs.scores[0][finite], rtol=1e-5, atol=1e-5)
+        assert_same_generation(ours, theirs, scores)
 
     @parameterized.expand([(name, side) for name in MODELS for side in ("left", "right")])
     def test_prompt_short_of_a_window(self, name, side):
@@ -335,14 +332,7 @@ class PrecompileWindowsTest(unittest.TestCase):
         model = tiny_llama(max_position_embeddings=2048)
         counter = GraphCounter()
         model.compile(backend=counter, dynamic=False, fullgraph=True)
-        generation_config = GenerationConfig(
-            cache_implementation="static",
-            max_new_tokens=NEW_TOKENS,
-            min_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            prefill_buckets="pow2",
-            prefill_padding_side=side,
-        )
+        generation_config = static_config(NEW_TOKENS, prefill_buckets="pow2", prefill_padding_side=side)
         prefill_buckets.precompile(
             model, generation_config, max_prompt_length=1000, min_prompt_length=100, progress=False
         )
