@@ -109,7 +109,7 @@ class CacheRecordTest(unittest.TestCase):
         prompt = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(1))  # bucket 16 + 3 > 16
         ours = prefill_buckets.generate(model, prompt, generation_config=config, **{CACHE: cache}, **fields)
         theirs = model.generate(
-            prompt, generation_config=config, cache=StaticCache(config=model.config, max_cache_len=16)
+            prompt, generation_config=config, **{CACHE: StaticCache(config=model.config, max_cache_len=16)}
         )
         self.assertEqual(ours.tolist(), theirs.tolist())
 
