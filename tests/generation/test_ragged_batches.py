@@ -23,6 +23,7 @@ from .test_right_padding import (
     CompiledLlamaTestCase,
     SideSpy,
     config,
+    first_right_turn,
     run,
     run_bucketed,
     sdpa_recording_backend,
@@ -232,12 +233,7 @@ class RaggedContinuationTest(unittest.TestCase):
     def test_ragged_rows_continuing_an_unpadded_cache(self):
         # Equal rows right-padded first (an unpadded cache), then a turn whose rows differ: a mask is needed, so left,
         # which can't pad in front of an unpadded cache: the call runs unpadded, exactly.
-        first_config = config(max_cache_len=96, output_scores=False, output_logits=False)
-        later_config = config(cache_implementation=None, output_scores=False, output_logits=False)
-        first = random_ids(2, 9, seed=1)
-        ours = run_bucketed(self.model, first, first_config, prefill_buckets=BUCKETS)
-        theirs = run(self.model, first, first_config)
-        self.assertEqual(self.spy.last(), "right")
+        ours, theirs, later_config = first_right_turn(self, rows=2)
         user = random_ids(2, 4, seed=3)
         sequences = torch.cat([ours.sequences, user], dim=1)
         mask = torch.ones_like(sequences)

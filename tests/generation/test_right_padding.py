@@ -97,6 +97,20 @@ def run_bucketed(model, input_ids, generation_config, seed=11, **kwargs):
     return prefill_buckets.generate(model, input_ids, generation_config=generation_config, **kwargs)
 
 
+def first_right_turn(test, rows: int):
+    """
+    The first turn of a conversation, `rows` rows of 9 tokens right-padded into a 96-slot cache (the side checked), and
+    upstream's; with the config of the later turns. `test` has `model` and `spy`.
+    """
+    first_config = config(max_cache_len=96, output_scores=False, output_logits=False)
+    later_config = config(cache_implementation=None, output_scores=False, output_logits=False)
+    first = random_ids(rows, 9, seed=1)
+    ours = run_bucketed(test.model, first, first_config, prefill_buckets=BUCKETS)
+    theirs = run(test.model, first, first_config)
+    test.assertEqual(test.spy.last(), "right")
+    return ours, theirs, later_config
+
+
 class RightPaddingEquivalenceTest(unittest.TestCase):
     def setUp(self):
         self.spy = SideSpy(self)
@@ -243,12 +257,7 @@ class SideTest(unittest.TestCase):
         self.check("right", random_ids(3, 6), config(), fields={"prefill_batch_buckets": [4]})
 
     def test_continued_conversation(self):
-        generation_config = config(max_cache_len=96, output_scores=False, output_logits=False)
-        later_config = config(cache_implementation=None, output_scores=False, output_logits=False)
-        first = random_ids(1, 9, seed=1)
-        ours = run_bucketed(self.model, first, generation_config, prefill_buckets=BUCKETS)
-        theirs = run(self.model, first, generation_config)
-        self.assertEqual(self.spy.last(), "right")
+        ours, theirs, later_config = first_right_turn(self, rows=1)
         for turn in range(2):
             user = random_ids(1, 5 + turn, seed=turn + 2)
             ours = run_bucketed(
