@@ -14,7 +14,6 @@ from transformers.testing_utils import CaptureLogger
 from transformers.utils import logging as transformers_logging
 
 import prefill_buckets
-from prefill_buckets import _compat
 from prefill_buckets.compilation import GraphCounter
 
 from .test_all_outputs import assert_same
@@ -27,6 +26,7 @@ from .test_right_padding import (
     run,
     run_bucketed,
     sdpa_recording_backend,
+    skip_unless_sdpa_skips_while_compiling,
 )
 from .tiny_models import CACHE
 
@@ -265,10 +265,7 @@ class RaggedGraphsTest(CompiledLlamaTestCase):
         self.assertEqual(counter.graphs, 4, counter.shapes)
         self.assertEqual(counter.calls, len(mixes) * generation_config.max_new_tokens)  # every forward compiled
 
-    @unittest.skipIf(
-        _compat.TRANSFORMERS_VERSION.release < (5, 24),
-        "transformers 5.17 never skips the SDPA mask while compiling (`is_tracing`): upstream's exact prefill is masked too",
-    )
+    @skip_unless_sdpa_skips_while_compiling
     def test_prefill_runs_causal_sdpa_without_a_mask(self):
         backend, sdpa_calls = sdpa_recording_backend()
         model = self.compiled_llama(backend)

@@ -97,6 +97,13 @@ def run_bucketed(model, input_ids, generation_config, seed=11, **kwargs):
     return prefill_buckets.generate(model, input_ids, generation_config=generation_config, **kwargs)
 
 
+# The mask-free prefill tests: on transformers < 5.24 upstream's own exact prefill is masked while compiling.
+skip_unless_sdpa_skips_while_compiling = unittest.skipIf(
+    _compat.TRANSFORMERS_VERSION.release < (5, 24),
+    "transformers 5.17 never skips the SDPA mask while compiling (`is_tracing`): upstream's exact prefill is masked too",
+)
+
+
 def first_right_turn(test, rows: int):
     """
     The first turn of a conversation, `rows` rows of 9 tokens right-padded into a 96-slot cache (the side checked), and
@@ -379,10 +386,7 @@ class RightPaddingGraphsTest(CompiledLlamaTestCase):
         self.assertEqual(counter.graphs, 3, counter.shapes)
         self.assertEqual(sorted(shapes[0] for shapes in counter.shapes), [(2, 1), (2, 16), (2, 16)])
 
-    @unittest.skipIf(
-        _compat.TRANSFORMERS_VERSION.release < (5, 24),
-        "transformers 5.17 never skips the SDPA mask while compiling (`is_tracing`): upstream's exact prefill is masked too",
-    )
+    @skip_unless_sdpa_skips_while_compiling
     def test_prefill_runs_causal_sdpa_without_a_mask(self):
         backend, sdpa_calls = sdpa_recording_backend()
         model = self.compiled_llama(backend)
