@@ -38,8 +38,8 @@ def aot_forward(model, backend: str = "inductor", options: dict | None = None) -
     Each new input shape is compiled on its first call (`torch.compile(..., fullgraph=True, dynamic=False)`, through
     `aot_compile`), so [`precompile`] compiles every bucket's graphs up front as with the other ways to compile. A
     call is dispatched by its key, then to the graph whose guards it passes. The key holds the input shapes and
-    dtypes, and the functions set on the instance of an object input, by qualified name: a fresh cache of a
-    right-padded prefill and a continued conversation's cache run different graphs. The guards check the tensors
+    dtypes, the attention window each cache layer reads, and the functions set on the instance of an object input, by
+    qualified name: a fresh cache of a right-padded prefill and a continued conversation's cache run different graphs. The guards check the tensors
     (inputs, cache and parameters: shape, dtype, device, strides), the Python values among the inputs and the model's
     attributes, and torch's global state (grad mode, default dtype, ...). They don't check the identity of Python
     objects, module globals or closures, which can't be saved; instead, the graphs are only reused for a model with

@@ -12,7 +12,9 @@ two kinds:
   sets `get_query_offset` on the cache instance (`_compat.reports_empty`), and the graph traced with it takes the query
   offset to be 0, where a continued conversation's graph reads it from the cache.
 
-`DispatchKey` holds that state: the functions set on each object argument's instance (the cache), by qualified name.
+`DispatchKey` holds that state: the functions set on each object argument's instance (the cache), by qualified name,
+and the attention window each of its layers reads (a saved value guard checks it too; the key names it so that a
+file's graphs of one input shape are found by their window).
 A call is dispatched to the graphs of its key first, then to one whose saved guards it passes. `uncovered` audits
 each new graph: a dropped guard on a state the key doesn't name means that the graph can't be told apart from another
 one's, and `AOTForward` runs the calls of that key eagerly (with a warning) rather than reuse or save it.
@@ -27,6 +29,7 @@ What the package sets on instances while a bucketed call runs, and how each is c
 |---|---|---|---|
 | the cache | `get_query_offset`, for a fresh cache's right-padded prefill | yes: an identity guard, dropped | the key |
 | the cache | `_prefill_buckets_record` (`cache.CacheRecord`) | no | - |
+| a cache layer | `window` (full-attention layers, `call/windows.py`) | yes: a value guard, saved | the key and the guards |
 | a cache layer | `cumulative_length` (a tensor, written in place) | yes, as data: no guard | - |
 | a cache layer | `overflow` (sliding-window rings, `ring.py`) | only a forward that builds its mask (a right-padded prefill, where it is 0): a value guard, saved | the guards |
 | the model | the hooks (`hook_registry.HOOKS`), `forward`, `_prefill_buckets_state` | no | - |
@@ -42,6 +45,8 @@ import sys
 import types
 
 import torch
+
+from .call.windows import has_windows, windows_read
 
 
 # Where a name of a guard is on the code, not on the state of an input (torch's guard names are Python expressions):
@@ -79,6 +84,10 @@ class DispatchKey:
     # Per object argument (the cache): `(name, attribute, qualified name)` of each function set on its instance. A
     # fresh cache of a right-padded prefill has one (`_compat.reports_empty`), a continued one none.
     instance_functions: tuple
+    # Per cache argument whose layers read attention windows (`call/windows.py`): `(name, window of each layer)`. Two
+    # decode steps of one shape in different windows are two graphs; their saved guards tell them apart too, but the
+    # key names the window, so a file's graphs are found by it.
+    windows: tuple = ()
 
     def text(self) -> str:
         """The key as saved in a compile cache file, and looked up by."""
@@ -94,7 +103,7 @@ class DispatchKey:
 def dispatch_key(args: tuple, kwargs: dict) -> DispatchKey:
     """The `DispatchKey` of a forward's call: its positional arguments (the model excluded) and keyword arguments."""
     arguments = [(str(index), value) for index, value in enumerate(args)] + sorted(kwargs.items())
-    inputs, functions = [], []
+    inputs, functions, windows = [], [], []
     for name, value in arguments:
         if isinstance(value, torch.Tensor):
             inputs.append((name, tuple(value.shape), str(value.dtype)))
@@ -104,7 +113,9 @@ def dispatch_key(args: tuple, kwargs: dict) -> DispatchKey:
             for attribute, member in sorted(getattr(value, "__dict__", {}).items()):
                 if isinstance(member, _FUNCTIONS):
                     functions.append((name, attribute, qualified_name(member)))
-    return DispatchKey(inputs=tuple(inputs), instance_functions=tuple(functions))
+            if isinstance(getattr(value, "layers", None), list) and has_windows(value):
+                windows.append((name, windows_read(value)))
+    return DispatchKey(inputs=tuple(inputs), instance_functions=tuple(functions), windows=tuple(windows))
 
 
 def qualified_name(function) -> str:

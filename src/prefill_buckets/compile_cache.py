@@ -25,8 +25,8 @@ logger = logging.get_logger(__name__)
 # `save_compile_cache` writes a zip archive: a manifest, torch's cache artifacts, the C++ kernels under `_KERNELS` at
 # their paths relative to inductor's cache directory, and the graphs of `aot_forward`s under `_FORWARDS`.
 # 1: no transformers or Python version in the manifest; 2: compiled forwards keyed by their input shapes alone, which
-# don't tell a fresh cache's graph from a continued one's (`aot_key.py`).
-_ARCHIVE_FORMAT = 3
+# don't tell a fresh cache's graph from a continued one's (`aot_key.py`); 3: keys without the attention windows.
+_ARCHIVE_FORMAT = 4
 _MANIFEST = "manifest.json"
 _ARTIFACTS = "torch_cache_artifacts.bin"
 _KERNELS = "inductor_kernels/"

@@ -21,7 +21,7 @@ from transformers.testing_utils import CaptureLogger
 from transformers.utils import logging
 
 import prefill_buckets
-from prefill_buckets import aot_compiled
+from prefill_buckets import aot_compiled, compile_cache
 
 
 ARTIFACTS = b"\x95bu\xf6 torch cache artifacts"
@@ -291,7 +291,8 @@ class BadFileTest(unittest.TestCase):
         self.assert_refused("its manifest.json is not a JSON object")
 
     def test_unknown_format_version(self):
-        for version in (1, 2, 4, None):
+        current = compile_cache._ARCHIVE_FORMAT
+        for version in (*range(1, current), current + 1, None):  # every earlier format, the next one, none
             with self.subTest(version=version):
                 self.rewrite(manifest={"format": version})
                 self.assert_refused(f"it has compile cache format {version!r}, and this version of prefill_buckets")

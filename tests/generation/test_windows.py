@@ -10,6 +10,7 @@
 #   window's graphs serve every prompt length of its bucket.
 # - Memory: on that config the default cache holds at most 16,384 slots, never the model's whole context.
 
+import json
 import random
 import unittest
 
@@ -351,9 +352,8 @@ class AOTForwardWindowsTest(unittest.TestCase):
         self.addCleanup(torch._dynamo.reset)
 
     def test_graphs_of_one_shape_are_told_apart_by_their_window(self):
-        # Decode after 20 tokens (bucket 32) reads 256 slots, after 253 (bucket 256) 512: the same input shapes, so
-        # the same input key; each graph's guards on the window pick the right one.
-        # TODO(aot key): once `aot_compiled`'s dispatch key is an explicit structure, put the window in it.
+        # Decode after 20 tokens (bucket 32) reads 256 slots, after 253 (bucket 256) 512: the same input shapes, told
+        # apart by the window in their dispatch key (and by their saved guards).
         reference = tiny_llama(max_position_embeddings=1024)
         model = tiny_llama(max_position_embeddings=1024)
         model.forward = prefill_buckets.aot_forward(model, backend="aot_eager")
@@ -370,3 +370,7 @@ class AOTForwardWindowsTest(unittest.TestCase):
             torch.testing.assert_close(ours.sequences, expected.sequences, rtol=0, atol=0)
         # Prefill 32 (window 256) and 256 (window 256), decode in windows 256 and 512.
         self.assertEqual(model.forward.graphs_compiled, 4)
+        keys = [json.loads(key) for key in model.forward.functions]
+        self.assertEqual(len(keys), 4, "each graph has a dispatch key of its own")
+        windows_in_keys = sorted({window for key in keys for _, layers in key["windows"] for window in layers})
+        self.assertEqual(windows_in_keys, [256, 512])

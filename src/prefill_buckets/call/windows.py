@@ -145,6 +145,11 @@ def open_windows(cache, attention: str | None = "sdpa") -> bool:
     return bool(layers or rings)
 
 
+def windows_read(cache) -> tuple:
+    """The window each layer of `cache` reads now (`None`: every slot, or a layer without windows), layer by layer."""
+    return tuple(layer.window if type(layer) is WindowedStaticLayer else None for layer in cache.layers)
+
+
 def has_windows(cache) -> bool:
     """Whether `cache` has windowed full-attention layers: then a forward's graph depends on the window it reads."""
     return cache is not None and any(type(layer) is WindowedStaticLayer for layer in cache.layers)
