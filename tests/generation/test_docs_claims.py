@@ -22,6 +22,7 @@ from prefill_buckets.testing_utils import tiny_llama
 REPO = Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs" / "source" / "en"
 GUIDE = DOCS / "llm_optims.md"
+REFERENCE = DOCS / "reference.md"  # What runs exactly: the padding-side rule, case by case
 API_CONFIG = DOCS / "api" / "config.md"
 NUMBER_WORDS = {2: "two", 3: "three", 4: "four", 5: "five", 6: "six"}
 
@@ -169,7 +170,7 @@ class CacheLengthClaimsTest(unittest.TestCase):
 
 
 def padding_side_table(text: str) -> dict[str, str]:
-    """`{case: side}` of the guide's padding-side table (`| case | side | why |`)."""
+    """`{case: side}` of the reference page's padding-side table (`| case | side | why |`)."""
     rows = re.findall(r"^\| (.+?) \| (left|right) \| .+\|$", text, re.MULTILINE)
     return {normalized(case): side for case, side in rows}
 
@@ -208,7 +209,7 @@ def observed_side(model, input_ids, attention_mask, **kwargs) -> str:
 class PaddingSideClaimsTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
-        cls.table = padding_side_table(section(GUIDE, "Padding side"))
+        cls.table = padding_side_table(section(REFERENCE, "Padding side"))
         cls.model = tiny_llama()
 
     def prompt(self, rows=1, length=10):
@@ -217,7 +218,7 @@ class PaddingSideClaimsTest(unittest.TestCase):
 
     def check(self, case_opening: str, observed: str):
         self.assertEqual(
-            side_named(self.table, case_opening), observed, f"the guide's padding side for {case_opening!r}"
+            side_named(self.table, case_opening), observed, f"the reference page's padding side for {case_opening!r}"
         )
 
     def test_one_row_static_cache(self):

@@ -1,5 +1,5 @@
 # The padding-side rule is data (`padding_side.RULE`): the function works from it, the module docstring's table is made
-# from it, and the guide's table must show it, case by case, in the order the rule checks them.
+# from it, and the table of the docs' What runs exactly page must show it, case by case, in the order the rule checks them.
 
 import re
 import unittest
@@ -9,7 +9,7 @@ from prefill_buckets.call import padding_side
 from prefill_buckets.call.padding_side import RULE, rule_table
 
 
-GUIDE = Path(__file__).resolve().parents[2] / "docs" / "source" / "en" / "llm_optims.md"
+REFERENCE = Path(__file__).resolve().parents[2] / "docs" / "source" / "en" / "reference.md"  # What runs exactly
 
 
 def table_rows(text: str) -> list[tuple[str, str, str]]:
@@ -30,9 +30,9 @@ def rule_block(rows: list[tuple[str, str, str]]) -> list[tuple[str, str, str]]:
 class PaddingRuleTablesTest(unittest.TestCase):
     expected = [(case.case, case.side, case.why) for case in RULE]
 
-    def test_guide_shows_the_rule(self):
-        shown = rule_block(table_rows(GUIDE.read_text(encoding="utf-8")))
-        self.assertEqual(shown, self.expected, "the guide's padding-side table is `padding_side.RULE`'s")
+    def test_reference_page_shows_the_rule(self):
+        shown = rule_block(table_rows(REFERENCE.read_text(encoding="utf-8")))
+        self.assertEqual(shown, self.expected, "the reference page's padding-side table is `padding_side.RULE`'s")
 
     def test_docstring_shows_the_rule(self):
         self.assertIn(rule_table(), padding_side.__doc__)
@@ -45,8 +45,8 @@ class PaddingRuleTablesTest(unittest.TestCase):
         self.assertTrue(RULE[-1].condition(None))
 
     def test_positive_control(self):
-        # A guide whose table lost a case, or swapped two, or changed a side, does not show the rule.
-        text = GUIDE.read_text(encoding="utf-8")
+        # A page whose table lost a case, or swapped two, or changed a side, does not show the rule.
+        text = REFERENCE.read_text(encoding="utf-8")
         rows = [f"| {case} | {side} | {why} |" for case, side, why in self.expected]
         for broken in (
             text.replace(rows[3] + "\n", ""),

@@ -8,7 +8,8 @@ own end, and decode masks each row's pad slots (`prefill_right.py`). That is exa
 the pads and each row's positions follow its tokens. Where it is not, the call is left-padded (masked), as before.
 
 The rule is data: `RULE`, its cases in the order they are checked, the first that applies deciding. This table is
-made from it (`rule_table`), and the guide shows the same one (a test checks it):
+made from it (`rule_table`), and the docs' What runs exactly page (`reference.md`) shows the same one (a test
+checks it):
 
 {rule_table}
 
@@ -159,7 +160,7 @@ class Case:
 
 
 # The rule, in the order its cases are checked: the first that applies decides. The module docstring's table is made
-# from it, and `tests/generation/test_padding_rule.py` checks the guide's.
+# from it, and `tests/generation/test_padding_rule.py` checks the docs' page's.
 RULE = (
     Case(
         f'`{PREFILL_PADDING_SIDE}="left"`',
@@ -333,7 +334,7 @@ RULE = (
 
 
 def rule_table() -> str:
-    """`RULE` as a markdown table, `| case | side | why |`, as the module docstring and the guide show it."""
+    """`RULE` as a markdown table, `| case | side | why |`, as the module docstring and the docs show it."""
     rows = [f"| {case.case} | {case.side} | {case.why} |" for case in RULE]
     return "\n".join(["| case | side | why |", "| --- | --- | --- |", *rows])
 
