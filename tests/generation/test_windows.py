@@ -256,7 +256,11 @@ class LongContextGraphTest(unittest.TestCase):
         return model, counter
 
     @parameterized.expand(
-        [("pow2", {"prefill_buckets": "pow2"}), ("multiple_256", {"prefill_pad_to_multiple_of": 256})]
+        [
+            ("pow2", {"prefill_buckets": "pow2"}),
+            ("pow2_quarters", {"prefill_buckets": "pow2-quarters"}),
+            ("multiple_256", {"prefill_pad_to_multiple_of": 256}),
+        ]
     )
     def test_buckets_plus_windows_plus_two(self, _, fields):
         lengths = random.Random(0).sample(range(10, 4097), 12)
@@ -272,6 +276,26 @@ class LongContextGraphTest(unittest.TestCase):
         for n in lengths:
             used |= windows.windows_between(policy.bucket(n), policy.bucket(n) + NEW_TOKENS - 1, slots)
         self.assertLessEqual(counter.graphs, len(buckets) + len(used) + 2, counter.shapes)
+
+    def test_a_window_predicted_but_not_read_is_counted_when_read(self):
+        # The benchmark's prompts in its shuffled order, right-padded to "pow2-quarters" buckets, 24 new tokens. A call
+        # predicts every window its tokens could reach (842 tokens: 256 to 1024) and reads the last one only; torch
+        # holds 7 graphs after 4 calls when the 523-token call (bucket 640) reads the window 768 for the first time: a
+        # prefill graph and a decode graph more than the limit of 8. Counted as held since the 842-token call, the
+        # window went uncounted, the limit stayed at 8, and torch ran the rest of the workload's new shapes eagerly.
+        lengths = [267, 842, 367, 69, 523, 10, 219, 131, 953, 19, 38, 699, 871, 584, 636, 145]
+        model, counter = tiny_llama(max_position_embeddings=8192), GraphCounter()
+        model.compile(backend=counter, dynamic=False, fullgraph=True)
+        generation_config = GenerationConfig(
+            cache_implementation="static", max_new_tokens=24, min_new_tokens=24, do_sample=False
+        )
+        for length in lengths:
+            calls_before = counter.calls
+            prefill_buckets.generate(
+                model, ids(1, length), generation_config=generation_config, prefill_buckets="pow2-quarters"
+            )
+            self.assertEqual(counter.calls - calls_before, 24, f"a forward of the {length}-token call ran eagerly")
+        self.assertGreater(counter.graphs, 8)  # the positive control: past torch's default limit
 
     def test_chunked(self):
         # Every chunk has one length (256); a chunk graph per window the chunks reach and a decode graph per window

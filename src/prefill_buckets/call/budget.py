@@ -38,6 +38,8 @@ class CallGraphs:
 
     held_before: int
     new_shapes: list[str]  # the shapes of the graphs the model had not compiled yet, in words
+    rows: int = 1
+    cache_length: int = -1
 
 
 class GraphBudget:
@@ -49,6 +51,11 @@ class GraphBudget:
     cache length, window)`, where rows are `batch * max(num_beams, num_return_sequences)` and the window is the slots
     the forward reads (`windows.py`; `None` where the cache has no windowed layers). A 1-token prefill is a decode
     step: the decode graph. Sliding-window layers add no shape (`ring.py`: their graphs depend on none of these).
+
+    A call's prefill shapes are recorded when it is accounted for: prefill runs. Its decode windows are recorded once
+    it has run, those its decode steps read (`reached`): a call predicts every window its new tokens could reach, and
+    one that stops at eos reads fewer. A window predicted but not read is predicted again by the call that reads it,
+    and counted then; recorded at the prediction, it would count as held while torch holds no graph for it.
     """
 
     def __init__(self):
@@ -66,8 +73,8 @@ class GraphBudget:
         self, rows: int, prefill_shapes, cache_length: int, side: str = "left", decode_windows=(None,)
     ) -> list[str]:
         """
-        Records one call's shapes: `prefill_shapes` holds a `(prompt length, window)` per prefill forward, and
-        `decode_windows` the windows its decode steps read. Returns the shapes not seen before, in words.
+        Records one call's prefill shapes, `(prompt length, window)` per prefill forward, and returns, in words, those
+        and the `decode_windows` its decode steps may read that no call has compiled yet (see `reached`).
         """
         new = []
         decode_windows = set(decode_windows)
@@ -81,9 +88,12 @@ class GraphBudget:
                 )
         for window in sorted(decode_windows, key=str):
             if (rows, cache_length, window) not in self.decode:
-                self.decode.add((rows, cache_length, window))
                 new.append(f"decode [{rows}, 1] with a {cache_length}-slot cache{_read(window)}")
         return new
+
+    def reached(self, rows: int, cache_length: int, decode_windows) -> None:
+        """Records the windows a call's decode steps read (`None`: a cache without windows): graphs torch now holds."""
+        self.decode.update((rows, cache_length, window) for window in decode_windows)
 
     def held_graphs(self, model) -> int:
         """
@@ -109,7 +119,7 @@ class GraphBudget:
             # or several, make room for each other's too.
             make_room(model, held + PROCESS.graphs_in_flight, len(new), "Bucketed calls")
             PROCESS.graphs_in_flight += len(new)
-        return CallGraphs(held_before=held, new_shapes=new)
+        return CallGraphs(held_before=held, new_shapes=new, rows=rows, cache_length=cache_length)
 
     def account_unbucketed(self, model, rows: int, prompt_length: int, cache_length: int) -> None:
         """
@@ -165,8 +175,8 @@ def make_room(model, held: int, graphs: int, who: str) -> None:
                 "per batch size), use fewer buckets, or call `prefill_buckets.precompile` to compile them all up front."
             )
             PROCESS.raised_recompile_limit = (user_limit, raised)
-        # While calls run, the limit is the highest it was raised to: graphs an earlier call expected but did not reach
-        # (a window its decode steps stopped short of) are the shapes a later call compiles, already counted.
+        # While calls run, the limit is the highest it was raised to: a call doesn't lower it under graphs another
+        # call counted on.
         if raised > limit:
             _save_user_recompile_limits()
             PROCESS.recompile_limit_set = raised
@@ -185,16 +195,18 @@ def make_room(model, held: int, graphs: int, who: str) -> None:
             _compat.set_accumulated_recompile_limit(PROCESS.raised_accumulated_limit)
 
 
-def check_compiled(model, expected: CallGraphs | None, limit: int | None = None) -> None:
+def check_compiled(model, expected: CallGraphs | None, limit: int | None = None, decode_windows_read=()) -> None:
     """
-    Ends a bucketed call's accounting (`GraphBudget.account`), and warns when torch may have run forwards of the call
-    eagerly: its forward's code objects are at the recompile limit, with other graphs than the call expected to add
-    (torch refused some, or the call compiled graphs the budget did not predict, and the next will be refused).
+    Ends a bucketed call's accounting (`GraphBudget.account`): records the windows its decode steps read, and warns
+    when torch may have run forwards of the call eagerly: its forward's code objects are at the recompile limit, with
+    other graphs than the call expected to add (torch refused some, or the call compiled graphs the budget did not
+    predict, and the next will be refused).
     """
     if expected is None:
         return
     with _LIMIT_LOCK:
         PROCESS.graphs_in_flight -= len(expected.new_shapes)
+        budget_of(model).reached(expected.rows, expected.cache_length, decode_windows_read)
     held = _compat.forward_graphs(model)
     limit = recompile_limit() if limit is None else limit  # the call's own, once it has put the user's back
     if held >= limit and held != expected.held_before + len(expected.new_shapes):

@@ -115,7 +115,7 @@ def generate(model, *args, **kwargs):
             output = UPSTREAM_GENERATE(model, **call.arguments, **call.model_kwargs)
     finally:
         # Says so if torch ran some of the call's forwards eagerly, against the limit the call ran under.
-        check_compiled(model, plan.expected_graphs, plan.recompile_limit)
+        check_compiled(model, plan.expected_graphs, plan.recompile_limit, plan.decode_windows_read)
 
     # 7. Mark the cache, passed in or returned, for a call that continues from it.
     for cache in (passed_cache(call.model_kwargs), _returned_cache(output)):  # often one cache, twice: idempotent

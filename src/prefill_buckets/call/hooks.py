@@ -170,18 +170,19 @@ def _window_of(plan, tokens: int, cache_length: int) -> int | None:
 @hook("prepare_inputs_for_generation", reads=("input_ids", "attention_mask", "inputs_embeds"))
 def _prepare_inputs_for_generation(plan, step):
     input_ids = step["input_ids"]
+    tokens = sequence_length(input_ids, step.kwargs)  # what the cache holds after this forward
     if plan.right is not None:  # decode as upstream decodes an unpadded prompt: its graph is shared with those calls
         restore_recompile_limit(plan.recompile_limit)
         if plan.windowed_cache is not None:
-            set_window(plan.windowed_cache, sequence_length(input_ids, step.kwargs))
-        return step.call()
+            set_window(plan.windowed_cache, tokens)
+        model_inputs = step.call()
+        _note_decode_window(plan, model_inputs, tokens)
+        return model_inputs
     if step["attention_mask"] is None:
         # Upstream dropped an all-ones mask. Put it back, with the length upstream would have carried.
-        step["attention_mask"] = torch.ones(
-            input_ids.shape[0], sequence_length(input_ids, step.kwargs), dtype=torch.long, device=input_ids.device
-        )
+        step["attention_mask"] = torch.ones(input_ids.shape[0], tokens, dtype=torch.long, device=input_ids.device)
     if plan.windowed_cache is not None:  # before upstream builds the 4D mask, which reads the window's length
-        set_window(plan.windowed_cache, sequence_length(input_ids, step.kwargs))
+        set_window(plan.windowed_cache, tokens)
     restore_recompile_limit(plan.recompile_limit)
     token = _MATERIALIZE_SDPA_MASK.set(True)
     try:
@@ -197,6 +198,7 @@ def _prepare_inputs_for_generation(plan, step):
             " where that is exact, or unset the prefill bucket fields for this model."
         )
     _materialize_recurrent_masks(model_inputs, step["attention_mask"])
+    _note_decode_window(plan, model_inputs, tokens)
     # Chunked prefill slices per-token inputs out of the whole prompt's: views whose strides depend on the prompt
     # length, which a compiled forward guards on. Fresh copies give every chunk of every prompt one signature.
     for key in PER_TOKEN_KWARGS:
@@ -204,6 +206,18 @@ def _prepare_inputs_for_generation(plan, step):
         if isinstance(value, torch.Tensor) and value.ndim >= 2 and key != "attention_mask":
             model_inputs[key] = value.clone(memory_format=torch.contiguous_format)
     return model_inputs
+
+
+def _note_decode_window(plan, model_inputs: dict, tokens: int) -> None:
+    """
+    Notes the window a decode step (a 1-token forward) reads, for the budget (`check_compiled`): the windows calls
+    reach, not those they were predicted to reach (a call that stops at eos reads fewer).
+    """
+    new_tokens = model_inputs.get("input_ids")
+    if new_tokens is None:
+        new_tokens = model_inputs.get("inputs_embeds")
+    if isinstance(new_tokens, torch.Tensor) and new_tokens.ndim >= 2 and new_tokens.shape[1] == 1:
+        plan.decode_windows_read.add(_window_of(plan, tokens, plan.static_cache_length))
 
 
 def _materialize_recurrent_masks(model_inputs: dict, attention_mask) -> None:

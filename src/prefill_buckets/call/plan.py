@@ -3,7 +3,7 @@
 `inputs.plan_call` makes it; the hooks fill in what the call learns as it runs (its cache, its graphs).
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .settings import CallSettings
@@ -49,6 +49,8 @@ class Plan:
     expected_graphs: Any = None  # with a compiled forward: what the call expects to compile (`budget.CallGraphs`)
     static_cache_length: int | None = None  # slots of the call's static cache, once it is made
     windowed_cache: Any = None  # the static cache whose full-attention layers read windows (`windows.py`)
+    # The windows the call's decode steps (1-token forwards) read (`None`: a cache without windows), for the budget.
+    decode_windows_read: set = field(default_factory=set)
 
     @property
     def side(self) -> str:
