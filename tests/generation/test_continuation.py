@@ -1,14 +1,19 @@
 """Multi-turn chat: continuing from a cache that a bucketed call filled gives the tokens of an unpadded conversation."""
 
+import logging as std_logging
 import unittest
 
 import torch
 from parameterized import parameterized
 from transformers import CompileConfig, DynamicCache, GenerationConfig, StaticCache
+from transformers.testing_utils import CaptureLogger
+from transformers.utils import logging
 
 import prefill_buckets
+from prefill_buckets.compilation import GraphCounter
 from prefill_buckets.state import state_of
 
+from .test_compile_counts import make_model, make_prompt
 from .tiny_models import CACHE, tiny_llama
 
 
@@ -129,6 +134,81 @@ class ContinuationTest(unittest.TestCase):
             prefill_buckets.generate(
                 self.model, first.sequences, **{CACHE: first[CACHE]}, generation_config=config, prefill_buckets=[8]
             )
+
+
+class ConversationStaysBucketedTest(unittest.TestCase):
+    """
+    The guide's chat recipe, compiled: later turns set no bucket field and are bucketed by the policy the first turn
+    recorded with its cache. Every turn gives upstream's tokens, all its forwards run compiled, and it compiles at most
+    the graphs upstream compiles by then.
+    """
+
+    TURNS = 5
+    NEW_TOKENS = 4
+
+    def setUp(self):
+        torch._dynamo.reset()
+        self.addCleanup(torch._dynamo.reset)
+
+    def converse(self, bucketed: bool, side: str, later_fields: dict | None = None):
+        """Runs the conversation; returns each turn's sequences, graphs compiled so far and the package's warnings."""
+        torch._dynamo.reset()
+        model = make_model()
+        counter = GraphCounter()
+        model.compile(backend=counter, dynamic=False, fullgraph=True)
+        fields = {"prefill_buckets": [16, 64], "prefill_padding_side": side} if bucketed else {}
+        common = {"max_new_tokens": self.NEW_TOKENS, "min_new_tokens": self.NEW_TOKENS, "do_sample": False}
+        first = GenerationConfig(
+            cache_implementation="static", max_cache_len=256, return_dict_in_generate=True, **common, **fields
+        )
+        later = GenerationConfig(return_dict_in_generate=True, **common)
+
+        def generate(*args, **kwargs):
+            if not bucketed:
+                return model.generate(*args, **kwargs)
+            return prefill_buckets.generate(model, *args, **kwargs, **(later_fields or {}))
+
+        std_logging.Logger.warning_once.cache_clear()
+        sequences, graphs = [], []
+        with CaptureLogger(logging.get_logger("prefill_buckets")) as captured:
+            out = prefill_buckets.generate(model, make_prompt(9), generation_config=first) if bucketed else None
+            out = out if out is not None else model.generate(make_prompt(9), generation_config=first)
+            for turn in range(self.TURNS):
+                if turn:
+                    conversation = torch.cat([out.sequences, make_prompt(2 + turn, seed=turn)], dim=1)
+                    calls = counter.calls
+                    out = generate(
+                        conversation,
+                        attention_mask=torch.ones_like(conversation),
+                        **{CACHE: out[CACHE]},
+                        generation_config=later,
+                    )
+                    self.assertEqual(counter.calls - calls, self.NEW_TOKENS, f"turn {turn}: a forward ran eagerly")
+                sequences.append(out.sequences)
+                graphs.append(counter.graphs)
+        return sequences, graphs, captured.out
+
+    @parameterized.expand([("auto",), ("left",), ("right",)])
+    def test_five_turns_exact_with_at_most_upstreams_graphs(self, side):
+        upstream, upstream_graphs, _ = self.converse(bucketed=False, side=side)
+        ours, our_graphs, warnings = self.converse(bucketed=True, side=side)
+        for turn, (mine, theirs) in enumerate(zip(ours, upstream)):
+            torch.testing.assert_close(mine, theirs, rtol=0, atol=0, msg=f"turn {turn}")
+        for turn, (mine, theirs) in enumerate(zip(our_graphs, upstream_graphs)):
+            self.assertLessEqual(mine, theirs, f"turn {turn}: {our_graphs} graphs, upstream {upstream_graphs}")
+        self.assertNotIn("Set `prefill_buckets`", warnings)
+
+    @parameterized.expand([("auto",), ("right",)])
+    def test_right_padded_turns_share_their_bucket_graph(self, side):
+        # Every later turn's conversation (13 to 33 tokens) lies in bucket 64: one prefill graph, compiled once.
+        _, graphs, _ = self.converse(bucketed=True, side=side)
+        self.assertEqual(graphs[2:], [graphs[1]] * (self.TURNS - 2), graphs)
+
+    def test_a_turn_that_sets_its_own_fields_keeps_them(self):
+        # `prefill_buckets=None` on the later turns: they are not bucketed by the cache's policy (each new length of
+        # the turn is a prefill graph of its own, as upstream's).
+        _, graphs, _ = self.converse(bucketed=True, side="right", later_fields={"prefill_buckets": None})
+        self.assertEqual(graphs[2:], [graphs[1] + turn for turn in range(1, self.TURNS - 1)], graphs)
 
 
 if __name__ == "__main__":

@@ -211,6 +211,9 @@ class CacheRecord:
     # (left-padded). Row i's `L_i` prompt tokens sit in slots `0..L_i-1` (the mask's ones moved to the front), its
     # generated tokens in the slots of their columns. A later call lines its mask up with that.
     ragged_rows: torch.Tensor | None = None
+    # The bucket fields the call ran with (`CallSettings.bucketing`): a later call that sets none of its own continues
+    # the conversation with them (`recorded_bucketing`), so every turn of a chat is bucketed as the first was.
+    bucketing: tuple | None = None
 
 
 def cache_record(cache) -> CacheRecord | None:
@@ -238,7 +241,13 @@ def record_call(cache, plan, attention_mask, continues: bool) -> None:
         ragged_rows = previous.ragged_rows if previous is not None else None
     else:
         ragged_rows = attention_mask if right is not None and right.ragged else None
-    cache.__dict__[_CACHE_RECORD] = CacheRecord(padding, ragged_rows)
+    cache.__dict__[_CACHE_RECORD] = CacheRecord(padding, ragged_rows, plan.settings.bucketing)
+
+
+def recorded_bucketing(model_kwargs: dict) -> tuple | None:
+    """The bucket fields of the bucketed call that filled the cache a call continues from, or `None`."""
+    record = cache_record(passed_cache(model_kwargs))
+    return record.bucketing if record is not None else None
 
 
 def ragged_rows_mask(cache):

@@ -32,14 +32,14 @@ from ..config import BUCKET_FIELDS, FIELDS, PREFILL_BUCKETS, PREFILL_PAD_TO_MULT
 from ..distributed import generate_call, ranks_agree
 from ..state import state_of
 from .budget import budget_of, check_compiled
-from .cache import cache_seq_length, continued_padding, holds_padding, passed_cache, record_call
+from .cache import cache_seq_length, continued_padding, holds_padding, passed_cache, record_call, recorded_bucketing
 from .hook_registry import active_plan
 from .hooks import bucketed_call
 from .inputs import plan_call
 from .output import strip_output
 from .padding_side import choose_side
 from .plan import Plan, RunsUnpadded
-from .settings import CallSettings, resolve_settings
+from .settings import CallSettings, call_sets_fields, resolve_settings
 
 
 logger = logging.get_logger(__name__)
@@ -71,8 +71,9 @@ def generate(model, *args, **kwargs):
     Returns:
         What `model.generate` returns, with the padding removed from `sequences` and from the per-position outputs
         (prefill `hidden_states`, the query axis of prefill `attentions`, and any key axis that spans the padded
-        sequence), and the dummy rows removed from every output. A returned cache holds the padded prompt: a later
-        bucketed call that continues from it (multi-turn chat) pads the conversation the same way.
+        sequence), and the dummy rows removed from every output. A returned cache records the call's bucket fields and
+        any padding it holds (left padding, dummy rows): a later call that continues from it (multi-turn chat) and
+        sets no bucket field of its own is bucketed the same way, its prompt lined up with that padding.
 
     Example:
 
@@ -140,6 +141,11 @@ def _prepare(model, wrapper, arguments: dict, model_kwargs: dict, field_kwargs: 
     """Steps 1 to 4 of a call: its settings, its support, its side and its plan (see the module docstring)."""
     # 1. Resolve the settings the call runs with.
     settings = resolve_settings(model, arguments.get("generation_config"), field_kwargs, model_kwargs)
+    recorded = recorded_bucketing(model_kwargs)
+    if recorded is not None and not call_sets_fields(arguments.get("generation_config"), field_kwargs):
+        # A later turn of a conversation: bucketed as the call that filled the cache was.
+        policy, batch_policy, padding_side = recorded
+        settings = dataclasses.replace(settings, policy=policy, batch_policy=batch_policy, padding_side=padding_side)
     if settings.policy is None and continued_padding(model_kwargs) is not None:
         # The cache holds a bucketed call's padding: the prompt must get it too, bucket fields or not.
         settings = dataclasses.replace(settings, policy=BucketPolicy(pad_to_multiple_of=1))

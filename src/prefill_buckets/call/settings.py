@@ -1,7 +1,9 @@
 """One call's settings: the bucket fields and the generation values padding needs, resolved once, frozen.
 
 Resolution follows upstream `generate`'s priority, in one rule: a `generate` keyword argument (even `None`, which
-turns a field off for the call) > the `generation_config` argument > `model.generation_config`.
+turns a field off for the call) > the `generation_config` argument > `model.generation_config`. A call that continues
+from a cache a bucketed call filled, and sets no bucket field itself, takes the fields recorded with that cache instead
+(`call_sets_fields`), so a conversation stays bucketed without repeating them.
 """
 
 from dataclasses import dataclass
@@ -31,6 +33,11 @@ def resolve(name: str, kwargs: dict, generation_config: GenerationConfig | None,
 def resolve_fields(model, generation_config: GenerationConfig | None, field_kwargs: dict) -> dict[str, Any]:
     """The bucket fields' values for one call, by name."""
     return {field: resolve(field, field_kwargs, generation_config, model) for field in FIELDS}
+
+
+def call_sets_fields(generation_config: GenerationConfig | None, field_kwargs: dict) -> bool:
+    """Whether the call itself sets a bucket field: as a keyword argument (even `None`) or on its `generation_config`."""
+    return bool(field_kwargs) or any(getattr(generation_config, field, None) is not None for field in FIELDS)
 
 
 def _token_ids(value) -> tuple[int, ...]:
@@ -82,6 +89,11 @@ class CallSettings:
     prompt_lookup_num_tokens: int | None = None
     max_new_tokens: int | None = None
     max_length: int | None = None
+
+    @property
+    def bucketing(self) -> tuple:
+        """The bucket fields as resolved (`policy, batch_policy, padding_side`): what a cache records for a later turn."""
+        return self.policy, self.batch_policy, self.padding_side
 
     def new_tokens(self, prompt_length: int) -> int:
         """The most tokens the call generates after a prompt of `prompt_length`, as upstream resolves it."""
