@@ -14,6 +14,7 @@ from transformers.utils import logging
 
 from . import _compat
 from .aot_key import dispatch_key, is_on_code, module_functions, uncovered
+from .forgotten_enable import generation_configs, warn_if_enable_forgotten
 
 
 logger = logging.get_logger(__name__)
@@ -65,6 +66,7 @@ def aot_forward(model, backend: str = "inductor", options: dict | None = None) -
     Returns:
         `AOTForward`: the compiled forward, to set as `model.forward`.
     """
+    warn_if_enable_forgotten("aot_forward", generation_configs(model))
     return AOTForward(model, backend, options)
 
 
@@ -263,6 +265,11 @@ def model_fingerprint(model) -> str:
 def compiled_functions() -> list[tuple[dict, bytes]]:
     """Every function the `AOTForward`s of this process compiled, for `save_compile_cache`."""
     return [entry for forward in list(_live) for entry in forward.serialized()]
+
+
+def live_models() -> list:
+    """The models of this process's `AOTForward`s."""
+    return [forward.model for forward in list(_live)]
 
 
 def stage(entries: list[tuple[dict, bytes]], source: str) -> None:

@@ -18,6 +18,7 @@ from transformers.utils import logging
 
 from . import _compat, aot_compiled
 from .buckets import check_positive_int
+from .forgotten_enable import generation_configs, warn_if_enable_forgotten
 
 
 logger = logging.get_logger(__name__)
@@ -86,6 +87,7 @@ def save_compile_cache(path: str | os.PathLike) -> CompileCacheFile | None:
         [`CompileCacheFile`] or `None`: the file written, with its size and SHA-256; `None` (and no file) when nothing
         was compiled with inductor in this process. (Before, it returned the size, 0 when nothing was saved.)
     """
+    warn_if_enable_forgotten("save_compile_cache", generation_configs(*aot_compiled.live_models()))
     saved = torch.compiler.save_cache_artifacts()
     forwards = aot_compiled.compiled_functions()
     if saved is None and not forwards:
@@ -167,6 +169,7 @@ def load_compile_cache(path: str | os.PathLike, sha256: str | None = None, max_b
         if not isinstance(sha256, str) or len(sha256) != 64 or not set(sha256) <= _SHA256_HEX:
             raise ValueError(f"`sha256` must be a SHA-256 hex digest (64 hexadecimal digits), but is {sha256!r}.")
     check_positive_int(max_bytes, "max_bytes")
+    warn_if_enable_forgotten("load_compile_cache", model_known=False)
     try:
         data = _read(path, sha256, max_bytes)
         artifacts, kernels, forwards = _unpack(data, max_bytes)

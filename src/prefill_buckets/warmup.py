@@ -20,6 +20,7 @@ from .call.inputs import capped_bucket
 from .call.settings import resolve_fields, resolve_settings
 from .call.windows import decode_warmups
 from .config import PREFILL_BUCKETS, PREFILL_PAD_TO_MULTIPLE_OF
+from .forgotten_enable import generation_configs, warn_if_enable_forgotten
 
 
 logger = logging.get_logger(__name__)
@@ -143,6 +144,7 @@ def precompile(
     wrapper = model
     module = _compat.unwrap(model)
     generation_config = copy.deepcopy(generation_config if generation_config is not None else module.generation_config)
+    warn_if_enable_forgotten("precompile", [generation_config, *generation_configs(module)])
     fields = resolve_fields(module, generation_config, {})
     settings = resolve_settings(module, generation_config, {}, {})
     policy = settings.policy

@@ -2,7 +2,10 @@
 # A tiny model saved to a temp dir gets the file, is loaded back with `trust_remote_code=True`, and its `generate`
 # pads to the buckets saved in its generation config: one prefill graph per bucket, upstream's tokens.
 
+import json
 import os
+import subprocess
+import sys
 import tempfile
 import unittest
 
@@ -19,6 +22,32 @@ from .tiny_models import tiny_llama
 
 LENGTHS = (5, 9, 16, 3, 12, 30, 20)  # buckets 16 and 32
 NEW_TOKENS = 4
+
+
+# A new process that loads the folder with no code change: it never imports `prefill_buckets` itself (the folder's
+# `custom_generate` does), compiles with the counting backend, and prints what it generated and compiled.
+_NEW_PROCESS = """
+import json, sys
+import torch
+from transformers import AutoModelForCausalLM
+
+folder, lengths, new_tokens = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+shapes = []
+
+def count(gm, example_inputs):
+    shapes.append(tuple(example_inputs[0].shape))
+    return gm.forward
+
+model.compile(backend=count, dynamic=False, fullgraph=True)
+tokens = {}
+for n in lengths:
+    ids = torch.randint(3, 128, (1, n), generator=torch.Generator().manual_seed(n))
+    out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    tokens[n] = out[0].tolist()
+import prefill_buckets
+print(json.dumps({"tokens": tokens, "shapes": shapes, "enabled": prefill_buckets.is_enabled()}))
+"""
 
 
 def prompt(length: int) -> torch.Tensor:
@@ -59,6 +88,26 @@ class SaveCustomGenerateTest(unittest.TestCase):
         self.assertEqual(sorted(shapes[0][1] for shapes in counter.shapes), [1, 16, 32], counter.shapes)
         self.assertEqual(counter.calls, NEW_TOKENS * len(LENGTHS))
         self.assertFalse(prefill_buckets.is_enabled())
+
+    def test_a_new_process_generates_bucketed_with_no_code_change(self):
+        # The guide's no-code-change load: `from_pretrained(folder, trust_remote_code=True)` in a process that never
+        # calls `enable()` nor imports the package.
+        model = tiny_llama()
+        model.generation_config = GenerationConfig(
+            cache_implementation="static", prefill_buckets=[16, 32], pad_token_id=0, eos_token_id=1, bos_token_id=2
+        )
+        model.save_pretrained(self.folder)
+        prefill_buckets.save_custom_generate(self.folder)
+        result = subprocess.run(
+            [sys.executable, "-c", _NEW_PROCESS, self.folder, json.dumps(LENGTHS), str(NEW_TOKENS)],
+            capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        self.assertEqual(result.returncode, 0, result.stderr[-3000:])
+        seen = json.loads(result.stdout.strip().splitlines()[-1])
+        for n in LENGTHS:
+            self.assertEqual(seen["tokens"][str(n)], self.expected[n][0].tolist(), f"prompt of {n} tokens")
+        self.assertEqual(sorted(shape[1] for shape in seen["shapes"]), [1, 16, 32], seen["shapes"])
+        self.assertFalse(seen["enabled"])
 
     def test_warns_when_the_fields_would_be_dropped(self):
         # A generation config derived from the model config loses unknown fields on load: said at save time.

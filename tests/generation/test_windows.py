@@ -11,6 +11,7 @@
 # - Memory: on that config the default cache holds at most 16,384 slots, never the model's whole context.
 
 import json
+import logging as std_logging
 import random
 import unittest
 
@@ -330,6 +331,19 @@ class MemoryTest(unittest.TestCase):
             )
             self.assertLessEqual(model._previous_max_cache_length, 16384)
         self.assertLess(model._previous_max_cache_length, model.config.max_position_embeddings)
+
+    def test_a_small_cache_is_said_in_kilobytes(self):
+        # After an upstream call made a 16-slot cache, a bucketed call grows it to the model's 512 positions: 64 KB per
+        # row on the tiny Llama, which the warning once said as "0 MB".
+        model = tiny_llama()
+        generation_config = GenerationConfig(cache_implementation="static", max_new_tokens=2, do_sample=False)
+        model.generate(ids(1, 10), generation_config=generation_config)
+        std_logging.Logger.warning_once.cache_clear()
+        with CaptureLogger(transformers_logging.get_logger("prefill_buckets")) as captured:
+            prefill_buckets.generate(model, ids(1, 30), generation_config=generation_config, prefill_buckets="pow2")
+        per_row = 2 * 2 * 2 * 8 * 4 * model._previous_max_cache_length
+        self.assertIn(f"({per_row // 2**10} KB per row)", captured.out)
+        self.assertNotIn("0 MB", captured.out)
 
     def test_growth_past_the_default_says_its_bytes(self):
         model = tiny_llama(max_position_embeddings=131072)

@@ -87,8 +87,8 @@ def static_cache_length(model, settings: CallSettings, needed: int, prompt_slots
     grown = grown if cap is None else min(_aligned(policy, grown), cap)
     logger.warning_once(
         f"A call needs {needed} static cache slots, more than the model's cache of {previous}, so the cache grows to "
-        f"{grown} slots ({_megabytes(model, grown)} per row): every bucket compiles its prefill graph once more at "
-        f"the new length, and decode its graphs. Pin `max_cache_len` for your longest prompt, list your largest "
+        f"{grown} slots ({_megabytes(model, grown)} per row): a compiled model compiles its prefill and decode graphs "
+        f"again for the new length. Pin `max_cache_len` for your longest prompt, list your largest "
         f"bucket in `{PREFILL_BUCKETS}`, or call `prefill_buckets.precompile` with your longest prompt, to allocate "
         "the cache once."
     )
@@ -122,8 +122,11 @@ def cache_bytes_per_row(model, slots: int) -> int | None:
 
 
 def _megabytes(model, slots: int) -> str:
+    """A cache's size per row, in MB (in KB under 1 MB: a tiny model's cache is not "0 MB")."""
     size = cache_bytes_per_row(model, slots)
-    return "size unknown" if size is None else f"{size / 2**20:,.0f} MB"
+    if size is None:
+        return "size unknown"
+    return f"{size / 2**20:,.0f} MB" if size >= 2**20 else f"{max(1, round(size / 2**10)):,} KB"
 
 
 def pinned_cache_length(policy: BucketPolicy, needed: int) -> int:
