@@ -80,17 +80,15 @@ def validate_pad_to_multiple_of(value: Any, field: str) -> None:
         raise ValueError(f"`{field}` must be a positive integer (such as 64) or None, but is {value!r}.")
 
 
-def validate_buckets(value: Any, field: str) -> None:
+def validate_buckets(value: Any, field: str, example: str = "[64, 256, 1024]") -> None:
     """
     Raises `ValueError` naming `field` unless `value` is `None`, a policy name of `BUCKET_POLICIES`, or a strictly
     increasing list (or tuple) of positive ints. The one check of bucket lengths: `BucketPolicy` and the
-    `GenerationConfig` fields (`config.py`) both run it.
+    `GenerationConfig` fields (`config.py`) both run it. `example`: a valid list for this field, said in the error.
     """
     if value is None:
         return
-    valid = (
-        f"a list of strictly increasing positive integers (such as [64, 256, 1024]), one of {BUCKET_POLICIES}, or None"
-    )
+    valid = f"a list of strictly increasing positive integers (such as {example}), one of {BUCKET_POLICIES}, or None"
     if isinstance(value, str):
         if value not in BUCKET_POLICIES:
             raise ValueError(f"`{field}` must be {valid}, but is the unknown policy {value!r}.")

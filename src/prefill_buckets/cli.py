@@ -1,7 +1,8 @@
 """`python -m prefill_buckets ...` (also the `prefill-buckets` console script).
 
 `demo`: a tiny randomly initialised Llama, a dozen prompt lengths, compiled three ways; prints graphs compiled,
-compiled calls, eager fallbacks and whether the tokens equal an eager run. Runs in seconds, no download.
+compiled calls, eager fallbacks and whether the tokens equal an eager run. About a minute on a 2-core CPU
+(it traces graphs and generates no code), no download.
 
 `bench`: compile strategies side by side on a real model (SmolLM2-135M-Instruct by default), each in a fresh process;
 prints a table and writes a JSON file and a plot. See `prefill-buckets bench --help` and the `benchmark` subpackage.
@@ -88,7 +89,7 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser(
         "demo",
-        help="graph counts on a tiny model, in seconds",
+        help="graph counts on a tiny model, in about a minute",
         description="Graphs compiled, compiled calls and eager fallbacks of upstream generate and of bucketed "
         "generate, on a tiny config-built Llama compiled with model.compile(dynamic=False). No download.",
     )

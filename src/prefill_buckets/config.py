@@ -62,7 +62,7 @@ def validate_prefill_pad_to_multiple_of(value: Any) -> None:
 
 def validate_prefill_buckets(value: Any, field: str = PREFILL_BUCKETS) -> None:
     """Raises `ValueError` unless `value` is `None`, a known policy name, or a strictly increasing list of positive ints."""
-    validate_buckets(value, field)
+    validate_buckets(value, field, example="[1, 2, 4, 8]" if field == PREFILL_BATCH_BUCKETS else "[64, 256, 1024]")
 
 
 def validate_prefill_padding_side(value: Any) -> None:

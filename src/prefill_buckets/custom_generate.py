@@ -61,7 +61,7 @@ def save_custom_generate(save_directory: str | os.PathLike) -> Path:
     Example:
 
     ```python
-    >>> model.generation_config = GenerationConfig(cache_implementation="static", prefill_buckets="pow2", ...)
+    >>> model.generation_config = GenerationConfig(cache_implementation="static", prefill_buckets="pow2-quarters", ...)
     >>> model.save_pretrained("my-model")
     >>> prefill_buckets.save_custom_generate("my-model")
     >>> model = AutoModelForCausalLM.from_pretrained("my-model", trust_remote_code=True)  # generate is bucketed

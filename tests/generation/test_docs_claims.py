@@ -322,8 +322,10 @@ class ForgottenEnableTest(unittest.TestCase):
         self.assertIn(
             "Without [enable], model.generate is upstream's, and a bucket field set on a GenerationConfig", tip
         )
-        self.assertIn("is ignored without a word", tip)
+        self.assertIn("is ignored by it", tip)
         self.assertIn("model_kwargs are not used by the model", tip)
+        # The entry points that warn (`test_forgotten_enable.py` checks each one does).
+        self.assertIn("[precompile], [aot_forward], [save_compile_cache] and [load_compile_cache] warn once", tip)
 
     def test_a_field_on_the_config_is_ignored(self):
         self.assertEqual(self.first_forward_length(), 10)  # unpadded: upstream ignored `prefill_buckets=[16]`
@@ -333,3 +335,82 @@ class ForgottenEnableTest(unittest.TestCase):
     def test_a_field_as_a_keyword_argument_is_refused(self):
         with self.assertRaisesRegex(ValueError, "model_kwargs` are not used by the model"):
             self.model.generate(self.input_ids, max_new_tokens=2, prefill_buckets=[16])
+
+
+class InstallClaimsTest(unittest.TestCase):
+    """The install commands of the README and the docs' index: real commands, and extras that exist."""
+
+    PAGES = (REPO / "README.md", DOCS / "index.md")
+
+    def extras_named(self, text: str) -> set[str]:
+        return set(re.findall(r'"\.\[(\w+)\]"', text)) | set(re.findall(r"`\.\[(\w+)\]`", text))
+
+    def test_every_extra_named_exists(self):
+        namespace = {"__file__": str(REPO / "setup.py")}
+        source = (REPO / "setup.py").read_text(encoding="utf-8").split("setup(")[0]  # up to the call: the extras
+        exec(compile(source, "setup.py", "exec"), namespace)
+        for page in self.PAGES:
+            named = self.extras_named(page.read_text(encoding="utf-8"))
+            self.assertIn("distributed", named, page.name)
+            self.assertLessEqual(named, set(namespace["extras"]), page.name)
+        self.assertEqual(self.extras_named('pip install ".[nope]"'), {"nope"})  # positive control
+
+    def test_no_placeholder_and_no_package_index_install(self):
+        for page in self.PAGES:
+            text = page.read_text(encoding="utf-8")
+            self.assertNotIn("<repository URL>", text, page.name)
+            self.assertNotRegex(text, r'pip install "transformers-prefill-buckets(\[|")', page.name)  # not on PyPI
+            self.assertIn("pip install .", text, page.name)
+        guide = GUIDE.read_text(encoding="utf-8")
+        self.assertNotRegex(guide, r'pip install "transformers-prefill-buckets(\[|")')
+
+    def test_the_index_url_is_not_required(self):
+        for page in self.PAGES:
+            text = normalized(page.read_text(encoding="utf-8"))
+            self.assertIn("download.pytorch.org/whl/cpu", text)
+            self.assertIn("not required", text, page.name)
+
+
+class BenchDefaultsTest(unittest.TestCase):
+    def test_the_readme_names_the_default_strategies_and_they_hold_the_recommended_default(self):
+        from prefill_buckets.benchmark import DEFAULT_STRATEGIES, STRATEGIES
+
+        first_lines = normalized((REPO / "README.md").read_text(encoding="utf-8").split("## Install")[0])
+        named = re.search(r"make bench runs the benchmark .*?: strategies (.*?) side by side", first_lines)
+        self.assertIsNotNone(named, first_lines)
+        names = re.split(r",? and |, ", re.sub(r" \(.*?\)", "", named.group(1)))  # "a, b (what b is) and c"
+        self.assertEqual(names, list(DEFAULT_STRATEGIES))
+        recommended = [STRATEGIES[name] for name in DEFAULT_STRATEGIES if STRATEGIES[name].fields]
+        self.assertEqual([s.fields.get("prefill_buckets") for s in recommended], ["pow2-quarters"])
+
+
+class StaleClaimsTest(unittest.TestCase):
+    """Claims that did not hold when a user tried them (issue 35), fixed, and what makes the fix true."""
+
+    def test_a_processor_with_more_arguments_is_refused_by_upstream(self):
+        from transformers import GenerationConfig, LogitsProcessor
+
+        class NeedsMore(LogitsProcessor):
+            def __call__(self, input_ids, scores, extra):
+                return scores
+
+        model = tiny_llama()
+        prefill_buckets.disable()
+        with self.assertRaisesRegex(ValueError, "required parameters"):
+            model.generate(
+                torch.randint(3, 128, (1, 5)), generation_config=GenerationConfig(max_new_tokens=2, do_sample=False),
+                logits_processor=[NeedsMore()],
+            )  # fmt: skip
+        guide = normalized(GUIDE.read_text(encoding="utf-8"))
+        self.assertNotIn("and so does a processor whose __call__ takes more arguments", guide)
+        self.assertIn("is refused by upstream generate itself", guide)
+
+    def test_the_batch_bucket_error_gives_batch_sizes(self):
+        from transformers import GenerationConfig
+
+        prefill_buckets.enable()
+        self.addCleanup(prefill_buckets.disable)
+        with self.assertRaisesRegex(ValueError, r"`prefill_batch_buckets` must be .*such as \[1, 2, 4, 8\]"):
+            GenerationConfig(prefill_batch_buckets=[4, 2])
+        with self.assertRaisesRegex(ValueError, r"`prefill_buckets` must be .*such as \[64, 256, 1024\]"):
+            GenerationConfig(prefill_buckets=[4, 2])
