@@ -20,6 +20,7 @@
 import contextlib
 import importlib.util
 import io
+import logging
 import os
 import re
 import tempfile
@@ -222,18 +223,53 @@ def isolated_page():
             torch._dynamo.reset()
 
 
-def run_blocks(blocks: list[CodeBlock], namespace: dict) -> None:
-    """Runs the blocks in order in `namespace`, and checks what each prints against the output the docs show."""
-    for block in blocks:
+# The loggers whose warnings a page's blocks are checked for: the package's, transformers' and torch's compiler's (its
+# "hit config.recompile_limit"). torch's and transformers' loggers don't propagate, so each gets the handler itself.
+WARNING_LOGGERS = ("prefill_buckets", "transformers", "torch._dynamo")
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+@contextlib.contextmanager
+def captured_warnings():
+    """The warnings logged inside, in order (`warning_once` forgotten first, so each is said as in a new process)."""
+    logging.Logger.warning_once.cache_clear()
+    records = _Records()
+    loggers = [logging.getLogger(name) for name in WARNING_LOGGERS]
+    for logger in loggers:
+        logger.addHandler(records)
+    try:
+        yield records.messages
+    finally:
+        for logger in loggers:
+            logger.removeHandler(records)
+
+
+def run_blocks(blocks: list[CodeBlock], namespace: dict) -> list[tuple[int, str]]:
+    """
+    Runs the blocks in order in `namespace`, and checks what each prints against the output the docs show. Returns
+    the warnings they logged, as `(index of the block among those run, message)`.
+    """
+    warnings = []
+    for index, block in enumerate(blocks):
         # Leading newlines make a traceback point at the line in the page.
         code = compile("\n" * (block.line - 1) + block.code, str(block.page), "exec")
         printed = io.StringIO()
         try:
-            with contextlib.redirect_stdout(printed):
+            with contextlib.redirect_stdout(printed), captured_warnings() as logged:
                 exec(code, namespace)
         finally:
             print(printed.getvalue(), end="")  # shown by pytest when the test fails
+        warnings += [(index, message) for message in logged]
         check_outputs(block, printed.getvalue())
+    return warnings
 
 
 def load_check_doc_links():
@@ -246,6 +282,27 @@ def load_check_doc_links():
 # ---- tests -------------------------------------------------------------------------------------------------------
 
 
+# What each page's examples log, run in order on one model: `(index of the block among the page's python blocks that
+# run, start of the message)`. A correct call logs nothing; these are the warnings the docs mean to show.
+EXPECTED_WARNINGS = {
+    "README.md": [
+        # The quick start's upstream run, on purpose (the README says what it logs): the package's advice once, then
+        # torch's own warning when the fifth length passes its limit.
+        (0, "The model's forward is compiled (model.compile()) and generates with a static cache, so each new prompt"),
+        (0, "torch._dynamo hit config.recompile_limit (8)"),
+    ],
+    "docs/source/en/llm_optims.md": [
+        # "Compiling every graph up front": precompile needs more graphs than torch's default limit, and says it raised
+        # the limit (the guide says so too).
+        (11, "precompile's calls need 12 compiled graphs of the forward of `LlamaForCausalLM`"),
+        (12, "precompile's calls need 18 compiled graphs of the forward of `LlamaForCausalLM`"),
+        # The test compiles with the eager backend in place of inductor, so there is nothing to save: with inductor
+        # the file is written.
+        (12, "Nothing compiled in this process can be saved (no inductor artifacts)."),
+    ],
+}
+
+
 class DocCodeBlocksTest(unittest.TestCase):
     @parameterized.expand([(name,) for name in pages_with_python()])
     def test_python_blocks_run(self, name):
@@ -254,7 +311,16 @@ class DocCodeBlocksTest(unittest.TestCase):
             self.skipTest("the docs pass and read the cache as `cache`, which is `past_key_values` before 5.24")
         blocks = [block for block in python_blocks(REPO / name) if not block.skip]
         with isolated_page():
-            run_blocks(blocks, page_namespace())
+            warnings = run_blocks(blocks, page_namespace())
+        # Every warning the page's examples log, in order, with its text: each said once, and none unexpected.
+        expected = EXPECTED_WARNINGS.get(name, [])
+        shown = "\n".join(f"  block {index}: {message[:200]}" for index, message in warnings)
+        self.assertEqual(len(warnings), len(expected), f"{name} logged:\n{shown}")
+        for (index, message), (want_index, want) in zip(warnings, expected):
+            self.assertEqual(index, want_index, f"{name} logged:\n{shown}")
+            self.assertTrue(
+                message.startswith(want), f"{name}, block {index}: {message!r} does not start with {want!r}"
+            )
 
     def test_there_are_python_blocks(self):
         self.assertIn("docs/source/en/llm_optims.md", pages_with_python())

@@ -416,3 +416,28 @@ class RightPaddingGraphsTest(CompiledLlamaTestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class NoFalsePaddingWarningTest(unittest.TestCase):
+    def test_gpt2_with_a_mask_logs_no_attention_mask_warning(self):
+        # A right-padded prefill runs with no mask; its added positions used to be pad tokens, so GPT-2's check for
+        # unmasked padding ("We strongly recommend passing in an `attention_mask`") fired on a call that passed one.
+        import logging as std_logging
+
+        from transformers import GPT2Config, GPT2LMHeadModel
+        from transformers.testing_utils import CaptureLogger
+        from transformers.utils import logging
+
+        torch.manual_seed(0)
+        config = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=128, n_positions=256, pad_token_id=0)
+        model = GPT2LMHeadModel(config).eval()
+        input_ids = torch.randint(3, 128, (1, 11), generator=torch.Generator().manual_seed(0))
+        kwargs = {"attention_mask": torch.ones_like(input_ids), "max_new_tokens": 3, "do_sample": False}
+        kwargs["cache_implementation"] = "static"
+        std_logging.Logger.warning_once.cache_clear()
+        with CaptureLogger(logging.get_logger("transformers")) as captured:
+            ours = prefill_buckets.generate(
+                model, input_ids, prefill_buckets=[16], prefill_padding_side="right", **kwargs
+            )
+        self.assertNotIn("attention_mask", captured.out)
+        torch.testing.assert_close(ours, model.generate(input_ids, **kwargs), rtol=0, atol=0)

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from transformers.utils import logging
 
 from .. import _compat
-from ..config import PREFILL_BUCKETS
 from ..state import PROCESS, state_of
 
 
@@ -63,7 +62,6 @@ class GraphBudget:
             set()
         )  # (rows, prompt length, cache length, side, window)
         self.decode: set[tuple[int, int, int | None]] = set()  # (rows, cache length, window)
-        self.warned_near_limit = False
 
     @property
     def graphs(self) -> int:
@@ -124,19 +122,10 @@ class GraphBudget:
     def account_unbucketed(self, model, rows: int, prompt_length: int, cache_length: int) -> None:
         """
         An unbucketed compiled call's shapes. They share the compiled function's limit with bucketed ones, so they are
-        counted, but the limit is left alone: this only warns, once, when the next new length will pass it.
+        counted, but the limit is left alone. (What they cost is said once, by `generate`'s advice for unbucketed
+        calls, and torch says when it reaches its limit.)
         """
         self.add(rows, ((prompt_length, None),), cache_length)
-        held = self.held_graphs(model)
-        limit = recompile_limit()
-        if held + 1 >= limit and not self.warned_near_limit:
-            self.warned_near_limit = True
-            logger.warning(
-                f"The compiled forward has needed {held} graphs (one prefill graph per prompt length, and decode "
-                f"graphs per cache length, for every model whose forward is the same code), and torch's "
-                f"`torch._dynamo.config.recompile_limit` is {limit}: past it, torch silently runs the forward eagerly. "
-                f"Set `{PREFILL_BUCKETS}` to bound the graphs."
-            )
 
 
 def _read(window: int | None) -> str:

@@ -247,8 +247,10 @@ def _warn_unbucketed(model, wrapper, settings: CallSettings, arguments: dict, mo
     if len(state.unbucketed_prompt_lengths) == 2:
         logger.warning_once(
             f"The model's forward is compiled ({compiled}) and generates with a static cache, so each new prompt "
-            f"length recompiles it. Set `{PREFILL_BUCKETS}` (for example 'pow2-quarters') or `{PREFILL_PAD_TO_MULTIPLE_OF}`, "
-            "or pad with the tokenizer's `pad_to_multiple_of` and `padding_side='left'`."
+            f"length recompiles it, and past torch's `torch._dynamo.config.recompile_limit` ({_compat.recompile_limit()} "
+            f"graphs of the forward) torch runs the rest eagerly. Set `{PREFILL_BUCKETS}` (for example 'pow2-quarters') "
+            f"or `{PREFILL_PAD_TO_MULTIPLE_OF}`, or pad with the tokenizer's `pad_to_multiple_of` and "
+            "`padding_side='left'`."
         )
     rows = prompt.shape[0] * settings.rows_per_prompt
 

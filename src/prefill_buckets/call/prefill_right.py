@@ -57,7 +57,7 @@ def prefill_right(plan: Plan, step):
     else:  # a continued conversation: the rows are one length (the rule), the new tokens follow the cached ones
         new_ids = input_ids[:, past:]  # [rows, S]
         new_tokens = new_ids.shape[1]
-        padding = new_ids.new_full((rows, right.bucket - new_tokens), plan.settings.fill_token_id)
+        padding = new_ids.new_full((rows, right.bucket - new_tokens), plan.settings.unmasked_fill_token_id)
         prompt = {"input_ids": torch.cat([new_ids, padding], dim=1)}  # [rows, bucket]
         keep, column = torch.tensor([new_tokens - 1], device=input_ids.device), None  # [1]: an input, not a shape
     device = keep.device
@@ -106,7 +106,7 @@ def _rows_from_the_start(plan: Plan, input_ids, inputs_embeds, attention_mask) -
     steps = torch.arange(plan.right.bucket, device=device)  # [bucket]
     real = steps < row_lengths[:, None]  # [rows, bucket]
     source = (steps + (width - row_lengths)[:, None]).clamp(max=width - 1)  # [rows, bucket]: the column it comes from
-    fill_id = plan.settings.fill_token_id
+    fill_id = plan.settings.unmasked_fill_token_id
     if inputs_embeds is not None:
         fill = fill_embedding(plan.model.get_input_embeddings(), fill_id, inputs_embeds)  # [hidden]
         moved = inputs_embeds.gather(1, source[..., None].expand(-1, -1, inputs_embeds.shape[-1]))

@@ -89,6 +89,7 @@ class CallSettings:
     prompt_lookup_num_tokens: int | None = None
     max_new_tokens: int | None = None
     max_length: int | None = None
+    config_pad_token_id: int | None = None  # the model config's own, which its forward checks unmasked inputs for
 
     @property
     def bucketing(self) -> tuple:
@@ -119,6 +120,17 @@ class CallSettings:
         """The id that fills added positions. They are masked, so any id in the vocabulary gives the same output."""
         candidates = (self.pad_token_id, *self.eos_token_ids, 0)
         return next(c for c in candidates if self.in_vocabulary(c))
+
+    @property
+    def unmasked_fill_token_id(self) -> int:
+        """
+        The id that fills the positions a right-padded prefill adds after the prompt, which runs with no mask. They
+        follow every real token, so any id gives the same output; this one is never a pad token, so the model's check
+        for unmasked padding (transformers' `warn_if_padding_and_no_attention_mask`) does not take them for the user's.
+        """
+        pads = (self.pad_token_id, self.config_pad_token_id)
+        candidates = (*self.eos_token_ids, self.bos_token_id, 0, 1, 2, 3)
+        return next((c for c in candidates if self.in_vocabulary(c) and c not in pads), self.fill_token_id)
 
 
 def resolve_settings(
@@ -153,6 +165,7 @@ def resolve_settings(
         prompt_lookup_num_tokens=value("prompt_lookup_num_tokens"),
         max_new_tokens=value("max_new_tokens"),
         max_length=value("max_length"),
+        config_pad_token_id=next(iter(_token_ids(getattr(model.config, "pad_token_id", None))), None),
     )
 
 
