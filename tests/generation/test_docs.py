@@ -14,10 +14,14 @@
 # expected output, and must appear, in order, as whole lines of what the block printed (consecutive comment lines are
 # one output line, wrapped). Outputs that depend on the model (generated text) are simply not shown.
 #
-# A block opts out with `<!-- skip-test -->` on the line before it; only a block that loads a real checkpoint
-# (`from_pretrained`) may do that. Shell snippets are ```bash blocks, and outputs ```text blocks: neither runs.
+# A checkpoint the docs load by name (`CHECKPOINTS`) is the page's own tiny model and tokenizer, saved to a folder that
+# `from_pretrained` reads, and `aot_forward` compiles with the saveable "aot_eager" backend in place of inductor. A
+# block opts out with `<!-- skip-test -->` on the line before it; only a block that can't run in one process may (the
+# tensor-parallel script, started by `torchrun` on several devices: `test_tensor_parallel.py` runs what it does).
+# Shell snippets are ```bash blocks, and outputs ```text blocks: neither runs.
 
 import contextlib
+import functools
 import importlib.util
 import io
 import logging
@@ -32,7 +36,7 @@ from unittest import mock
 import torch
 from parameterized import parameterized
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 import prefill_buckets
 
@@ -204,15 +208,51 @@ def eager_by_default_compile(*args, backend=None, **kwargs):
 TORCH_DEFAULT_RECOMPILE_LIMIT = 8
 
 
+# The checkpoints the docs load by name. A page loads them from a local copy of its tiny model and tokenizer, with
+# transformers' own `from_pretrained`: nothing is downloaded, and the blocks that load them run too.
+CHECKPOINTS = ("HuggingFaceTB/SmolLM2-135M-Instruct",)
+
+
+def from_local_copy(load, folder: str):
+    """`load` (a `from_pretrained`), reading `folder` for a name of `CHECKPOINTS`."""
+
+    @functools.wraps(load)
+    def from_pretrained(name, *args, **kwargs):
+        return load(folder if name in CHECKPOINTS else name, *args, **kwargs)
+
+    return from_pretrained
+
+
+_aot_forward = prefill_buckets.aot_forward
+
+
+def aot_eager_by_default(model, backend="inductor", options=None):
+    """`aot_forward` with torch's saveable "aot_eager" backend in place of inductor: dynamo traces, nothing compiles."""
+    return _aot_forward(model, "aot_eager" if backend == "inductor" else backend, options)
+
+
 @contextlib.contextmanager
-def isolated_page():
-    """Runs a page in a temporary working directory, and undoes what it changes in transformers and torch."""
+def isolated_page(namespace: dict | None = None):
+    """
+    Runs a page in a temporary working directory, and undoes what it changes in transformers and torch. With the
+    page's `namespace`, its model and tokenizer are what `from_pretrained` loads for the names of `CHECKPOINTS`.
+    """
     recompile_limit = torch._dynamo.config.recompile_limit
     cwd = os.getcwd()
     torch._dynamo.reset()
     # A page runs as in a fresh process: torch's default limit, not one a bucketed call of an earlier test raised.
     torch._dynamo.config.recompile_limit = TORCH_DEFAULT_RECOMPILE_LIMIT
-    with tempfile.TemporaryDirectory() as tmp, mock.patch("torch.compile", eager_by_default_compile):
+    with contextlib.ExitStack() as stack:
+        tmp = stack.enter_context(tempfile.TemporaryDirectory())
+        stack.enter_context(mock.patch("torch.compile", eager_by_default_compile))
+        stack.enter_context(mock.patch("prefill_buckets.aot_forward", aot_eager_by_default))
+        if namespace is not None:
+            checkpoint = os.path.join(tmp, "checkpoint")
+            namespace["model"].save_pretrained(checkpoint)
+            namespace["tokenizer"].save_pretrained(checkpoint)
+            for auto in (AutoModelForCausalLM, AutoTokenizer):
+                loader = from_local_copy(auto.from_pretrained, checkpoint)
+                stack.enter_context(mock.patch.object(auto, "from_pretrained", loader))
         os.chdir(tmp)
         try:
             yield
@@ -310,8 +350,9 @@ class DocCodeBlocksTest(unittest.TestCase):
             # The docs are written for the newest supported transformers; `make test-oldest` tests the older ones.
             self.skipTest("the docs pass and read the cache as `cache`, which is `past_key_values` before 5.24")
         blocks = [block for block in python_blocks(REPO / name) if not block.skip]
-        with isolated_page():
-            warnings = run_blocks(blocks, page_namespace())
+        namespace = page_namespace()
+        with isolated_page(namespace):
+            warnings = run_blocks(blocks, namespace)
         # Every warning the page's examples log, in order, with its text: each said once, and none unexpected.
         expected = EXPECTED_WARNINGS.get(name, [])
         shown = "\n".join(f"  block {index}: {message[:200]}" for index, message in warnings)
@@ -336,11 +377,11 @@ class DocCodeBlocksTest(unittest.TestCase):
         self.assertGreaterEqual(len(expected_outputs(first.code)), 2)
         self.assertIn("pip install", README.read_text(encoding="utf-8").split("## Quick start")[0])
 
-    def test_skip_marker_only_for_real_checkpoints(self):
-        for page in doc_pages():
-            for block in code_blocks(page):
-                if block.skip:
-                    self.assertIn("from_pretrained", block.code, f"{block}: only blocks loading a checkpoint skip")
+    def test_skip_marker_only_for_scripts_of_several_processes(self):
+        skipped = [block for page in doc_pages() for block in code_blocks(page) if block.skip]
+        for block in skipped:
+            self.assertIn("torchrun", block.code, f"{block}: only a script of several processes skips")
+        self.assertEqual(len(skipped), 1, [str(block) for block in skipped])
 
     def test_skip_marker_is_followed_by_a_block(self):
         for page in doc_pages():
