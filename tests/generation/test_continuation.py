@@ -104,6 +104,36 @@ class ContinuationTest(unittest.TestCase):
             ours.sequences, self.model.generate(follow_up, generation_config=config).sequences, rtol=0, atol=0
         )
 
+    @parameterized.expand([("auto", False), ("right", False), ("left", True)])
+    def test_an_unpadded_cache_continues_on_the_right_and_can_not_on_the_left(self, side, warns):
+        # The guide: a right-padded call continues a cache an unpadded call filled (exact, bucketed, no warning); a
+        # left-padded one can't put padding in front of its tokens, so it runs unpadded with a warning.
+        first_config = GenerationConfig(
+            max_new_tokens=3, do_sample=False, return_dict_in_generate=True, cache_implementation="static",
+            max_cache_len=64,
+        )  # fmt: skip
+        config = GenerationConfig(max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
+        first = self.model.generate(self.ids(1, 6, 5), generation_config=first_config)
+        follow_up = torch.cat([first.sequences, self.ids(1, 2, 6)], dim=1)
+        seen = []
+        handle = self.model.register_forward_pre_hook(
+            lambda module, args, kwargs: seen.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+        )
+        self.addCleanup(handle.remove)
+        std_logging.Logger.warning_once.cache_clear()
+        with CaptureLogger(logging.get_logger("prefill_buckets")) as captured:
+            ours = prefill_buckets.generate(
+                self.model, follow_up, **{CACHE: first[CACHE]}, generation_config=config, prefill_buckets=[16],
+                prefill_padding_side=side,
+            )  # fmt: skip
+        handle.remove()
+        self.assertEqual("already holds tokens from an unpadded call" in captured.out, warns, captured.out)
+        # The tokens the cache lacks (the last new token of the first call, and the 2 of the turn) alone, or padded after
+        # them to the bucket.
+        self.assertEqual(seen[0], 3 if warns else 16)
+        expected = self.model.generate(follow_up, max_new_tokens=3, do_sample=False)
+        torch.testing.assert_close(ours.sequences, expected, rtol=0, atol=0)
+
     def test_continuing_without_fields_still_pads(self):
         # The cache holds the first call's padding: the follow-up must be padded the same way, fields or not.
         config = GenerationConfig(max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
