@@ -71,7 +71,8 @@ def generate(model, *args, **kwargs):
     Returns:
         What `model.generate` returns, with the padding removed from `sequences` and from the per-position outputs
         (prefill `hidden_states`, the query axis of prefill `attentions`, and any key axis that spans the padded
-        sequence), and the dummy rows removed from every output. A returned cache holds the padded prompt: a later
+        sequence; a static cache's attentions have upstream's key axis on every layer and step), and the dummy rows
+        removed from every output. A returned cache holds the padded prompt: a later
         bucketed call that continues from it (multi-turn chat) pads the conversation the same way.
 
     Example:
