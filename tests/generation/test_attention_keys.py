@@ -98,10 +98,15 @@ def hide_user_pads(output, attention_mask) -> None:
     attention weights are compared: a row masked everywhere is `1 / keys` on every key, in both runs.
     """
     pads = ~attention_mask.bool().repeat_interleave(output.sequences.shape[0] // attention_mask.shape[0], dim=0)
-    output["hidden_states"] = (
-        tuple(h.masked_fill(pads[..., None], 0.0) for h in output.hidden_states[0]),
-        *output.hidden_states[1:],
-    )
+    width = pads.shape[1]
+    hidden = []
+    for layers in output.hidden_states:  # without a cache, every step re-runs the prompt
+        if layers[0].shape[1] >= width:
+            layers = tuple(
+                torch.cat([h[:, :width].masked_fill(pads[..., None], 0.0), h[:, width:]], 1) for h in layers
+            )
+        hidden.append(layers)
+    output["hidden_states"] = tuple(hidden)
 
 
 def assert_upstream(test, got, want, attention_mask, path: str) -> None:
@@ -149,6 +154,14 @@ class AttentionKeysTest(unittest.TestCase):
     def test_every_layer_and_step_is_upstream(self, name, lengths, bucket, new_tokens):
         got, want = self.assert_upstream(name, lengths, bucket, new_tokens)
         self.assertEqual(key_axes(got), key_axes(want))
+
+    @parameterized.expand([("llama",), ("mistral_8",), ("gemma2",)])
+    def test_dynamic_cache_and_no_cache(self, name):
+        # A key axis that spans the padded sequence loses the padding; a query that attends to nothing gets upstream's
+        # weights on the keys left (`1 / keys`).
+        for fields in ({"cache_implementation": None, "max_cache_len": None}, {"use_cache": False}):
+            with self.subTest(**fields):
+                self.assert_upstream(name, (20, 14), 32, 3, **fields)
 
     def test_full_attention_spans_the_cache(self):
         # The issue's case: a 512-slot cache returns 512 keys on every layer at every step, not the 256-slot window.

@@ -16,6 +16,10 @@ with zeros at the slots the call did not read: there upstream's weights are 0 to
 layers thus span the cache's slots, token `i` at slot `i` as in an unpadded run; with the unpadded run's cache length
 (`max_cache_len` pinned) the shapes and values are an unpadded run's.
 
+A query that may attend to no key (a position of the user's own padding) has the same weight on every key it read;
+upstream's row has `1 / keys` on its keys, and so does the returned one (`place_keys`, which also strips the padding
+from a dynamic cache's key axis).
+
 The layout of each layer is noted when the call's cache is made (`key_layouts`, in `Plan.key_layouts`); the tokens
 a forward leaves in the cache come from its step (`output.strip_output`). A weight tensor whose key axis is not the
 one its layer reads at that step is left as it is (with a warning, once): its layout is unknown.
@@ -120,10 +124,17 @@ def upstream_keys(attention, layout: KeyLayout | None, tokens: int, added: int, 
     keys, upstream_first = upstream.read(held, tokens - added - held)
     # Upstream's slot j holds the unpadded position `upstream_first + j`: here `upstream_first + j + added`, slot
     # `upstream_first + j + added - first` of what the call read.
-    offset = upstream_first + added - first
-    start, stop = max(0, -offset), min(keys, attention.shape[-1] - offset)
+    return place_keys(attention, upstream_first + added - first, keys)
+
+
+def place_keys(attention, offset: int, keys: int):
+    """
+    `attention` `[B, heads, query, read]` on a key axis of `keys` slots, slot `j` taking the weight of slot
+    `j + offset` of what was read (0 where nothing was). `keys = read - added` and `offset = added` strip the padding.
+    """
     if offset == 0 and attention.shape[-1] == keys:
         return attention
+    start, stop = max(0, -offset), min(keys, attention.shape[-1] - offset)
     result = attention.new_zeros((*attention.shape[:-1], keys))
     if stop > start:
         result[..., start:stop] = attention[..., start + offset : stop + offset]

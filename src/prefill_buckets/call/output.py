@@ -3,7 +3,7 @@
 import torch
 from transformers.utils import ModelOutput
 
-from .attention_keys import layouts_for, upstream_keys
+from .attention_keys import layouts_for, place_keys, upstream_keys
 from .cache import CACHE_KWARGS
 from .padding import strip_left
 from .plan import Plan
@@ -46,11 +46,8 @@ def _strip_attentions(layers: tuple, plan: Plan, seen: int) -> tuple:
         layouts = layouts_for(plan.key_layouts, len(layers))
     if layouts is None:  # a dynamic cache, or none: a key axis that spans the padded sequence loses the padding
         return tuple(
-            _strip_if(
-                _strip_if(attention, -2, seen, added),
-                -1,
-                seen if seen != plan.static_cache_length else None,
-                added,
+            _strip_keys(
+                _strip_if(attention, -2, seen, added), seen if seen != plan.static_cache_length else None, added
             )
             for attention in layers
         )
@@ -60,6 +57,13 @@ def _strip_attentions(layers: tuple, plan: Plan, seen: int) -> tuple:
             attention = upstream_keys(attention, layout, seen, added, cached=seen - attention.shape[-2])
         stripped.append(_strip_if(attention, -2, seen, added))
     return tuple(stripped)
+
+
+def _strip_keys(attention, padded_size: int | None, added: int):
+    """Strips `added` keys when the key axis spans the padded sequence, as upstream's softmax would weigh the rest."""
+    if attention is None or padded_size is None or added == 0 or attention.shape[-1] != padded_size:
+        return attention
+    return place_keys(attention, added, padded_size - added)
 
 
 def _take_rows(value, rows: int):
