@@ -35,7 +35,7 @@ import prefill_buckets
 from prefill_buckets.call import attention_keys, windows
 from prefill_buckets.compilation import GraphCounter
 
-from .test_all_outputs import assert_same
+from .test_all_outputs import assert_same, hide_user_pads
 from .tiny_models import CACHE, single_thread_module
 
 
@@ -89,24 +89,6 @@ def config(new_tokens: int, **fields) -> GenerationConfig:
     return GenerationConfig(
         max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, return_dict_in_generate=True, **values
     )
-
-
-def hide_user_pads(output, attention_mask) -> None:
-    """
-    Zeroes the prefill hidden states at the user's own pad positions: a query that attends to nothing averages the
-    values of every slot its layer reads, which the mask does not define (`test_equivalence.py` skips them too). Their
-    attention weights are compared: a row masked everywhere is `1 / keys` on every key, in both runs.
-    """
-    pads = ~attention_mask.bool().repeat_interleave(output.sequences.shape[0] // attention_mask.shape[0], dim=0)
-    width = pads.shape[1]
-    hidden = []
-    for layers in output.hidden_states:  # without a cache, every step re-runs the prompt
-        if layers[0].shape[1] >= width:
-            layers = tuple(
-                torch.cat([h[:, :width].masked_fill(pads[..., None], 0.0), h[:, width:]], 1) for h in layers
-            )
-        hidden.append(layers)
-    output["hidden_states"] = tuple(hidden)
 
 
 def assert_upstream(test, got, want, attention_mask, path: str) -> None:
