@@ -145,6 +145,23 @@ class AttentionKeysTest(unittest.TestCase):
             with self.subTest(**fields):
                 self.assert_upstream(name, (20, 14), 32, 3, **fields)
 
+    def test_chunked_prefill(self):
+        # The documented deviation: the prefill step returns its last chunk, as upstream's does, but the chunks split
+        # the padded prompt (32 = 16 + 16, upstream's 20 = 16 + 4). The decode steps are upstream's.
+        model = make("gemma2")
+        input_ids, attention_mask = batch((20, 14))
+        generation_config = config(3, prefill_chunk_size=16)
+        want = model.generate(input_ids, attention_mask=attention_mask, generation_config=generation_config)
+        got = prefill_buckets.generate(
+            model, input_ids, attention_mask=attention_mask, generation_config=generation_config, prefill_buckets=[32]
+        )
+        self.assertEqual([a.shape[-2] for a in want.attentions[0]], [4, 4])
+        self.assertEqual([a.shape[-2] for a in got.attentions[0]], [16, 16])
+        self.assertEqual(got.hidden_states[0][0].shape[1], 16)
+        for output in (got, want):
+            output["attentions"], output["hidden_states"] = output.attentions[1:], output.hidden_states[1:]
+        assert_same(self, got, want, "decode steps")
+
     def test_full_attention_spans_the_cache(self):
         # The case: a 512-slot cache returns 512 keys on every layer at every step, not the 256-slot window.
         got, _ = self.assert_upstream("llama", (20,), 32, 3)
