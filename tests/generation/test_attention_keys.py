@@ -6,8 +6,8 @@
 # slots upstream's layers return. Compared here against upstream eager on the unpadded prompt with `max_cache_len`
 # pinned to 512 (the windows read 256 slots): every field, attentions with every value (the user's own pad queries
 # too), on full-attention (Llama, Qwen3), sliding-window (Mistral: a window of 8 that prompts overflow, and of 300 that
-# decode fills) and hybrid (Gemma 2, Gemma 3) models; eager and compiled (counting backend). Without the fix the
-# attentions have the window (256) or the ring (window + new tokens) as their key axis.
+# decode fills), chunked (Llama 4) and hybrid (Gemma 2, Gemma 3) models; eager and compiled (counting backend).
+# Without the fix the attentions have the window (256) or the ring (window + new tokens) as their key axis.
 
 import functools
 import unittest
@@ -36,6 +36,7 @@ from prefill_buckets.call import attention_keys, windows
 from prefill_buckets.compilation import GraphCounter
 
 from .test_all_outputs import assert_same, hide_user_pads
+from .test_sliding import MODELS as SLIDING_MODELS
 from .tiny_models import CACHE, single_thread_module
 
 
@@ -144,6 +145,13 @@ class AttentionKeysTest(unittest.TestCase):
         for fields in ({"cache_implementation": None, "max_cache_len": None}, {"use_cache": False}):
             with self.subTest(**fields):
                 self.assert_upstream(name, (20, 14), 32, 3, **fields)
+
+    def test_chunked_attention(self):
+        # Llama 4's chunked-attention layers (chunks of 16) are rings too; with a full-attention layer beside them.
+        base = SLIDING_MODELS["llama4"]()
+        model = type(base)._from_config(base.config, attn_implementation="eager").eval()
+        got, _ = self.assert_upstream("llama4", (20, 14), 32, 6, model=model)
+        self.assertEqual(key_axes(got), {(20, SLOTS), (16, SLOTS)})
 
     def test_chunked_prefill(self):
         # The documented deviation: the prefill step returns its last chunk, as upstream's does, but the chunks split
