@@ -145,12 +145,12 @@ class GenerationModesTest(RobustnessTestBase):
         expected = model.generate(input_ids, **kwargs)
         actual = prefill_buckets.generate(model, input_ids, prefill_buckets=[8], **kwargs)
         self.assertSameIds(actual.sequences, expected.sequences)
-        # Prefill: the query axis is the prompt's 6 tokens. The key axis spans each run's static cache: upstream's
-        # prompt is in slots 0-5, the bucketed one in slots 2-7 (after 2 pad slots), and every other slot gets 0.
+        # Prefill: the query axis is the prompt's 6 tokens. The key axis spans each run's static cache (8 slots
+        # upstream, more here), the prompt in slots 0-5 in both (the 2 pad slots taken off), every other slot 0.
         for got, want in zip(actual.attentions[0], expected.attentions[0]):
             self.assertEqual(got.shape[:-1], want.shape[:-1])
-            torch.testing.assert_close(got[..., 2:8], want[..., :6], atol=1e-5, rtol=1e-4)
-            self.assertEqual(got[..., :2].abs().sum().item(), 0.0)
+            self.assertEqual(got.shape[-1], actual[CACHE].get_max_length())
+            torch.testing.assert_close(got[..., :8], want, atol=1e-5, rtol=1e-4)
             self.assertEqual(got[..., 8:].abs().sum().item(), 0.0)
 
     def test_custom_generate_runs_unbucketed(self):

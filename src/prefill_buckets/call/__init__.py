@@ -12,7 +12,7 @@
    prefill). The cache: its length and record (`cache.py`), the windows its layers read (`windows.py`, with
    `ring.py` for sliding-window layers), and the graphs it compiles (`budget.py`).
 7. Mark the cache: `cache.record_call`.
-8. Strip: `output.py`.
+8. Strip: `output.py`, with `attention_keys.py` (a static cache's attentions laid out as upstream's layers lay them).
 
 The compile tooling (`compilation.py`, `warmup.py`, `compile_cache.py`, `aot_compiled.py`, `aot_key.py`), the command
 line (`cli.py`, `benchmark/`) and the user's API (`config.py`, `buckets.py`, `patch.py`) sit beside this subpackage.

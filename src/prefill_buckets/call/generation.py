@@ -71,9 +71,10 @@ def generate(model, *args, **kwargs):
     Returns:
         What `model.generate` returns, with the padding removed from `sequences` and from the per-position outputs
         (prefill `hidden_states`, the query axis of prefill `attentions`, and any key axis that spans the padded
-        sequence), and the dummy rows removed from every output. A returned cache records the call's bucket fields and
-        any padding it holds (left padding, dummy rows): a later call that continues from it (multi-turn chat) and
-        sets no bucket field of its own is bucketed the same way, its prompt lined up with that padding.
+        sequence; a static cache's attentions have upstream's key axis on every layer and step), and the dummy rows
+        removed from every output. A returned cache records the call's bucket fields and any padding it holds (left
+        padding, dummy rows): a later call that continues from it (multi-turn chat) and sets no bucket field of its
+        own is bucketed the same way, its prompt lined up with that padding.
 
     Example:
 

@@ -37,6 +37,7 @@ from ..compilation import EagerFallback, compiled_forward
 from ..config import PREFILL_PAD_TO_MULTIPLE_OF, PREFILL_PADDING_SIDE
 from ..state import LOCK, PROCESS, state_of
 from . import prefill_right, views  # noqa: F401  (they declare the hooks of their own steps)
+from .attention_keys import key_layouts
 from .budget import budget_of, restore_recompile_limit, restore_user_recompile_limits
 from .cache import cache_seq_length, early_initialize, passed_cache, sequence_length, static_cache_length
 from .hook_registry import _ACTIVE_PLAN, HOOKS, hook, hook_targets, make_hooked
@@ -120,6 +121,7 @@ def _prepare_cache_for_generation(plan, step):
     plan.static_cache_length = cache_length
     if cache is not None and open_windows(cache, _compat.attention_implementation(model.config)):
         plan.windowed_cache = cache
+    plan.key_layouts = key_layouts(cache)
     # What prefill runs on: the padded prompt, or, continuing from a cache, the tokens the cache lacks.
     cached_tokens = (cache_seq_length(cache) or 0) if cache is not None else 0  # `None`: the model keeps no cache
     prefill = plan.right.bucket if plan.right is not None else plan.padded_length - cached_tokens

@@ -3,6 +3,7 @@
 import torch
 from transformers.utils import ModelOutput
 
+from .attention_keys import layouts_for, place_keys, upstream_keys
 from .cache import CACHE_KWARGS
 from .padding import strip_left
 from .plan import Plan
@@ -21,7 +22,8 @@ def strip_output(output, plan: Plan):
         output["sequences"] = strip_left(sequences, plan.added_id_columns)
     # The sequence the model has seen at step `s` spans `padded_length + s` positions. Prefill hidden states and
     # the prefill query axis span it; without a cache (`use_cache=False`) every step re-runs the whole sequence, so
-    # every step's do; a dynamic cache's key axis does too. A static cache's key axis is the cache: left as is.
+    # every step's do; a dynamic cache's key axis does too. A static cache's key axis is its layer's slots, which
+    # `attention_keys.upstream_keys` lays out as upstream's layer would in the unpadded call.
     added = plan.added_positions
     if output.get("hidden_states") is not None:
         output["hidden_states"] = tuple(
@@ -29,22 +31,39 @@ def strip_output(output, plan: Plan):
             for step, layers in enumerate(output["hidden_states"])
         )
     if output.get("attentions") is not None:
-        steps = []
-        for step, layers in enumerate(output["attentions"]):
-            seen = plan.padded_length + step
-            steps.append(
-                tuple(
-                    _strip_if(
-                        _strip_if(attention, -2, seen, added),  # [B, heads, query, key]
-                        -1,
-                        seen if seen != plan.static_cache_length else None,
-                        added,
-                    )
-                    for attention in layers
-                )
-            )
-        output["attentions"] = tuple(steps)
+        output["attentions"] = tuple(
+            _strip_attentions(layers, plan, plan.padded_length + step)
+            for step, layers in enumerate(output["attentions"])
+        )
     return output
+
+
+def _strip_attentions(layers: tuple, plan: Plan, seen: int) -> tuple:
+    """One step's attentions `[B, heads, query, key]` per layer, after which the model has seen `seen` positions."""
+    added = plan.added_positions
+    layouts = None
+    if plan.key_layouts is not None and plan.right is None and layers:
+        layouts = layouts_for(plan.key_layouts, len(layers))
+    if layouts is None:  # a dynamic cache, or none: a key axis that spans the padded sequence loses the padding
+        return tuple(
+            _strip_keys(
+                _strip_if(attention, -2, seen, added), seen if seen != plan.static_cache_length else None, added
+            )
+            for attention in layers
+        )
+    stripped = []
+    for attention, layout in zip(layers, layouts):
+        if attention is not None:  # the forward's cache held `seen - query` tokens before it
+            attention = upstream_keys(attention, layout, seen, added, cached=seen - attention.shape[-2])
+        stripped.append(_strip_if(attention, -2, seen, added))
+    return tuple(stripped)
+
+
+def _strip_keys(attention, padded_size: int | None, added: int):
+    """Strips `added` keys when the key axis spans the padded sequence, as upstream's softmax would weigh the rest."""
+    if attention is None or padded_size is None or added == 0 or attention.shape[-1] != padded_size:
+        return attention
+    return place_keys(attention, added, padded_size - added)
 
 
 def _take_rows(value, rows: int):

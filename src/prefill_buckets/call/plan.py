@@ -49,6 +49,9 @@ class Plan:
     expected_graphs: Any = None  # with a compiled forward: what the call expects to compile (`budget.CallGraphs`)
     static_cache_length: int | None = None  # slots of the call's static cache, once it is made
     windowed_cache: Any = None  # the static cache whose full-attention layers read windows (`windows.py`)
+    # How each layer of the call's static cache lays out the keys it reads (`attention_keys.key_layouts`), for the
+    # attentions `output.strip_output` returns; `None`: no static cache.
+    key_layouts: tuple | None = None
     # The windows the call's decode steps (1-token forwards) read (`None`: a cache without windows), for the budget.
     decode_windows_read: set = field(default_factory=set)
 

@@ -19,6 +19,9 @@ cost of a step becomes the tokens held, rounded up to a window, not the slots al
   where `_compat.sliding_layer_problem` finds upstream's layer changed, they stay upstream's, and a compiled forward
   retraces at every decode step past the window, as upstream's does. Recurrent, hybrid and cross-attention layers are
   untouched.
+- `output_attentions=True` leaves the windows on: `attention_keys.py` puts each layer's weights back at the slots
+  upstream's layer returns (zeros where nothing was read), a copy per step after `generate`; windows off would read
+  every slot and compile other graphs.
 - Outside a bucketed call the layers are upstream's again (`close_windows` restores their class and counts): a cache
   handed back to the user reads every slot, as upstream's does, and continues as upstream's would.
 

@@ -1,0 +1,149 @@
+"""The key axis of the attentions a bucketed call returns with a static cache: upstream's, on every layer and step.
+
+Each layer's attention weights `[B, heads, query, keys]` have the slots its forward read as their key axis. Upstream's
+layers read, for a forward of `q` tokens after `held` tokens (an unpadded call's counts):
+
+- a full-attention `StaticLayer` of `C` slots: all of them, slot `j` holding the position `j`: `C` keys;
+- a sliding-window `StaticSlidingWindowLayer` of `S` slots (its window, or the cache when shorter): `S` keys while the
+  window is not full after the forward, `held + q` while it fills on this forward (slot `j` the position `j` both
+  times), and `S - 1 + q` once it was full, slot `j` the position `held - S + 1 + j`.
+
+A bucketed call's layers read otherwise: a windowed full-attention layer reads its first `W` slots (`windows.py`), a
+ring `S + q` slots from the position `max(0, held - S)` (`ring.py`), and every position is `added` later than in the
+unpadded call (the left padding). `upstream_keys` puts each weight at the slot upstream's layer gives its position,
+with zeros at the slots the call did not read: there upstream's weights are 0 too, as the mask hides those positions
+(the window holds every position the forward's queries may attend to, `windows.window_length`). Full-attention
+layers thus span the cache's slots, token `i` at slot `i` as in an unpadded run; with the unpadded run's cache length
+(`max_cache_len` pinned) the shapes and values are an unpadded run's.
+
+A query that may attend to no key (a position of the user's own padding) has the same weight on every key it read;
+upstream's row has `1 / keys` on its keys, and so does the returned one (`place_keys`, which also strips the padding
+from a dynamic cache's key axis).
+
+The layout of each layer is noted when the call's cache is made (`key_layouts`, in `Plan.key_layouts`); the tokens
+a forward leaves in the cache come from its step (`output.strip_output`). A weight tensor whose key axis is not the
+one its layer reads at that step is left as it is (with a warning, once): its layout is unknown.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from transformers.utils import logging
+
+from .. import _compat
+from .ring import SlidingWindowRing
+from .windows import WindowedStaticLayer, window_length
+
+
+logger = logging.get_logger(__name__)
+
+FULL, SLIDING, RING = "full", "sliding", "ring"
+
+
+@dataclass(frozen=True)
+class KeyLayout:
+    """How one static cache layer lays out the keys its forwards read."""
+
+    kind: str  # FULL (a `StaticLayer`, windowed or not), SLIDING (upstream's sliding-window layer) or RING
+    slots: int  # the layer's `max_cache_len`: the cache length, or the sliding window's slots
+
+    def read(self, held: int, new: int) -> tuple[int, int]:
+        """
+        `(keys, first)` of upstream's layer for a forward of `new` tokens after `held`: the length of the key axis it
+        returns and the position its slot 0 holds (slot `j` holds `first + j`). A full-attention layer's keys are
+        all its slots; the call's windowed layer reads a prefix of them (`accepts`).
+        """
+        if self.kind == FULL:
+            return self.slots, 0
+        if self.kind == RING:
+            return self.slots + new, max(0, held - self.slots)
+        if held >= self.slots:  # full before this forward
+            return self.slots - 1 + new, held - self.slots + 1
+        return max(self.slots, held + new), 0
+
+    def accepts(self, keys: int, held: int, new: int) -> bool:
+        """Whether `keys` is the key axis this layer returns for that forward (a window, for a full-attention one)."""
+        if self.kind == FULL:
+            return keys in (self.slots, window_length(held + new, self.slots))
+        return keys == self.read(held, new)[0]
+
+
+def key_layouts(cache) -> tuple | None:
+    """The `KeyLayout` of each layer of a static `cache` (`None` for a layer of another kind), or `None`."""
+    if cache is None or not _compat.is_static_cache(cache):
+        return None
+    layouts = []
+    for layer in cache.layers:
+        kind = None
+        if type(layer) in (_compat.StaticLayer, WindowedStaticLayer):
+            kind = FULL
+        elif type(layer) is SlidingWindowRing:
+            kind = RING
+        elif type(layer) is _compat.StaticSlidingWindowLayer:
+            kind = SLIDING
+        layouts.append(None if kind is None else KeyLayout(kind, layer.max_cache_len))
+    return tuple(layouts)
+
+
+def layouts_for(layouts: tuple, attention_layers: int) -> tuple | None:
+    """
+    The layouts of a step's `attention_layers` weight tensors: one per cache layer, or one per attention layer of the
+    cache (a hybrid model's recurrent layers return none). `None` when neither count fits (a warning, once).
+    """
+    if len(layouts) == attention_layers:
+        return layouts
+    attention = tuple(layout for layout in layouts if layout is not None)
+    if len(attention) == attention_layers:
+        return attention
+    logger.warning_once(
+        f"The attentions have {attention_layers} layers and the static cache {len(layouts)} ({len(attention)} of "
+        "attention): their key axes are returned as the call's layers read them."
+    )
+    return None
+
+
+def upstream_keys(attention, layout: KeyLayout | None, tokens: int, added: int, cached: int):
+    """
+    `attention` `[B, heads, query, keys]`, from a forward of a bucketed call after which the cache holds `tokens`
+    (the call's count: `added` padding positions in front) and before which it held `cached`, with its key axis as
+    upstream's layer would return it in the unpadded call (see the module docstring).
+    """
+    if attention is None or layout is None:
+        return attention
+    new = attention.shape[-2]
+    if not layout.accepts(attention.shape[-1], cached, new):
+        logger.warning_once(
+            f"An attention tensor has {attention.shape[-1]} keys where its cache layer reads "
+            f"{layout.read(cached, new)[0]}: it is returned as the layer read it."
+        )
+        return attention
+    _, first = layout.read(cached, new)  # a full-attention layer's window is its first slots: 0 too
+    # The unpadded call's counts: its cache held the same tokens without the padding (none on a fresh prefill).
+    held = cached - added if cached else 0
+    upstream = layout if layout.kind != RING else KeyLayout(SLIDING, layout.slots)  # a ring is the call's own
+    keys, upstream_first = upstream.read(held, tokens - added - held)
+    # Upstream's slot j holds the unpadded position `upstream_first + j`: here `upstream_first + j + added`, slot
+    # `upstream_first + j + added - first` of what the call read.
+    return place_keys(attention, upstream_first + added - first, keys)
+
+
+def place_keys(attention, offset: int, keys: int):
+    """
+    `attention` `[B, heads, query, read]` on a key axis of `keys` slots, slot `j` taking the weight of slot
+    `j + offset` of what was read (0 where nothing was). `keys = read - added` and `offset = added` strip the padding.
+    """
+    if offset == 0 and attention.shape[-1] == keys:
+        return attention
+    start, stop = max(0, -offset), min(keys, attention.shape[-1] - offset)
+    result = attention.new_zeros((*attention.shape[:-1], keys))
+    if stop > start:
+        result[..., start:stop] = attention[..., start + offset : stop + offset]
+    # A query that may attend to no key (one of the user's own pad positions) gets the softmax of a row masked
+    # everywhere: the same weight on every key read, `1 / keys` upstream. Any other query's row holds a 0 (a masked
+    # slot: a pad, a future position or one past the sliding window) or, attending to every slot read, the weights
+    # of distinct scores: only those rows are one value throughout.
+    unattended = (attention == attention[..., :1]).all(-1) & (attention[..., 0] > 0)  # [B, heads, query]
+    if bool(unattended.any()):
+        uniform = torch.tensor(1.0 / keys, dtype=torch.float32).to(attention.dtype)
+        result = torch.where(unattended[..., None], uniform.to(result.device), result)
+    return result
