@@ -33,7 +33,7 @@ $(VENV)/.stamp: setup.py $(CONSTRAINTS)
 	test -x $(VENV_PYTHON) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install "torch==$(TORCH_VERSION)"
 	$(PIP) install transformers -c $(CONSTRAINTS)
-	$(PIP) install -e ".[testing,quality]" -c $(CONSTRAINTS)
+	$(PIP) install -e ".[testing,quality,serving]" -c $(CONSTRAINTS)
 	touch $@
 
 venv-oldest: $(OLDEST_VENV)/.stamp

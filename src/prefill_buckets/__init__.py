@@ -9,7 +9,8 @@ Where things are:
   `compile_cache.py` (the warm start), `aot_compiled.py` and `aot_key.py` (`aot_forward`);
 - the coupling to upstream: `_compat.py` (every private torch and transformers name), `support.py` (the version gate),
   `selftest.py`; state kept between calls: `state.py`; tensor parallelism: `distributed.py`;
-- the command line: `cli.py` (`python -m prefill_buckets`), `benchmark/`, `env.py`.
+- the command line: `cli.py` (`python -m prefill_buckets`), `benchmark/`, `env.py`, `serving.py` (`serve`: transformers
+  serve with bucketed generate).
 """
 
 from .aot_compiled import aot_forward

@@ -445,3 +445,35 @@ def serialize_compiled(function, external_data: dict) -> bytes:
 def external_refs(function) -> set[str]:
     """The global names an ahead-of-time compiled function's bytecode reads, which torch does not save."""
     return function._artifacts.runtime_env.external_refs
+
+
+# `transformers serve` (`serving.py`): upstream's `Serve` command and the class that loads its models.
+
+
+def serve_unavailable() -> str | None:
+    """Why `transformers serve` can't run here (its extra is not installed), or `None`."""
+    from transformers.utils.import_utils import is_serve_available
+
+    if is_serve_available():
+        return None
+    return (
+        'transformers serve needs FastAPI and uvicorn: pip install "transformers-prefill-buckets[serving]" '
+        '(or "transformers[serving]").'
+    )
+
+
+def serve_command():
+    """`transformers serve` as a click command, with upstream's own options (its `Serve` class, through typer)."""
+    import typer
+    from transformers.cli.serve import Serve
+
+    app = typer.Typer(add_completion=False)
+    app.command(name="serve")(Serve)
+    return typer.main.get_command(app)
+
+
+def serve_model_manager():
+    """The class whose `load_model_and_processor` loads the models `transformers serve` serves."""
+    from transformers.cli.serving.model_manager import ModelManager
+
+    return ModelManager

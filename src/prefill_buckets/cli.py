@@ -8,6 +8,9 @@ compiled calls, eager fallbacks and whether the tokens equal an eager run. About
 prints a table and writes a JSON file and a plot. See `prefill-buckets bench --help` and the `benchmark` subpackage.
 
 `env`: the versions, device and tested range a bug report needs (`env.py`).
+
+`serve`: transformers' own OpenAI-compatible server (`transformers serve`) with bucketed, precompiled generate
+(`serving.py`); needs `pip install "transformers-prefill-buckets[serving]"`.
 """
 
 import argparse
@@ -16,7 +19,7 @@ import sys
 
 import torch
 
-from . import _compat, benchmark, env, generate
+from . import _compat, benchmark, env, generate, serving
 from .buckets import next_power_of_two
 from .compilation import GraphCounter
 from .testing_utils import tiny_llama
@@ -115,7 +118,19 @@ def main(argv=None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     benchmark.add_arguments(p)
-    args = parser.parse_args(argv)
+    serve_parser = sub.add_parser(
+        "serve",
+        help="transformers serve (OpenAI-compatible) with bucketed, precompiled generate",
+        description=serving.SERVE_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    serving.add_arguments(serve_parser)
+    # `serve` passes the options it doesn't know to transformers serve; the other commands take none.
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "serve":
+        return serving.main(args, serve_parser, rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "bench":
         return benchmark.bench(args)
     if args.command == "env":

@@ -62,6 +62,7 @@ def precompile(
     progress: bool = True,
     min_prompt_length: int | None = None,
     prompt_lengths: Iterable[int] | None = None,
+    generate_kwargs: dict | None = None,
 ) -> list[CompiledShape]:
     r"""
     Compiles every graph that `generate` with `generation_config` can need for prompts of `min_prompt_length` (1 by
@@ -111,6 +112,11 @@ def precompile(
             A sample of the prompt lengths later calls will send (token counts, say from a log): `min_prompt_length`
             and `max_prompt_length` are taken from it, so only the buckets the sample reaches are warmed up. Not
             together with either of them.
+        generate_kwargs (`dict`, *optional*):
+            More keyword arguments that every warm-up call passes to `generate`, as later calls will pass them.
+            Upstream `generate` hands some of them to the forward (in transformers 5.24, `tokenizer`, which
+            `transformers serve` passes with every request), and a compiled forward called with other keyword
+            arguments than its warm-up compiles again. Not `input_ids`, `attention_mask` or `generation_config`.
 
     Returns:
         `list[CompiledShape]`: one entry per warm-up call, longest first, with the graphs torch compiled for it. Their
@@ -141,6 +147,12 @@ def precompile(
                 f"{'is empty' if not lengths else f'holds {bad[0]!r}'}."
             )
         min_prompt_length, max_prompt_length = min(lengths), max(lengths)
+    generate_kwargs = dict(generate_kwargs or {})
+    taken = sorted(set(generate_kwargs) & {"input_ids", "attention_mask", "generation_config", "inputs"})
+    if taken:
+        raise ValueError(
+            f"`generate_kwargs` must not hold {taken}: every warm-up call sets its own prompt, mask and config."
+        )
     wrapper = model
     module = _compat.unwrap(model)
     generation_config = copy.deepcopy(generation_config if generation_config is not None else module.generation_config)
@@ -224,7 +236,13 @@ def precompile(
             generation_config.max_new_tokens = generation_config.min_new_tokens = new_tokens
             input_ids = torch.full((batch_size, prompt_length), token_id, dtype=torch.long, device=device)
             attention_mask = torch.ones_like(input_ids)
-            generate(wrapper, input_ids, attention_mask=attention_mask, generation_config=generation_config)
+            generate(
+                wrapper,
+                input_ids,
+                attention_mask=attention_mask,
+                generation_config=generation_config,
+                **generate_kwargs,
+            )
         generation_config.max_new_tokens = generation_config.min_new_tokens = 2
         input_ids = torch.full((batch_size, length), token_id, dtype=torch.long, device=device)
         attention_mask = torch.ones_like(input_ids)
@@ -232,7 +250,13 @@ def precompile(
             # Batches usually come with rows of different lengths: where they take the left side (its own prefill
             # graph per bucket; decode shares the graph), warm that one too, with a last row one token shorter.
             attention_mask[-1, 0] = 0
-            generate(wrapper, input_ids, attention_mask=attention_mask, generation_config=generation_config)
+            generate(
+                wrapper,
+                input_ids,
+                attention_mask=attention_mask,
+                generation_config=generation_config,
+                **generate_kwargs,
+            )
         cache_length = _compat.previous_max_cache_length(module)
         compiled.append(
             CompiledShape(
