@@ -1,6 +1,6 @@
 """Every causal-LM architecture transformers ships, bucketed against upstream: one table row per `model_type`.
 
-    python utils/arch_sweep.py [--only llama gpt2 ...] [--timeout 60] [--write table.md]
+    python utils/arch_sweep.py [--only llama gpt2 ...] [--timeout 60] [--write table.md] [--large]
 
 For each `model_type` of transformers' causal-LM auto mapping (`MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`), a tiny model is
 built from its default config, shrunk (`tiny_config`: 2 layers, hidden 32, 4 heads, vocab 128, at most 512
@@ -472,17 +472,40 @@ def summary(rows: list[Row]) -> str:
     )
 
 
-def sweep_arguments(description: str, argv=None) -> argparse.Namespace:
-    """A sweep's command line: `--only` some model types, `--timeout` per architecture, `--write` the table."""
+# `--large`: the sizes of a shrunken default config one step up (issue 36's sweep): hidden 64, heads of 16, a 21-token
+# prompt (pow2: bucket 32) and a batch row left-padded by 5.
+LARGE_SIZES = {
+    ("hidden_size", "n_embd", "d_model", "embed_dim", "dim", "word_embed_proj_dim"): 64,
+    ("head_dim", "kv_channels", "attention_head_dim"): 16,
+    ("intermediate_size", "ffn_dim", "decoder_ffn_dim", "n_inner", "d_ff", "d_inner"): 128,
+    ("moe_intermediate_size", "shared_expert_intermediate_size", "expert_intermediate_size"): 32,
+}
+
+
+def use_large_sizes() -> None:
+    """Sweeps the `LARGE_SIZES` models and prompts from now on (this process)."""
+    global PROMPT_LENGTH, RAGGED_PAD
+    for names, size in LARGE_SIZES.items():
+        TINY_SIZES.update(dict.fromkeys(names, size))
+    PROMPT_LENGTH, RAGGED_PAD = 21, 5
+
+
+def sweep_arguments(description: str, argv=None, large: bool = False) -> argparse.Namespace:
+    """
+    A sweep's command line: `--only` some model types, `--timeout` per architecture, `--write` the table, and with
+    `large`, `--large` (`LARGE_SIZES`).
+    """
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--only", nargs="+", help="model types to run (default: all of the causal-LM mapping)")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per architecture")
     parser.add_argument("--write", help="also write the markdown table to this file")
+    if large:
+        parser.add_argument("--large", action="store_true", help="hidden 64, a 21-token prompt (`LARGE_SIZES`)")
     return parser.parse_args(argv)
 
 
 def main(argv=None) -> int:
-    args = sweep_arguments(__doc__.split("\n")[0], argv)
+    args = sweep_arguments(__doc__.split("\n")[0], argv, large=True)
 
     import torch
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -491,6 +514,8 @@ def main(argv=None) -> int:
     logging.set_verbosity_error()  # upstream's own advice, once per architecture, would bury the table
     logging.get_logger("prefill_buckets").propagate = False  # the table says what it logged
     torch.set_num_threads(min(2, torch.get_num_threads()))
+    if args.large:
+        use_large_sizes()
     model_types = args.only or sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
     rows = []
     for model_type in model_types:
