@@ -1,16 +1,22 @@
 """Every causal-LM architecture transformers ships, bucketed against upstream: one table row per `model_type`.
 
-    python utils/arch_sweep.py [--only llama gpt2 ...] [--timeout 60] [--write table.md]
+    python utils/arch_sweep.py [--only llama gpt2 ...] [--timeout 60] [--write table.md] [--large]
 
 For each `model_type` of transformers' causal-LM auto mapping (`MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`), a tiny model is
 built from its default config, shrunk (`tiny_config`: 2 layers, hidden 32, 4 heads, vocab 128, at most 512
-positions, every layer kind of a hybrid kept). On one prompt and on a ragged batch of 2 (the second row left-padded by
-the user), upstream `generate` (greedy, a few new tokens, a static cache where upstream takes one, else its default
-cache) is compared with `prefill_buckets.generate(..., prefill_buckets="pow2")`. Eager, no compile. Each cell is:
+positions, every layer kind of a hybrid kept). On one prompt, on a ragged batch of 2 (the second row left-padded by
+the user) with its mask, and on the same batch without a mask (inferred from the pad tokens, as upstream infers it),
+upstream `generate` (greedy, a few new tokens, a static cache where upstream takes one, else its default cache) is
+compared with `prefill_buckets.generate(..., prefill_buckets="pow2")`, tokens and each step's logits. Eager, no
+compile. A tiny random model often repeats one token whatever it attends to, so equal tokens alone would hide a wrong
+mask or window: the logits show it. A multi-head latent attention config also gets a second row, `TYPE (fewer kv
+heads)`, with the generic shrink's key/value heads (2 of 4): upstream then runs only without a mask (`VARIANTS`).
+Each cell is:
 
-- `right` / `left`: bucketed on that side, the same tokens as upstream;
+- `right` / `left`: bucketed on that side, the same tokens and logits as upstream;
 - `unpadded: <reason>`: the package ran upstream's unpadded call and said why (exact by construction);
-- `DIFFERS` / `CRASH: <error>`: the bucketed call returned other tokens, or raised where upstream ran (a bug);
+- `DIFFERS` / `CRASH: <error>`: the bucketed call returned other tokens or logits (`DIFFERS (logits by X at step N;
+  side)`), or raised where upstream ran (a bug);
 - `upstream fails: <error>`: upstream `generate` itself raises on this tiny model (nothing to compare);
 - `no tiny config: <why>`: no small model could be built from the default config.
 
@@ -58,11 +64,24 @@ MODEL_OVERRIDES = {
     "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1},
     "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
 }
+# Rows besides the default shrink, for the model types whose config they apply to: name -> (applies to the default
+# config's values, what the variant changes in the shrunk kwargs). Multi-head latent attention builds one key head per
+# query head: the default row states as many key/value heads (upstream then runs with a static cache and a mask); this
+# one keeps the generic shrink's fewer heads, as a shrunken default config does (upstream runs only without a mask).
+VARIANTS = {
+    "fewer kv heads": (
+        lambda values: "kv_lora_rank" in values and "num_key_value_heads" in values,
+        lambda kwargs: {**kwargs, "num_key_value_heads": TINY_SIZES["num_key_value_heads"]},
+    ),
+}
 MAX_PARAMETERS = 20_000_000  # a shrunk config still bigger than this is not tiny: its row says so
 VOCAB = 128
 NEW_TOKENS = 4
 PROMPT_LENGTH = 11  # pow2: bucket 16
 RAGGED_PAD = 4  # the batch's second row is left-padded by the user with this many masked pads
+# Each step's logits may differ from upstream's by float rounding (another sequence length, another reduction order):
+# at most this much, relative to the largest logit (or 1).
+LOGITS_TOLERANCE = 1e-4
 
 
 @dataclass
@@ -72,11 +91,12 @@ class Row:
     cache: str = ""  # "static", or "dynamic" where upstream takes no static cache
     one_prompt: str = ""
     batch_of_2: str = ""
+    batch_no_mask: str = ""
     seconds: float = 0.0
 
     @property
-    def cells(self) -> tuple[str, str]:
-        return self.one_prompt, self.batch_of_2
+    def cells(self) -> tuple[str, str, str]:
+        return self.one_prompt, self.batch_of_2, self.batch_no_mask
 
     @property
     def failed(self) -> bool:
@@ -199,12 +219,26 @@ def _tiny_kwargs(config) -> dict:
     return kwargs
 
 
-def tiny_config(model_type: str):
-    """The default config of `model_type`, shrunk to a tiny model (see `TINY_SIZES`)."""
+def variants_of(model_type: str) -> list[str]:
+    """The `VARIANTS` that apply to `model_type`'s default config (none when it can't be built)."""
+    from transformers import AutoConfig
+
+    try:
+        values = AutoConfig.for_model(model_type).to_dict()
+    except Exception:
+        return []
+    return [name for name, (applies, _) in VARIANTS.items() if applies(values)]
+
+
+def tiny_config(model_type: str, variant: str | None = None):
+    """The default config of `model_type`, shrunk to a tiny model (see `TINY_SIZES`), in `variant` (see `VARIANTS`)."""
     from transformers import AutoConfig
 
     default = AutoConfig.for_model(model_type)
-    config = AutoConfig.for_model(model_type, **_tiny_kwargs(default))
+    kwargs = _tiny_kwargs(default)
+    if variant is not None:
+        kwargs = VARIANTS[variant][1](kwargs)
+    config = AutoConfig.for_model(model_type, **kwargs)
     for name, token in SPECIAL_TOKENS.items():  # on the text config too, where generate reads them
         setattr(config, name, token)
     config._attn_implementation = None
@@ -243,7 +277,7 @@ def _prompts():
     batch = torch.randint(3, VOCAB, (2, PROMPT_LENGTH), generator=generator)
     mask = torch.ones_like(batch)
     batch[1, :RAGGED_PAD], mask[1, :RAGGED_PAD] = 0, 0
-    return {"one_prompt": (one, torch.ones_like(one)), "batch_of_2": (batch, mask)}
+    return {"one_prompt": (one, torch.ones_like(one)), "batch_of_2": (batch, mask), "batch_no_mask": (batch, None)}
 
 
 class _SideRecorder:
@@ -298,6 +332,8 @@ SHORT_REASONS = (
     ("ignores the attention mask", "the mask is ignored"),
     ("builds a dynamic mask from the keys", "a mask built from the keys"),
     ("adds the cache length to the positions", "positions plus the cache length"),
+    ("repeats its keys", "keys repeated past the query heads"),
+    ("place their window of", "a local window from the cache's end"),
 )
 
 
@@ -328,12 +364,15 @@ def compare(model, input_ids, attention_mask, cache_implementation) -> tuple[str
     import prefill_buckets
 
     kwargs = {
-        "attention_mask": attention_mask,
         "max_new_tokens": NEW_TOKENS,
         "do_sample": False,
         "cache_implementation": cache_implementation,
         "pad_token_id": 0,
+        "output_logits": True,
+        "return_dict_in_generate": True,
     }
+    if attention_mask is not None:
+        kwargs["attention_mask"] = attention_mask
     expected = model.generate(input_ids, **kwargs)
     recorder = _SideRecorder()
     try:
@@ -344,29 +383,44 @@ def compare(model, input_ids, attention_mask, cache_implementation) -> tuple[str
     except Exception as error:
         return "", f"CRASH: {_short(error)}"
     cell = _bucketed_cell(recorder)
-    if actual.shape != expected.shape or not torch.equal(actual, expected):
+    ours, theirs = actual.sequences, expected.sequences
+    if ours.shape != theirs.shape or not torch.equal(ours, theirs):
         return "", f"DIFFERS ({cell})"
+    differs = logits_difference(actual.logits, expected.logits)
+    if differs is not None:
+        return "", f"DIFFERS (logits by {differs[1]:.1e} at step {differs[0]}; {cell})"
     return "", cell
 
 
-def sweep_one(model_type: str, timeout: float = 120.0) -> Row:
-    """The row of one `model_type`."""
+def logits_difference(ours, theirs) -> tuple[int, float] | None:
+    """`(step, largest difference)` of the first step whose logits differ past `LOGITS_TOLERANCE`, or `None`."""
+    for step, (a, b) in enumerate(zip(ours, theirs)):
+        difference = (a.float() - b.float()).abs().nan_to_num(0.0).max().item()
+        scale = max(1.0, b.float().abs().nan_to_num(0.0).max().item())
+        if difference > LOGITS_TOLERANCE * scale:
+            return step, difference
+    return None
+
+
+def sweep_one(model_type: str, timeout: float = 120.0, variant: str | None = None) -> Row:
+    """The row of one `model_type` (in `variant`, see `VARIANTS`)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    row = Row(model_type, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, "?"))
+    label = model_type if variant is None else f"{model_type} ({variant})"
+    row = Row(label, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, "?"))
 
     def timed_out(error):
-        for name in ("one_prompt", "batch_of_2"):
+        for name in ("one_prompt", "batch_of_2", "batch_no_mask"):
             if not getattr(row, name):
                 setattr(row, name, f"timeout ({error})")
 
     with timed_row(row, timeout, timed_out):
         try:
-            model = build_tiny_model(model_type)
+            model = build_tiny_model(model_type, tiny_config(model_type, variant))
         except ArchitectureTimeout:
             raise
         except Exception as error:
-            row.one_prompt = row.batch_of_2 = f"no tiny config: {_short(error)}"
+            row.one_prompt = row.batch_of_2 = row.batch_no_mask = f"no tiny config: {_short(error)}"
             return row
         for name, (input_ids, attention_mask) in _prompts().items():
             cell = None
@@ -391,14 +445,15 @@ def markdown_table(rows: list[Row]) -> str:
 
     lines = [
         f'transformers {transformers.__version__}, `prefill_buckets="pow2"`, a {PROMPT_LENGTH}-token prompt and a '
-        f"batch of 2 (one row left-padded by {RAGGED_PAD}), {NEW_TOKENS} greedy new tokens:",
+        f"batch of 2 (one row left-padded by {RAGGED_PAD}), with its mask and without, {NEW_TOKENS} greedy new tokens, "
+        "tokens and logits:",
         "",
-        "| model_type | class | cache | one prompt | batch of 2 |",
-        "|---|---|---|---|---|",
+        "| model_type | class | cache | one prompt | batch of 2 | batch, no mask |",
+        "|---|---|---|---|---|---|",
     ]
     for row in rows:
         lines.append(f"| `{row.model_type}` | `{row.model_class}` | {row.cache or '-'} | {row.one_prompt} | "
-                     f"{row.batch_of_2} |")  # fmt: skip
+                     f"{row.batch_of_2} | {row.batch_no_mask} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -409,24 +464,48 @@ def summary(rows: list[Row]) -> str:
         for cell in row.cells:
             kind = cell.split(":")[0].split(" ")[0]
             counts[kind] = counts.get(kind, 0) + 1
+    types = {row.model_type.split(" (")[0] for row in rows}
     return (
-        f"{len(rows)} model types, upstream runs on {len(upstream_runs)}; cells: "
+        f"{len(types)} model types in {len(rows)} rows, upstream runs on {len(upstream_runs)} rows; cells: "
         + ", ".join(f"{kind} {n}" for kind, n in sorted(counts.items()))
         + f"; rows where the bucketed call crashed or differed: {sum(r.failed for r in rows)}"
     )
 
 
-def sweep_arguments(description: str, argv=None) -> argparse.Namespace:
-    """A sweep's command line: `--only` some model types, `--timeout` per architecture, `--write` the table."""
+# `--large`: the sizes of a shrunken default config one step up (issue 36's sweep): hidden 64, heads of 16, a 21-token
+# prompt (pow2: bucket 32) and a batch row left-padded by 5.
+LARGE_SIZES = {
+    ("hidden_size", "n_embd", "d_model", "embed_dim", "dim", "word_embed_proj_dim"): 64,
+    ("head_dim", "kv_channels", "attention_head_dim"): 16,
+    ("intermediate_size", "ffn_dim", "decoder_ffn_dim", "n_inner", "d_ff", "d_inner"): 128,
+    ("moe_intermediate_size", "shared_expert_intermediate_size", "expert_intermediate_size"): 32,
+}
+
+
+def use_large_sizes() -> None:
+    """Sweeps the `LARGE_SIZES` models and prompts from now on (this process)."""
+    global PROMPT_LENGTH, RAGGED_PAD
+    for names, size in LARGE_SIZES.items():
+        TINY_SIZES.update(dict.fromkeys(names, size))
+    PROMPT_LENGTH, RAGGED_PAD = 21, 5
+
+
+def sweep_arguments(description: str, argv=None, large: bool = False) -> argparse.Namespace:
+    """
+    A sweep's command line: `--only` some model types, `--timeout` per architecture, `--write` the table, and with
+    `large`, `--large` (`LARGE_SIZES`).
+    """
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--only", nargs="+", help="model types to run (default: all of the causal-LM mapping)")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per architecture")
     parser.add_argument("--write", help="also write the markdown table to this file")
+    if large:
+        parser.add_argument("--large", action="store_true", help="hidden 64, a 21-token prompt (`LARGE_SIZES`)")
     return parser.parse_args(argv)
 
 
 def main(argv=None) -> int:
-    args = sweep_arguments(__doc__.split("\n")[0], argv)
+    args = sweep_arguments(__doc__.split("\n")[0], argv, large=True)
 
     import torch
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -435,13 +514,16 @@ def main(argv=None) -> int:
     logging.set_verbosity_error()  # upstream's own advice, once per architecture, would bury the table
     logging.get_logger("prefill_buckets").propagate = False  # the table says what it logged
     torch.set_num_threads(min(2, torch.get_num_threads()))
+    if args.large:
+        use_large_sizes()
     model_types = args.only or sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
     rows = []
     for model_type in model_types:
-        row = sweep_one(model_type, timeout=args.timeout)
-        print(f"{model_type}: {row.cache or '-'} | {row.one_prompt} | {row.batch_of_2} ({row.seconds:.1f} s)",
-              file=sys.stderr, flush=True)  # fmt: skip
-        rows.append(row)
+        for variant in (None, *variants_of(model_type)):
+            row = sweep_one(model_type, timeout=args.timeout, variant=variant)
+            print(f"{row.model_type}: {row.cache or '-'} | {' | '.join(row.cells)} ({row.seconds:.1f} s)",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            rows.append(row)
     table = markdown_table(rows)
     print(table)
     print(summary(rows))

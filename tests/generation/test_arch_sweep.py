@@ -7,6 +7,7 @@ import importlib.util
 import unittest
 from pathlib import Path
 
+import torch
 from parameterized import parameterized
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.testing_utils import slow
@@ -44,6 +45,7 @@ CI_SAMPLE = {
     "doge": "a dynamic mask built from the keys: neither side (other tokens on 5.17)",
     "gemma4_unified_text": "per-layer head sizes (the cache's size in the growth warning; transformers 5.24 only)",
     "git": "adds the cache length to its decode positions: not left (other tokens on 5.17)",
+    "glm4_moe_lite": "latent attention; with fewer kv heads, upstream runs only without a mask (transformers 5.24 only)",
 }
 
 
@@ -58,6 +60,8 @@ class ArchitectureSweepTest(unittest.TestCase):
         row = arch_sweep.sweep_one(model_type, timeout=120)
         self.assertNoFailedRow(row)
         self.assertTrue(row.cache, f"{model_type}: upstream should run on the tiny model: {row.one_prompt}")
+        for variant in arch_sweep.variants_of(model_type):
+            self.assertNoFailedRow(arch_sweep.sweep_one(model_type, timeout=120, variant=variant))
 
     def test_cells_say_what_ran(self):
         # A bucketed call that runs unpadded says why; one that is padded names the side.
@@ -65,10 +69,34 @@ class ArchitectureSweepTest(unittest.TestCase):
         self.assertTrue(bidirectional.one_prompt.startswith("unpadded: "), bidirectional.one_prompt)
         self.assertIn("bidirectional", bidirectional.one_prompt)
         llama = arch_sweep.sweep_one("llama")
-        self.assertEqual(llama.cells, ("right", "right"))  # the batch's rows right-padded each after its end
+        self.assertEqual(llama.cells, ("right", "right", "right"))  # the batch's rows right-padded each after its end
+
+    def test_logits_show_what_tokens_hide(self):
+        # Issue 36: on tiny random models a wrong mask or window left the tokens equal (each row repeats one token),
+        # and only the logits differed. A difference past the tolerance is a failed cell.
+        theirs = (torch.zeros(2, 8), torch.zeros(2, 8))
+        self.assertIsNone(arch_sweep.logits_difference(theirs, theirs))
+        ours = (theirs[0], theirs[1] + torch.tensor([0.0, 4e-3]).view(2, 1))
+        step, difference = arch_sweep.logits_difference(ours, theirs)
+        self.assertEqual(step, 1)
+        self.assertAlmostEqual(difference, 4e-3, places=6)
+        self.assertIsNone(arch_sweep.logits_difference((theirs[0] + 1e-6,), theirs[:1]))  # float rounding
+
+    def test_variants(self):
+        # A latent-attention config gets a row with fewer key/value heads than queries, as a shrunken default has.
+        self.assertEqual(arch_sweep.variants_of("llama"), [])
+        if "deepseek_v3" in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+            self.assertEqual(arch_sweep.variants_of("deepseek_v3"), ["fewer kv heads"])
+            config = arch_sweep.tiny_config("deepseek_v3", "fewer kv heads")
+            self.assertLess(config.num_key_value_heads, config.num_attention_heads)
+            self.assertEqual(arch_sweep.tiny_config("deepseek_v3").num_key_value_heads, config.num_attention_heads)
 
     @slow
     def test_every_architecture(self):
-        rows = [arch_sweep.sweep_one(model_type) for model_type in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)]
+        rows = [
+            arch_sweep.sweep_one(model_type, variant=variant)
+            for model_type in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+            for variant in (None, *arch_sweep.variants_of(model_type))
+        ]
         failed = [row for row in rows if row.failed]
         self.assertEqual(failed, [], arch_sweep.markdown_table(failed))

@@ -9,6 +9,7 @@ import unittest
 import torch
 from parameterized import parameterized
 from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.testing_utils import CaptureLogger
 from transformers.utils import logging
 
@@ -36,8 +37,12 @@ def prompts():
 
 
 class ArchitectureTestBase(unittest.TestCase):
-    def assertExact(self, model, cache_implementation="static", **fields):
-        """Bucketed `generate` gives upstream's tokens on one prompt and a ragged batch; returns the package's logs."""
+    def assertExact(self, model, cache_implementation="static", max_cache_len=None, **fields):
+        """
+        Bucketed `generate` gives upstream's tokens, and each step's logits within 1e-5, on one prompt and a ragged
+        batch; returns the package's logs. (A tiny random model often repeats one token whatever it attends to: the
+        logits show a difference its tokens hide.)
+        """
         logs = []
         for name, input_ids, attention_mask in prompts():
             kwargs = {
@@ -45,13 +50,22 @@ class ArchitectureTestBase(unittest.TestCase):
                 "max_new_tokens": NEW_TOKENS,
                 "do_sample": False,
                 "cache_implementation": cache_implementation,
+                "output_logits": True,
+                "return_dict_in_generate": True,
             }
+            if max_cache_len is not None:
+                kwargs["max_cache_len"] = max_cache_len
             expected = model.generate(input_ids, **kwargs)
             std_logging.Logger.warning_once.cache_clear()
             with CaptureLogger(package_logger) as captured:
                 actual = prefill_buckets.generate(model, input_ids, prefill_buckets="pow2", **kwargs, **fields)
             logs.append(captured.out)
-            self.assertTrue(torch.equal(actual, expected), f"{name}:\n{actual}\n!=\n{expected}")
+            self.assertTrue(
+                torch.equal(actual.sequences, expected.sequences),
+                f"{name}:\n{actual.sequences}\n!=\n{expected.sequences}",
+            )
+            for step, (ours, theirs) in enumerate(zip(actual.logits, expected.logits)):
+                torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5, msg=f"{name}, logits of step {step}")
         return logs
 
 
@@ -140,3 +154,78 @@ class NeitherSideTest(ArchitectureTestBase):
         model = tiny("xlnet", d_model=32, n_head=4, n_layer=2, d_inner=64)
         logs = self.assertExact(model)
         self.assertIn("does not pass the attention mask on", logs[1])
+
+
+class Issue36Test(ArchitectureTestBase):
+    """The three rows of issue 36's hidden sweep (part 3), each exact against upstream where upstream runs."""
+
+    def test_model_that_keeps_no_cache(self):
+        # OpenAI GPT takes the static cache and writes nothing to it: every decode step runs the whole sequence, as the
+        # user passed it. A ragged batch's mask must stay the user's (the cache layout's mask hid its last tokens).
+        model = tiny("openai-gpt", n_embd=32, n_head=4, n_layer=2, n_positions=64)
+        logs = self.assertExact(model)
+        self.assertIn("keeps no cache", logs[1])
+
+    def test_local_window_from_the_cache_end(self):
+        # GPT-Neo's local layers place their window from the cache's last slot: with a window shorter than the static
+        # cache, upstream's tokens depend on the cache's length, so the call runs unpadded and says why.
+        model = tiny(
+            "gpt_neo",
+            hidden_size=32,
+            num_heads=4,
+            num_layers=2,
+            attention_types=[[["global", "local"], 1]],
+            max_position_embeddings=128,
+            window_size=8,
+            initializer_range=0.2,  # tokens that follow what the local window attends to
+        )
+        for log in self.assertExact(model):
+            self.assertIn("are ignored for this call", log)
+            self.assertIn("place their window of 8 tokens from the end of the static cache", log)
+        # A cache no longer than the window: the local layers attend to every token, so the call is bucketed.
+        model = tiny(
+            "gpt_neo",
+            hidden_size=32,
+            num_heads=4,
+            num_layers=2,
+            attention_types=[[["global", "local"], 1]],
+            max_position_embeddings=128,
+            window_size=64,
+            initializer_range=0.2,
+        )
+        for log in self.assertExact(model, max_cache_len=48):
+            self.assertNotIn("are ignored for this call", log)
+        # A dynamic cache reads the window from each token: bucketed (left), exact.
+        self.assertExact(tiny("gpt_neo", hidden_size=32, num_heads=4, num_layers=2, window_size=8,
+                              attention_types=[[["global", "local"], 1]], max_position_embeddings=128),
+                         cache_implementation=None)  # fmt: skip
+
+    @unittest.skipUnless("glm4_moe_lite" in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, "GLM-4-MoE-Lite is newer")
+    def test_latent_attention_with_fewer_key_value_heads(self):
+        # Latent attention builds one key head per query head; with `num_key_value_heads` below the query heads,
+        # upstream's masked attention repeats them too often and fails. Unmasked, one row runs upstream: a bucketed
+        # call (which needs the mask) runs it unpadded and says why.
+        model = tiny(
+            "glm4_moe_lite",
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            kv_lora_rank=16,
+            q_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=16,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            intermediate_size=64,
+        )
+        one_prompt = prompts()[0][1]
+        kwargs = {"max_new_tokens": NEW_TOKENS, "do_sample": False}
+        expected = model.generate(one_prompt, **kwargs)
+        std_logging.Logger.warning_once.cache_clear()
+        with CaptureLogger(package_logger) as captured:
+            actual = prefill_buckets.generate(model, one_prompt, prefill_buckets="pow2", **kwargs)
+        self.assertTrue(torch.equal(actual, expected))
+        self.assertIn("repeats its keys `num_key_value_groups` times", captured.out)

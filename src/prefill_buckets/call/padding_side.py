@@ -33,7 +33,7 @@ from ..config import PREFILL_PADDING_SIDE
 from ..state import state_of
 from .cache import cache_seq_length, continued_padding, passed_cache, ragged_rows_mask
 from .settings import CallSettings, prompt_rows
-from .side_assumptions import side_assumption_broken
+from .side_assumptions import side_assumption_broken, window_from_the_cache_end
 
 
 logger = logging.get_logger(__name__)
@@ -54,7 +54,10 @@ class PaddingSide:
 
 def choose_side(model, settings: CallSettings, arguments: dict, model_kwargs: dict) -> PaddingSide:
     """The padding side of a bucketed call (see the module docstring for the rule)."""
-    side = _rule(model, settings, arguments, model_kwargs)
+    call = _Call(model, settings, arguments, model_kwargs)
+    if call.window_reason is not None:
+        return PaddingSide("unpadded", call.window_reason)
+    side = _rule(call)
     if side.side == "left":
         left_broken = side_assumption_broken(model, "left")
         if left_broken is not None:
@@ -132,6 +135,41 @@ class _Call:
     @cached_property
     def layers_reason(self) -> str | None:
         return _layers_reason(self.model, self.cache, self.slots)
+
+    @cached_property
+    def window_reason(self) -> str | None:
+        """
+        Why the call must run unpadded for a model whose local window counts from the cache's end (GPT-Neo), or `None`.
+        Upstream's tokens depend on its static cache's length once that is longer than the window; padding shifts the
+        prompt in the cache and bucketing sizes the cache another way, so only a cache no longer than the window (both
+        calls' local layers then attend to every token before the query) is padded.
+        """
+        window = window_from_the_cache_end(self.model)
+        if window is None or not self.settings.use_cache:
+            return None
+        if self.cache is not None:
+            if not _compat.is_static_cache(self.cache):
+                return None
+            slots, whose = self.cache_slots, "the cache passed in has"
+        elif _is_dynamic(self.settings.cache_implementation):
+            return None
+        elif self.settings.max_cache_len is not None:
+            slots, whose = self.settings.max_cache_len, "`max_cache_len` is"
+        else:
+            # Sized by the package: the model's cache when the call fits it, else at most the model's positions (or
+            # what the call needs, when that is more).
+            needed = self.bucket + self.settings.new_tokens(self.prompt_length)
+            previous = _compat.previous_max_cache_length(self.model)
+            slots = previous if previous >= needed else max(needed, self.settings.max_positions or needed + window)
+            whose = "a bucketed call's static cache can have"
+        if slots <= window:
+            return None
+        return (
+            f"`{self.model_name}`'s local attention layers place their window of {window} tokens from the end of the "
+            f"static cache, not from each token, so upstream's tokens depend on the cache's length once it is longer "
+            f"than the window, and {whose} {slots} slots: a padded prompt in a bucketed cache would get other tokens. "
+            "Pin `max_cache_len` to at most the window to bucket, or use a dynamic cache"
+        )
 
     @cached_property
     def ragged_reason(self) -> str | None:
@@ -339,9 +377,8 @@ def rule_table() -> str:
     return "\n".join(["| case | side | why |", "| --- | --- | --- |", *rows])
 
 
-def _rule(model, settings: CallSettings, arguments: dict, model_kwargs: dict) -> PaddingSide:
+def _rule(call: _Call) -> PaddingSide:
     """The side of the first case of `RULE` that applies to the call."""
-    call = _Call(model, settings, arguments, model_kwargs)
     case = next(case for case in RULE if case.condition(call))
     reason = case.reason.format(call=call)
     if case.side == "right":

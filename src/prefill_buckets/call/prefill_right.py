@@ -82,6 +82,14 @@ def prefill_right(plan: Plan, step):
     if column is not None:
         # [rows, kept, vocab] -> [rows, 1, vocab]: each row's logits at its own last position
         outputs["logits"] = outputs.logits[torch.arange(rows, device=device), column].unsqueeze(1)
+    if (cache_seq_length(cache) or 0) == past:
+        # The forward wrote nothing to the cache (OpenAI GPT takes it and keeps none): every decode step runs the whole
+        # sequence again, as the user passed it, with the user's mask. Decode stays upstream's, mask and cache too.
+        logger.warning_once(
+            f"`{type(model).__name__}` keeps no cache: its prefill is bucketed, and each decode step runs the whole "
+            "sequence again, as upstream's does (a new shape every step)."
+        )
+        return outputs
     _compat.set_static_cache_length(cache, past + new_tokens)
     if past == 0 and model_kwargs.get("attention_mask") is not None:
         # The cache's layout: row i's tokens in slots 0..L_i-1, the decode steps from slot S on. [rows, S]

@@ -51,6 +51,23 @@ MASK_FROM_KEYS = ("DogeForCausalLM",)
 POSITIONS_PLUS_CACHE = ("GitForCausalLM",)
 
 
+# Models whose local-attention layers place their window from the last slot of the keys they read, not from the query's
+# position (GPT-Neo slices its causal buffer by the key length): with a static cache, the cache's length. Upstream's
+# tokens then depend on its cache's length once that is longer than the window, and a bucketed call's cache is another
+# length, its prompt shifted by the pads. By class name: the config field that holds the window.
+WINDOW_FROM_THE_CACHE_END = {"GPTNeoForCausalLM": "window_size"}
+
+
+def window_from_the_cache_end(model) -> int | None:
+    """The window of `model`'s local layers when they count it from the cache's end (`WINDOW_FROM_THE_CACHE_END`)."""
+    field = WINDOW_FROM_THE_CACHE_END.get(type(model).__name__)
+    if field is None:
+        return None
+    window = getattr(model.config, field, None)
+    layers = getattr(model.config, "attention_layers", None) or ()
+    return window if isinstance(window, int) and "local" in layers else None
+
+
 def _ignores_the_mask(model) -> bool:
     return type(model).__name__ in MASK_IGNORED_BY
 
@@ -68,6 +85,39 @@ def _compresses_the_cache(model) -> bool:
     config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
     layer_types = getattr(config, "layer_types", None) or ()
     return getattr(config, "compress_rates", None) is not None or any("compress" in str(t) for t in layer_types)
+
+
+def _latent_key_heads(module) -> int | None:
+    """The key heads a multi-head latent attention module builds (`kv_b_proj`: nope and value parts per head)."""
+    projection = getattr(module, "kv_b_proj", None)
+    weight = getattr(projection, "weight", None)
+    part = [module.__dict__.get(name) for name in ("qk_nope_head_dim", "v_head_dim")]
+    if not isinstance(weight, torch.Tensor) or weight.ndim != 2 or not all(isinstance(p, int) and p > 0 for p in part):
+        return None
+    rows = weight.to_local().shape[0] if hasattr(weight, "to_local") else weight.shape[0]
+    return rows // sum(part) if rows % sum(part) == 0 else None
+
+
+def repeated_key_heads(model) -> tuple[int, int] | None:
+    """
+    `(keys repeated, query heads)` of the first attention module whose keys, repeated `num_key_value_groups` times as
+    upstream's masked attention repeats them, are not its query heads, or `None`. Multi-head latent attention (DeepSeek,
+    GLM-4-MoE-Lite) builds one key head per query head, so a config whose `num_key_value_heads` is below
+    `num_attention_heads` repeats them too often: upstream's eager attention and masked SDPA then fail, and only
+    SDPA without a mask (one row, nothing padded, where upstream skips the mask) runs.
+    """
+    for module in model.modules():
+        groups, heads = module.__dict__.get("num_key_value_groups"), module.__dict__.get("num_heads")
+        if not (isinstance(groups, int) and groups > 1 and isinstance(heads, int)):
+            continue
+        keys = _latent_key_heads(module)
+        if keys is not None and keys * groups != heads:
+            return keys * groups, heads
+    return None
+
+
+def _repeats_keys_past_the_query_heads(model) -> bool:
+    return repeated_key_heads(model) is not None
 
 
 def _drops_the_mask(model) -> bool:
@@ -116,6 +166,13 @@ SIDE_ASSUMPTIONS = (
         "its forward adds the cache length to the positions at decode, so pads in front would shift them",
     ),
     ("left", _compresses_the_cache, "its attention compresses the cached tokens in blocks, pads in front included"),
+    (
+        "left",
+        _repeats_keys_past_the_query_heads,
+        "its attention repeats its keys `num_key_value_groups` times into more heads than its queries have (a "
+        "latent-attention config whose `num_key_value_heads` is below `num_attention_heads`), which fails with the "
+        "attention mask that pads in front need: upstream runs only where it needs no mask",
+    ),
 )
 
 
