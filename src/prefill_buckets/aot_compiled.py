@@ -72,6 +72,9 @@ class AOTForward:
     """A model's forward as a set of ahead-of-time compiled graphs, dispatched by their guards. See [`aot_forward`]."""
 
     def __init__(self, model, backend: str = "inductor", options: dict | None = None):
+        problem = _compat.aot_compile_problem()
+        if problem is not None:
+            raise RuntimeError(problem)
         if _compat.is_compiled_wrapper(model):
             raise ValueError("`aot_forward` takes the model itself, not the `torch.compile(model)` wrapper.")
         if _compat.compiled_call_impl(model) is not None:
@@ -142,7 +145,9 @@ class AOTForward:
         state_guards = []
         keep = functools.partial(self._keep_guard, state_guards=state_guards)
         options = {**self.options, "guard_filter_fn": keep}  # a new dict: `torch.compile` pops from it
-        compiled = torch.compile(self.eager, backend=self.backend, fullgraph=True, dynamic=False, options=options)
+        compiled = _compat.compile_for_aot(
+            self.eager, backend=self.backend, fullgraph=True, dynamic=False, options=options
+        )
         return _compat.aot_compile(compiled, args, kwargs), state_guards
 
     def _keep_guard(self, entries, state_guards: list[str]) -> list[bool]:
