@@ -177,23 +177,32 @@ def _torch_object_problems() -> list[str]:
     return problems
 
 
+# The oldest torch whose ahead-of-time compiled graphs `aot_forward` can run and save. Measured on torch 2.11.0: an
+# `aot_eager` graph can't be saved (its forward is no `OutputCode`), and a graph of a transformers forward fails to
+# compile ("Missing required external references: ['type']").
+AOT_FORWARD_TORCH = (2, 13)
+
+
 @functools.cache
 def aot_compile_problem() -> str | None:
     """
-    Why `aot_forward` can't compile ahead of time on this torch, or `None`: a name it reads is missing, or
-    `torch.compile(function)` has no `aot_compile` (before torch 2.13 it has one only under
-    `torch._dynamo.config.enable_aot_compile`, which `compile_for_aot` sets).
+    Why `aot_forward` can't compile ahead of time on this torch, or `None`: torch is older than `AOT_FORWARD_TORCH`, a
+    name it reads is missing, or `torch.compile(function)` has no `aot_compile` (which torch gives it only under
+    `torch._dynamo.config.enable_aot_compile`, on by default from 2.13; `compile_for_aot` sets it).
     """
-    problems = _missing_torch_names(AOT_TORCH_NAMES)
-    if not problems and not hasattr(compile_for_aot(_probe_function, backend="eager"), "aot_compile"):
-        problems.append("`torch.compile(function).aot_compile` does not exist")
+    if TORCH_VERSION.release[:2] < AOT_FORWARD_TORCH:
+        problems = [f"it needs torch {'.'.join(map(str, AOT_FORWARD_TORCH))} or newer"]
+    else:
+        problems = _missing_torch_names(AOT_TORCH_NAMES)
+        if not problems and not hasattr(compile_for_aot(_probe_function, backend="eager"), "aot_compile"):
+            problems.append("`torch.compile(function).aot_compile` does not exist")
     if not problems:
         return None
     return (
         f"`prefill_buckets.aot_forward` can't compile ahead of time on torch {torch.__version__}: "
         + "; ".join(problems)
-        + f". It is tested on torch {' to '.join(TESTED_TORCH)}; compile with `torch.compile` or `model.compile()` "
-        "on this version instead."
+        + f" (the package is tested on torch {' to '.join(TESTED_TORCH)}). Compile with `torch.compile` or "
+        "`model.compile()` on this version instead: the compile cache then holds torch's own artifacts."
     )
 
 

@@ -48,7 +48,8 @@ def aot_forward(model, backend: str = "inductor", options: dict | None = None) -
     an object set on an instance that the key can't name (a lambda set on the cache) is not kept: calls with its key
     run the eager forward, with a warning.
 
-    Not supported: `mode="reduce-overhead"` (CUDA graphs), graph breaks (the forward must compile as one graph), and
+    Needs torch 2.13 or newer: on an older torch it raises a `RuntimeError` (its graphs of a transformers forward don't
+    compile or save there). Not supported: `mode="reduce-overhead"` (CUDA graphs), graph breaks (the forward must compile as one graph), and
     dynamic shapes. Upstream's own compile of the forward (`compile_config`, or a static cache on CUDA) is not applied
     on top: a bucketed `generate` runs these graphs as they are (with a warning if `compile_config` is set), and
     upstream `generate` compiles `model.__call__` around them with a graph break at the forward.
