@@ -1,7 +1,7 @@
 # The transformers and torch versions CI tests are the ends of the ranges setup.py claims: for transformers, the
 # oldest in constraints/oldest.txt (`make test-oldest`) and the newest in constraints/dev.txt (`make test`); for torch,
 # the oldest in constraints/oldest.txt and the newest in constraints/newest.txt (`make test-newest`). Both ends run the
-# same tests, and `.ci/run` runs both.
+# same tests (the oldest a few more), and `.ci/run` runs both.
 
 import re
 import unittest
@@ -101,12 +101,13 @@ class TestedVersionsTest(unittest.TestCase):
             self.assertIn(f"tests/generation/test_{needed}.py", range_tests)
         for test in range_tests:
             self.assertTrue((ROOT / test).is_file(), test)
-        for target, python, constraints in (
-            ("test-oldest", "$(OLDEST_PYTHON)", "OLDEST_CONSTRAINTS"),
-            ("test-newest", "$(NEWEST_PYTHON)", "NEWEST_CONSTRAINTS"),
+        self.assertEqual(makefile_variable("OLDEST_TESTS")[0], "$(RANGE_TESTS)")  # the oldest runs them and more
+        for target, python, tests in (
+            ("test-oldest", "$(OLDEST_PYTHON)", "$(OLDEST_TESTS)"),
+            ("test-newest", "$(NEWEST_PYTHON)", "$(RANGE_TESTS)"),
         ):
             with self.subTest(target=target):
-                self.assertIn(f"{python} -m pytest $(RANGE_TESTS)", makefile_recipe(target))
+                self.assertIn(f"{python} -m pytest {tests}", makefile_recipe(target))
                 self.assertIn(f"{python} -m prefill_buckets env", makefile_recipe(target))
         self.assertEqual(makefile_variable("OLDEST_CONSTRAINTS"), ["constraints/oldest.txt"])
         self.assertEqual(makefile_variable("NEWEST_CONSTRAINTS"), ["constraints/newest.txt"])
