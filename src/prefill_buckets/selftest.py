@@ -1,6 +1,6 @@
 """`self_test`: bucketed `generate` against upstream's unpadded `generate` on the installed transformers, in a second.
 
-`support.check_upstream` runs it once per process on a transformers version outside the tested range, so that a
+`support.check_upstream` runs it once per process on a transformers or torch version outside the tested range, so that a
 release which changed what a hooked step means fails loudly at the first bucketed call instead of running wrong. The
 verdict is kept: after a failure every bucketed call of the process raises it. Run it yourself with
 `prefill_buckets.selftest.self_test(prefill_buckets.generate)`.
@@ -69,9 +69,11 @@ def self_test(generate) -> None:
                 got = generate(model, input_ids, prefill_buckets=_BUCKETS, **kwargs)
                 if got.shape != expected.shape or not torch.equal(got, expected):
                     raise RuntimeError(
-                        f"prefill_buckets' self-test failed on transformers {transformers.__version__}: a bucketed "
+                        f"prefill_buckets' self-test failed on transformers {transformers.__version__} (torch "
+                        f"{torch.__version__}): a bucketed "
                         f"`generate` (prompt lengths {list(lengths)}, cache {cache_implementation or 'dynamic'}) "
                         f"returned {got.tolist()} where upstream returned {expected.tolist()}. This version changed "
-                        f"a step the package hooks. Install a tested version (transformers "
-                        f"{' to '.join(_compat.TESTED_TRANSFORMERS)}), or unset the prefill bucket fields."
+                        f"a step the package hooks. Install tested versions (transformers "
+                        f"{' to '.join(_compat.TESTED_TRANSFORMERS)}, torch {' to '.join(_compat.TESTED_TORCH)}), or "
+                        "unset the prefill bucket fields."
                     )

@@ -1,13 +1,15 @@
 """The version gate: whether this transformers can be bucketed on, decided once per model class and per process.
 
 `check_upstream` raises when a private name the hooks rely on is missing or reshaped (`_compat.upstream_problems`),
-and, on a transformers outside the tested range (`_compat.TESTED_TRANSFORMERS`), when `selftest.self_test` fails:
-a release that changed what a hooked step means fails loudly at the first bucketed call instead of running wrong.
+and, on a transformers outside the tested range (`_compat.TESTED_TRANSFORMERS`) or a torch outside its own
+(`_compat.TESTED_TORCH`), when `selftest.self_test` fails: a release that changed what a hooked step means fails loudly
+at the first bucketed call instead of running wrong.
 `enable()` and every bucketed call run it; the verdicts are kept, so after a failure every bucketed call of the
 process raises it.
 
-setup.py sets no upper bound on transformers, so pip never downgrades a newer release: on a version outside the
-range the check still runs, and the first bucketed call also runs the self-test and logs which version it is.
+setup.py sets no upper bound on transformers or torch, so pip never downgrades a newer release (for torch, a multi-GB
+download): on a version outside the range the check still runs, and the first bucketed call also runs the self-test
+and logs which version it is.
 
 The self-test compares the package's `generate` with upstream's, and `generate` checks upstream through this module:
 the caller passes its `generate` in, so this module stays below it (no import cycle).
@@ -15,6 +17,7 @@ the caller passes its `generate` in, so this module stays below it (no import cy
 
 import threading
 
+import torch
 import transformers
 from packaging import version
 from transformers.utils import logging
@@ -61,11 +64,23 @@ def check_upstream(model_class: type = _compat._GenerativeModel, *, generate) ->
 
 
 def is_tested_range() -> bool:
+    """Whether the installed transformers and torch are both within their tested ranges (by minor version)."""
+    return is_tested_transformers() and is_tested_torch()
+
+
+def is_tested_transformers() -> bool:
     """Whether the installed transformers is within `_compat.TESTED_TRANSFORMERS` (by minor version)."""
-    oldest, newest = (
-        version.parse(v).release[:2] for v in (_compat.TESTED_TRANSFORMERS[0], _compat.TESTED_TRANSFORMERS[-1])
-    )
-    return oldest <= _compat.TRANSFORMERS_VERSION.release[:2] <= newest
+    return _within(_compat.TRANSFORMERS_VERSION, _compat.TESTED_TRANSFORMERS)
+
+
+def is_tested_torch() -> bool:
+    """Whether the installed torch is within `_compat.TESTED_TORCH` (by minor version; a local build tag is ignored)."""
+    return _within(_compat.TORCH_VERSION, _compat.TESTED_TORCH)
+
+
+def _within(installed: version.Version, tested: tuple[str, ...]) -> bool:
+    oldest, newest = (version.parse(v).release[:2] for v in (tested[0], tested[-1]))
+    return oldest <= installed.release[:2] <= newest and not installed.is_prerelease
 
 
 def _self_test_failure(generate) -> str | None:
@@ -78,12 +93,20 @@ def _self_test_failure(generate) -> str | None:
         return None
     if verdict is not _PENDING:
         return verdict
-    tested = _compat.TESTED_TRANSFORMERS
+    tested, tested_torch = _compat.TESTED_TRANSFORMERS, _compat.TESTED_TORCH
+    outside = [
+        f"{name} {installed}"
+        for name, installed, within in (
+            ("transformers", transformers.__version__, is_tested_transformers()),
+            ("torch", torch.__version__, is_tested_torch()),
+        )
+        if not within
+    ]
     logger.warning(
-        f"prefill_buckets is tested on transformers {tested[0]} to {tested[-1]}, and this is "
-        f"{transformers.__version__}. Every private step it hooks is present with the parameters it reads, and its "
-        "self-test (a tiny model, bucketed against unpadded) passes on this version; compare a few of your own "
-        "outputs against an unbucketed call."
+        f"prefill_buckets is tested on transformers {tested[0]} to {tested[-1]} and torch {tested_torch[0]} to "
+        f"{tested_torch[-1]}, and this is {' with '.join(outside) or 'outside them'}. Every private step it hooks is "
+        "present with the parameters it reads; its self-test (a tiny model, bucketed against unpadded) runs now, and "
+        "every bucketed call raises if it fails. Compare a few of your own outputs against an unbucketed call."
     )
     _self_test_verdict["verdict"] = _RUNNING
     verdict = _PENDING  # interrupted (`KeyboardInterrupt`): no verdict, the next call runs it again

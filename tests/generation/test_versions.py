@@ -1,5 +1,7 @@
-# The transformers versions CI tests are the ends of the range setup.py claims: the newest in constraints/dev.txt
-# (`make test`), the oldest in constraints/oldest.txt (`make test-oldest`).
+# The transformers and torch versions CI tests are the ends of the ranges setup.py claims: for transformers, the
+# oldest in constraints/oldest.txt (`make test-oldest`) and the newest in constraints/dev.txt (`make test`); for torch,
+# the oldest in constraints/oldest.txt and the newest in constraints/newest.txt (`make test-newest`). Both ends run the
+# same tests (the oldest a few more), and `.ci/run` runs both.
 
 import re
 import unittest
@@ -12,13 +14,35 @@ from packaging.version import Version
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def claimed_transformers() -> SpecifierSet:
-    """The `transformers` requirement in setup.py's `install_requires`."""
+def claimed(package: str) -> SpecifierSet:
+    """The `package` requirement in setup.py's `install_requires`."""
     setup = (ROOT / "setup.py").read_text(encoding="utf-8")
-    match = re.search(r"""["']transformers\s*([<>=!~][^"']*)["']""", setup)
+    match = re.search(rf"""["']{package}\s*([<>=!~][^"']*)["']""", setup)
     if match is None:
-        raise AssertionError("setup.py has no `transformers` requirement")
+        raise AssertionError(f"setup.py has no `{package}` requirement")
     return SpecifierSet(match.group(1))
+
+
+def claimed_transformers() -> SpecifierSet:
+    return claimed("transformers")
+
+
+def makefile_variable(name: str) -> list[str]:
+    """The words of a `NAME := ...` assignment in the Makefile, its continuation lines joined."""
+    text = (ROOT / "Makefile").read_text(encoding="utf-8").replace("\\\n", " ")
+    match = re.search(rf"^{name}\s*:=(.*)$", text, re.MULTILINE)
+    if match is None:
+        raise AssertionError(f"the Makefile sets no {name}")
+    return match.group(1).split()
+
+
+def makefile_recipe(target: str) -> str:
+    """The recipe lines of a Makefile target."""
+    text = (ROOT / "Makefile").read_text(encoding="utf-8")
+    match = re.search(rf"^{re.escape(target)}:[^\n]*\n((?:\t[^\n]*\n)*)", text, re.MULTILINE)
+    if match is None:
+        raise AssertionError(f"the Makefile has no target {target}")
+    return match.group(1)
 
 
 def pinned(constraints: str, package: str) -> Version:
@@ -44,8 +68,66 @@ class TestedVersionsTest(unittest.TestCase):
     def test_oldest_pin_is_older_than_the_dev_pin(self):
         self.assertLess(pinned("oldest.txt", "transformers"), pinned("dev.txt", "transformers"))
 
-    def test_same_torch_in_both(self):
-        self.assertEqual(pinned("oldest.txt", "torch"), pinned("dev.txt", "torch"))
+    def test_torch_lower_bound_is_the_oldest_pin(self):
+        lower_bounds = [Version(spec.version) for spec in claimed("torch") if spec.operator == ">="]
+        self.assertEqual(lower_bounds, [pinned("oldest.txt", "torch")])
+
+    def test_every_torch_pin_is_claimed_and_in_order(self):
+        for constraints in ("oldest.txt", "dev.txt", "newest.txt"):
+            with self.subTest(constraints=constraints):
+                self.assertIn(pinned(constraints, "torch"), claimed("torch"))
+        self.assertLess(pinned("oldest.txt", "torch"), pinned("dev.txt", "torch"))
+        self.assertLessEqual(pinned("dev.txt", "torch"), pinned("newest.txt", "torch"))
+
+    def test_newest_pins_a_tested_transformers(self):
+        self.assertEqual(pinned("newest.txt", "transformers"), pinned("dev.txt", "transformers"))
+
+    def test_tested_torch_is_the_pins(self):
+        # The torch range `support.check_upstream` and `env` call tested is the range CI tests.
+        from prefill_buckets import _compat
+
+        self.assertEqual(
+            tuple(Version(v) for v in _compat.TESTED_TORCH),
+            (pinned("oldest.txt", "torch"), pinned("newest.txt", "torch")),
+        )
+
+    def test_no_torch_upper_bound(self):
+        # pip must never downgrade (or re-download, multi-GB) a user's newer torch to install this package.
+        self.assertEqual([spec for spec in claimed("torch") if spec.operator in ("<", "<=", "==", "~=")], [])
+
+    def test_both_ends_run_the_same_tests_in_ci(self):
+        range_tests = makefile_variable("RANGE_TESTS")
+        for needed in ("equivalence", "compile_counts", "windows", "sliding", "aot_compiled", "bounded"):
+            self.assertIn(f"tests/generation/test_{needed}.py", range_tests)
+        for test in range_tests:
+            self.assertTrue((ROOT / test).is_file(), test)
+        self.assertEqual(makefile_variable("OLDEST_TESTS")[0], "$(RANGE_TESTS)")  # the oldest runs them and more
+        for target, python, tests in (
+            ("test-oldest", "$(OLDEST_PYTHON)", "$(OLDEST_TESTS)"),
+            ("test-newest", "$(NEWEST_PYTHON)", "$(RANGE_TESTS)"),
+        ):
+            with self.subTest(target=target):
+                self.assertIn(f"{python} -m pytest {tests}", makefile_recipe(target))
+                self.assertIn(f"{python} -m prefill_buckets env", makefile_recipe(target))
+        self.assertEqual(makefile_variable("OLDEST_CONSTRAINTS"), ["constraints/oldest.txt"])
+        self.assertEqual(makefile_variable("NEWEST_CONSTRAINTS"), ["constraints/newest.txt"])
+        ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+        for target in ("make test-oldest", "make test-newest"):
+            self.assertIn(f"run {target}\n", ci)
+        # The GPU machine's pair is the oldest pair: its check's dry run runs in .venv-oldest.
+        self.assertRegex(ci, r"PYTHON=\.venv-oldest/bin/python bash utils/gpu_check\.sh --dry-run")
+
+    def test_each_environment_installs_its_own_torch_pin(self):
+        # torch is installed first, pinned, from the environment's own constraints file (never a resolved torch).
+        text = (ROOT / "Makefile").read_text(encoding="utf-8")
+        self.assertIn('-m pip install "torch==$(call pin,torch,$(2))"', text)
+        for stamp, constraints in (
+            ("$(VENV)/.stamp", "$(CONSTRAINTS)"),
+            ("$(OLDEST_VENV)/.stamp", "$(OLDEST_CONSTRAINTS)"),
+            ("$(NEWEST_VENV)/.stamp", "$(NEWEST_CONSTRAINTS)"),
+        ):
+            self.assertIn("$(call build_venv,", makefile_recipe(stamp))
+            self.assertIn(f",{constraints},", makefile_recipe(stamp))
 
     def test_tested_versions_are_the_pins(self):
         # The range `support.check_upstream` calls tested (and warns outside of) is the range CI tests.

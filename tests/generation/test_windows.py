@@ -32,6 +32,7 @@ from transformers.testing_utils import CaptureLogger
 from transformers.utils import logging as transformers_logging
 
 import prefill_buckets
+from prefill_buckets import _compat
 from prefill_buckets.call import windows
 from prefill_buckets.call.cache import DEFAULT_CACHE_SLOTS, MAX_UNASKED_SLOTS
 from prefill_buckets.compilation import GraphCounter
@@ -384,6 +385,7 @@ class PrecompileWindowsTest(unittest.TestCase):
         self.assertEqual(counter.graphs, graphs, f"later calls compiled {counter.graphs - graphs} more graphs")
 
 
+@unittest.skipIf(_compat.aot_compile_problem() is not None, "`aot_forward` raises on this torch (test_compat.py)")
 class AOTForwardWindowsTest(unittest.TestCase):
     def setUp(self):
         torch._dynamo.reset()
