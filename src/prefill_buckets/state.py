@@ -54,7 +54,7 @@ class ModelState:
         default_factory=weakref.WeakKeyDictionary
     )
     fallback_warned: bool = False
-    # `(key/value heads, head_dim)` the attention modules hold, by layer (`cache.held_kv_shapes`; `None` until looked
+    # `(key/value heads, head_dim)` the attention modules hold, by layer (`kv_shapes.held_kv_shapes`; `None` until looked
     # up).
     held_kv_shapes: dict | None = None
     # Right padding: why the layers of the static cache `generate` would make can't take it, by slots (`None`: they
