@@ -69,7 +69,7 @@ class BoundedByDefaultTest(unittest.TestCase):
         config = GenerationConfig(
             cache_implementation="static", max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False
         )
-        cache_lengths, prefill_shapes = set(), set()
+        cache_lengths = set()
         for length in lengths:
             calls_before = counter.calls
             out = prefill_buckets.generate(model, prompt(length), generation_config=config, **fields)

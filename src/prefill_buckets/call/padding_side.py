@@ -193,7 +193,9 @@ class Case:
     case: str  # when it applies, in words (the table's first column)
     side: str  # "left" or "right"
     why: str  # in words (the table's third column)
-    condition: Callable[[_Call], object]  # true when the case applies (read after the cases before it did not)
+    # True when the case applies (read after the cases before it did not); `None` for the last case, which takes every
+    # call the others leave.
+    condition: Callable[[_Call], object] | None
     reason: str  # what the call says, with its figures: `reason.format(call=call)`
 
 
@@ -365,7 +367,7 @@ RULE = (
         "everything else: a static cache, attention layers, sdpa or eager attention, none of the cases above",
         "right",
         "exact",
-        lambda call: True,
+        None,
         "exact",
     ),
 )
@@ -379,7 +381,7 @@ def rule_table() -> str:
 
 def _rule(call: _Call) -> PaddingSide:
     """The side of the first case of `RULE` that applies to the call."""
-    case = next(case for case in RULE if case.condition(call))
+    case = next(case for case in RULE if case.condition is None or case.condition(call))
     reason = case.reason.format(call=call)
     if case.side == "right":
         return PaddingSide("right", reason, bucket=call.bucket, past_length=call.past_length)
