@@ -37,6 +37,13 @@ RANGE_TESTS := tests/generation/test_equivalence.py tests/generation/test_compil
 	tests/generation/test_bounded.py tests/generation/test_compat.py tests/generation/test_env.py
 OLDEST_TESTS := $(RANGE_TESTS) tests/generation/test_robustness.py tests/generation/test_arch_sweep.py
 
+# Every test run spreads its tests over TEST_WORKERS processes (pytest-xdist), a test class (or a module's functions)
+# to one process, so a class's `setUpClass` runs once. Most tests are Python-bound (dynamo tracing, tiny models), so
+# two processes on the 2-core CI machine take about half the time of one. `make test TEST_WORKERS=0` runs them in
+# this process (what a debugger or `-s` needs).
+TEST_WORKERS ?= 2
+PYTEST := -m pytest -n $(TEST_WORKERS) --dist loadscope -q
+
 # ---- environments ----------------------------------------------------------------------------------------------
 
 # build_venv FOLDER,CONSTRAINTS,EXTRAS: creates the environment if needed and installs into it in the order above.
@@ -77,21 +84,21 @@ $(VENV)/.bench-stamp: $(VENV)/.stamp
 # ---- tests and code quality ------------------------------------------------------------------------------------
 
 test: venv
-	$(VENV_PYTHON) -m pytest tests/ -q
+	$(VENV_PYTHON) $(PYTEST) tests/
 
 # Output and compile-count equivalence at the ends of the tested ranges (each prints the versions it runs on first):
 # the oldest torch and transformers, then the newest torch.
 test-oldest: venv-oldest
 	$(OLDEST_PYTHON) -m prefill_buckets env
-	$(OLDEST_PYTHON) -m pytest $(OLDEST_TESTS) -q
+	$(OLDEST_PYTHON) $(PYTEST) $(OLDEST_TESTS)
 
 test-newest: venv-newest
 	$(NEWEST_PYTHON) -m prefill_buckets env
-	$(NEWEST_PYTHON) -m pytest $(RANGE_TESTS) -q
+	$(NEWEST_PYTHON) $(PYTEST) $(RANGE_TESTS)
 
 # Also runs the tests marked slow (real SmolLM2 model, many compiled graphs); needs the model package.
 test-slow: bench-venv
-	RUN_SLOW=1 $(VENV_PYTHON) -m pytest tests/ -q
+	RUN_SLOW=1 $(VENV_PYTHON) $(PYTEST) tests/
 
 # Rewrites files: formats and applies safe lint fixes.
 style: venv

@@ -107,7 +107,7 @@ class TestedVersionsTest(unittest.TestCase):
             ("test-newest", "$(NEWEST_PYTHON)", "$(RANGE_TESTS)"),
         ):
             with self.subTest(target=target):
-                self.assertIn(f"{python} -m pytest {tests}", makefile_recipe(target))
+                self.assertIn(f"{python} $(PYTEST) {tests}", makefile_recipe(target))
                 self.assertIn(f"{python} -m prefill_buckets env", makefile_recipe(target))
         self.assertEqual(makefile_variable("OLDEST_CONSTRAINTS"), ["constraints/oldest.txt"])
         self.assertEqual(makefile_variable("NEWEST_CONSTRAINTS"), ["constraints/newest.txt"])
