@@ -255,22 +255,14 @@ def _static_layer_problems() -> list[str]:
     return problems
 
 
-_sliding_verdict: dict = {}
-
-
+@functools.cache
 def sliding_layer_problem() -> str | None:
     """
     What the sliding-window rings (`ring.py`) rely on and this transformers version does not do, or `None`: a
     `StaticSlidingWindowLayer` counts its tokens in `cumulative_length_int` (a tensor `cumulative_length` beside it),
     and keeps the last `max_cache_len` of them in order, slot `j` the position `max(0, held - max_cache_len) + j`.
-    Checked once, on a 4-slot layer fed 3, 2 and 1 tokens.
+    Checked once per process, on a 4-slot layer fed 3, 2 and 1 tokens.
     """
-    if "verdict" not in _sliding_verdict:
-        _sliding_verdict["verdict"] = _sliding_layer_check()
-    return _sliding_verdict["verdict"]
-
-
-def _sliding_layer_check() -> str | None:
     try:
         layer = StaticSlidingWindowLayer(max_cache_len=16, sliding_window=4)
         held = []
@@ -289,6 +281,11 @@ def _sliding_layer_check() -> str | None:
     except Exception as error:  # a reshaped upstream layer: its own path, unchanged
         return f"`transformers.StaticSlidingWindowLayer` can't be checked ({type(error).__name__}: {error})"
     return None
+
+
+# The checks of the installed torch and transformers above that are made once per process (`functools.cache`): what
+# `testing_utils.as_new_process` clears.
+CACHED_CHECKS = (torch_problems, aot_compile_problem, sliding_layer_problem)
 
 
 # ---- transformers ------------------------------------------------------------------------------------------------

@@ -7,7 +7,6 @@ import inspect
 import io
 import json
 import types
-import weakref
 
 import torch
 from transformers.utils import logging
@@ -15,15 +14,10 @@ from transformers.utils import logging
 from . import _compat
 from .aot_key import dispatch_key, is_on_code, module_functions, uncovered
 from .forgotten_enable import generation_configs, warn_if_enable_forgotten
+from .state import PROCESS
 
 
 logger = logging.get_logger(__name__)
-
-# Compiled forwards read from a compile cache file by `stage`, by model fingerprint, until an `AOTForward` of a model
-# with that fingerprint takes them. `_staged_from` names the file, for the warning when none fits.
-_staged: dict[str, list[tuple[dict, bytes]]] = {}
-_staged_from: list[str] = []
-_live: "weakref.WeakSet[AOTForward]" = weakref.WeakSet()
 
 
 def aot_forward(model, backend: str = "inductor", options: dict | None = None) -> "AOTForward":
@@ -102,7 +96,7 @@ class AOTForward:
         self.calls = 0  # calls, each of which ran a compiled graph
         self.eager_calls = 0  # calls that ran the eager forward: a state the dispatch key can't name (`unkeyed`)
         self.unkeyed: dict[str, list[str]] = {}  # by dispatch key: the guards on a state that the key doesn't name
-        _live.add(self)
+        PROCESS.aot_forwards.add(self)
 
     def __reduce__(self):
         # Dynamo pickles the model (an input of every graph) into a graph's guards, and this, as `model.forward`,
@@ -114,7 +108,7 @@ class AOTForward:
     # breaks here and runs these graphs as they are.
     @torch.compiler.disable
     def __call__(self, *args, **kwargs):
-        if _staged or not self.looked_for_staged:
+        if PROCESS.staged_forwards or not self.looked_for_staged:
             self._take_staged()
         dispatch = dispatch_key(args, kwargs)
         key = dispatch.text()
@@ -176,10 +170,10 @@ class AOTForward:
         """Takes the graphs of a compile cache file staged for this model's fingerprint, to load by dispatch key."""
         first_look = not self.looked_for_staged
         self.looked_for_staged = True
-        entries = _staged.pop(self.fingerprint, [])
-        if first_look and not entries and _staged:
+        entries = PROCESS.staged_forwards.pop(self.fingerprint, [])
+        if first_look and not entries and PROCESS.staged_forwards:
             logger.warning(
-                f"The compiled forwards of the compile cache {', '.join(_staged_from)} are for another model (its "
+                f"The compiled forwards of the compile cache {', '.join(PROCESS.staged_from)} are for another model (its "
                 "class, config, parameters, dtype or device differ): this model compiles its own graphs."
             )
         for meta, data in entries:
@@ -270,20 +264,20 @@ def model_fingerprint(model) -> str:
 
 def compiled_functions() -> list[tuple[dict, bytes]]:
     """Every function the `AOTForward`s of this process compiled, for `save_compile_cache`."""
-    return [entry for forward in list(_live) for entry in forward.serialized()]
+    return [entry for forward in list(PROCESS.aot_forwards) for entry in forward.serialized()]
 
 
 def live_models() -> list:
     """The models of this process's `AOTForward`s."""
-    return [forward.model for forward in list(_live)]
+    return [forward.model for forward in list(PROCESS.aot_forwards)]
 
 
 def stage(entries: list[tuple[dict, bytes]], source: str) -> None:
     """Keeps compiled functions read from the file `source` until an `AOTForward` of their model loads them."""
     for meta, data in entries:
-        _staged.setdefault(meta["fingerprint"], []).append(({**meta, "source": source}, data))
+        PROCESS.staged_forwards.setdefault(meta["fingerprint"], []).append(({**meta, "source": source}, data))
     if entries:
-        _staged_from.append(source)
+        PROCESS.staged_from.append(source)
 
 
 def _external_data(model_class: type) -> dict[str, object]:

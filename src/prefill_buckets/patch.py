@@ -14,7 +14,6 @@ What `enable()` changes, and `disable()` puts back exactly:
 """
 
 import functools
-import threading
 
 from transformers import GenerationConfig
 from transformers.generation.utils import GenerationMixin
@@ -22,15 +21,12 @@ from transformers.generation.utils import GenerationMixin
 from . import _compat, support
 from .call import generation
 from .config import FIELD_DOCS, FIELDS, validate_fields
-
-
-_lock = threading.Lock()
-_originals: dict[tuple[type, str], object] = {}  # (owner, attribute) -> what transformers had; empty when disabled
+from .state import PATCH_LOCK, PROCESS
 
 
 def is_enabled() -> bool:
     """Whether `enable()` is in effect."""
-    return bool(_originals)
+    return bool(PROCESS.patched)
 
 
 def enable() -> None:
@@ -52,8 +48,9 @@ def enable() -> None:
     ```
     """
     support.check_upstream(generate=generation.generate)
-    with _lock:
-        if _originals:
+    with PATCH_LOCK:
+        originals = PROCESS.patched  # (owner, attribute) -> what transformers had
+        if originals:
             return
         original_init = GenerationConfig.__init__
         original_validate = GenerationConfig.validate
@@ -83,10 +80,10 @@ def enable() -> None:
 
             return generate
 
-        _originals[(GenerationConfig, "__init__")] = original_init
-        _originals[(GenerationConfig, "validate")] = original_validate
-        _originals[(GenerationConfig, "__doc__")] = GenerationConfig.__doc__
-        _originals[(GenerationMixin, "generate")] = GenerationMixin.__dict__["generate"]
+        originals[(GenerationConfig, "__init__")] = original_init
+        originals[(GenerationConfig, "validate")] = original_validate
+        originals[(GenerationConfig, "__doc__")] = GenerationConfig.__doc__
+        originals[(GenerationMixin, "generate")] = GenerationMixin.__dict__["generate"]
         GenerationConfig.__init__ = __init__
         GenerationConfig.validate = validate
         GenerationConfig.__doc__ = (GenerationConfig.__doc__ or "") + FIELD_DOCS
@@ -96,11 +93,11 @@ def enable() -> None:
 
 def disable() -> None:
     """Restores transformers exactly as it was before [`enable`]. Idempotent; a no-op when not enabled."""
-    with _lock:
-        for (owner, name), original in _originals.items():
+    with PATCH_LOCK:
+        originals = PROCESS.patched
+        for (owner, name), original in originals.items():
             setattr(owner, name, original)
-        if _originals:
-            del (
-                _compat.OptimizedModule.generate
-            )  # upstream has none: attribute lookup falls back to the wrapped module
-        _originals.clear()
+        if originals:
+            # Upstream has none: attribute lookup falls back to the wrapped module.
+            del _compat.OptimizedModule.generate
+        originals.clear()

@@ -6,24 +6,39 @@ Everything that outlives a single `generate` call is named here. Most of it live
   attribute, so `torch.nn.Module.__setattr__` and `state_dict` never see it), and gone with the object: the graphs
   the model has needed, the hooks' bookkeeping, the shapes each compiled callable failed to compile, and what has
   been warned about.
-- `PROCESS`: what bucketed calls on every model share, since what it counts is process-wide: the calls in flight,
-  the one global patch (`masking_utils._ignore_causal_mask_sdpa`, a module function upstream looks up by name), and
-  torch's recompile limits, which count graphs per code object, shared by every model whose `forward` is that code.
+- `PROCESS`: what the package holds for the whole process. What bucketed calls on every model share, since what it
+  counts is process-wide: the calls in flight, the one global patch (`masking_utils._ignore_causal_mask_sdpa`, a
+  module function upstream looks up by name), and torch's recompile limits, which count graphs per code object,
+  shared by every model whose `forward` is that code. And what is decided or kept once per process: the version
+  gate's verdicts per model class and the self-test's (`support.py`), what `enable()` replaced in transformers
+  (`patch.py`), and `aot_compiled.py`'s graphs read from a file but not yet taken by a model, with the live
+  `AOTForward`s they go to.
+- The locks that guard them: `LOCK` (states, in-flight counters), `PATCH_LOCK` (`enable()` / `disable()`),
+  `VERDICT_LOCK` (a verdict being made).
+
+`testing_utils.as_new_process` gives a test a fresh `PROCESS` (and clears the verdicts below), and restores it after:
+the one reset, so no test touches a module's private state.
 
 The rest must live where it is, each for its reason:
 
-- the hooks, in the model's `__dict__` while a bucketed call runs (`call/hooks.py`): upstream `generate` looks its
-  steps up on the instance;
-- a `CacheRecord` in the cache's `__dict__` (`call/cache.py`): it describes that cache's layout, and a later call
-  finds it on the cache the user passes;
+- what `enable()` changes in transformers, listed in `patch.py` and held in `PROCESS.patched`: `GenerationConfig`'s
+  `__init__`, `validate` and `__doc__`, `GenerationMixin.generate`, and `OptimizedModule.generate`;
+- what a bucketed call changes for its duration, and puts back when the last call on the model returns
+  (`call/hooks.py`, held in `ModelState.replaced`): the hooked steps, set on the model's instance (upstream
+  `generate` looks its steps up there), and `masking_utils._ignore_causal_mask_sdpa`;
+- what a bucketed call changes on the objects it runs with: on upstream's private copy of the generation config, its
+  `max_cache_len` while the cache is made and its `compile_config`'s devices (`call/hooks.py`); the class of each
+  static cache layer read through a window or a ring while the call runs (`call/windows.py`, `call/ring.py`: upstream's
+  classes again when it returns); and a `CacheRecord` in the cache's `__dict__` (`call/cache.py`): it describes that
+  cache's layout, and a later call finds it on the cache the user passes;
 - the active plan and the mask flag, in context variables (`call/hook_registry.py`, `call/hooks.py`): they belong to
   one call, and concurrent calls on one model (threads, tasks) must not see each other's;
 - torch's `recompile_limit` itself (raised by `call.budget.make_room` while calls need it, restored when none is in
   flight);
-- module-level registries that are the process's by nature: `call.hook_registry.HOOKS` (declarations, fixed at
-  import), the version gate's verdicts per class and the self-test's (`support.py`), `_compat`'s verdict on
-  upstream's sliding-window layer, `patch`'s originals of the methods `enable()` replaced, and `aot_compiled`'s graphs
-  loaded from a file but not yet taken by a model, with the live `AOTForward`s they go to.
+- `call.hook_registry.HOOKS`: declarations, fixed at import, not state;
+- checks of the installed torch and transformers, cached with `functools.cache` in `_compat.py`
+  (`torch_problems`, `aot_compile_problem`, `sliding_layer_problem`): facts of the code installed, which can't
+  change in a process (`as_new_process` clears them too).
 """
 
 import threading
@@ -36,6 +51,13 @@ _STATE = "_prefill_buckets_state"
 # Guards creating a state, the in-flight counters and `PROCESS` (no lock is stored on a state: models must stay
 # deep-copyable).
 LOCK = threading.RLock()
+# Guards `enable()` and `disable()` (`PROCESS.patched`).
+PATCH_LOCK = threading.Lock()
+# Held while a verdict of the version gate is made (`support.py`), so a concurrent first call waits for it. Reentrant:
+# the self-test's own bucketed calls re-enter.
+VERDICT_LOCK = threading.RLock()
+# The self-test's verdict before it has run, and while it runs (its own bucketed calls come back to the gate).
+SELF_TEST_PENDING, SELF_TEST_RUNNING = object(), object()
 
 
 @dataclass
@@ -90,6 +112,23 @@ class ProcessState:
     raised_recompile_limit: tuple[int | None, int] = (None, 0)
     # The highest the package raised torch's `accumulated_recompile_limit` to.
     raised_accumulated_limit: int = 0
+
+    # The version gate's verdict per model class (`support.check_upstream`): `None` (passed) or the message it raises,
+    # every time it is asked.
+    upstream_verdicts: dict[type, str | None] = field(default_factory=dict)
+    # The self-test's verdict for this process (it tests the installed versions, not a class): `SELF_TEST_PENDING`
+    # until it has run, `SELF_TEST_RUNNING` while it runs, then `None` (passed) or the message every bucketed call
+    # raises.
+    self_test_verdict: Any = SELF_TEST_PENDING
+    # What `enable()` replaced in transformers, by `(owner, attribute)` (`patch.py`); empty while disabled.
+    patched: dict[tuple[type, str], Any] = field(default_factory=dict)
+    # Compiled forwards read from a compile cache file (`aot_compiled.stage`), by model fingerprint, until an
+    # `AOTForward` of a model with that fingerprint takes them; and the files they were read from, for the warning
+    # when none fits.
+    staged_forwards: dict[str, list[tuple[dict, bytes]]] = field(default_factory=dict)
+    staged_from: list[str] = field(default_factory=list)
+    # Every live `AOTForward`: `save_compile_cache` saves their graphs.
+    aot_forwards: "weakref.WeakSet[Any]" = field(default_factory=weakref.WeakSet)
 
 
 PROCESS = ProcessState()

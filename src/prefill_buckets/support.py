@@ -4,8 +4,8 @@
 and, on a transformers outside the tested range (`_compat.TESTED_TRANSFORMERS`) or a torch outside its own
 (`_compat.TESTED_TORCH`), when `selftest.self_test` fails: a release that changed what a hooked step means fails loudly
 at the first bucketed call instead of running wrong.
-`enable()` and every bucketed call run it; the verdicts are kept, so after a failure every bucketed call of the
-process raises it.
+`enable()` and every bucketed call run it; the verdicts are kept (`state.PROCESS`), so after a failure every bucketed
+call of the process raises it.
 
 setup.py sets no upper bound on transformers or torch, so pip never downgrades a newer release (for torch, a multi-GB
 download): on a version outside the range the check still runs, and the first bucketed call also runs the self-test
@@ -15,8 +15,6 @@ The self-test compares the package's `generate` with upstream's, and `generate` 
 the caller passes its `generate` in, so this module stays below it (no import cycle).
 """
 
-import threading
-
 import torch
 import transformers
 from packaging import version
@@ -24,18 +22,10 @@ from transformers.utils import logging
 
 from . import _compat, selftest
 from .call import hooks
+from .state import PROCESS, SELF_TEST_PENDING, SELF_TEST_RUNNING, VERDICT_LOCK
 
 
 logger = logging.get_logger(__name__)
-
-# The verdict of the name check per class: `None` (passed) or the message it raises, every time it is asked.
-_checked: dict[type, str | None] = {}
-# The self-test's verdict for this process (it tests the transformers version, not a class): `_PENDING` until it has
-# run, `_RUNNING` while it runs (its own bucketed calls come back to `check_upstream`), then `None` or a message.
-_PENDING, _RUNNING = object(), object()
-_self_test_verdict = {"verdict": _PENDING}
-# Held while a verdict is made, so a concurrent first call waits for it. Reentrant: the self-test's calls re-enter.
-_checked_lock = threading.RLock()
 
 
 def check_upstream(model_class: type = _compat._GenerativeModel, *, generate) -> None:
@@ -53,10 +43,11 @@ def check_upstream(model_class: type = _compat._GenerativeModel, *, generate) ->
             The package's bucketed `generate` (`prefill_buckets.generate`), which the self-test compares with
             upstream's.
     """
-    with _checked_lock:
-        if model_class not in _checked:
-            _checked[model_class] = _compat.upstream_problems(model_class, hooks.hook_targets())
-        failure = _checked[model_class]
+    with VERDICT_LOCK:
+        verdicts = PROCESS.upstream_verdicts
+        if model_class not in verdicts:
+            verdicts[model_class] = _compat.upstream_problems(model_class, hooks.hook_targets())
+        failure = verdicts[model_class]
         if failure is None and not is_tested_range():
             failure = _self_test_failure(generate)
     if failure is not None:
@@ -85,13 +76,13 @@ def _within(installed: version.Version, tested: tuple[str, ...]) -> bool:
 
 def _self_test_failure(generate) -> str | None:
     """
-    The self-test's verdict on this transformers version, run on first use (under `_checked_lock`): `None` when it
+    The self-test's verdict on this transformers version, run on first use (under `VERDICT_LOCK`): `None` when it
     passed, or its error message. While it runs, its own bucketed calls pass.
     """
-    verdict = _self_test_verdict["verdict"]
-    if verdict is _RUNNING:
+    verdict = PROCESS.self_test_verdict
+    if verdict is SELF_TEST_RUNNING:
         return None
-    if verdict is not _PENDING:
+    if verdict is not SELF_TEST_PENDING:
         return verdict
     tested, tested_torch = _compat.TESTED_TRANSFORMERS, _compat.TESTED_TORCH
     outside = [
@@ -108,13 +99,13 @@ def _self_test_failure(generate) -> str | None:
         "present with the parameters it reads; its self-test (a tiny model, bucketed against unpadded) runs now, and "
         "every bucketed call raises if it fails. Compare a few of your own outputs against an unbucketed call."
     )
-    _self_test_verdict["verdict"] = _RUNNING
-    verdict = _PENDING  # interrupted (`KeyboardInterrupt`): no verdict, the next call runs it again
+    PROCESS.self_test_verdict = SELF_TEST_RUNNING
+    verdict = SELF_TEST_PENDING  # interrupted (`KeyboardInterrupt`): no verdict, the next call runs it again
     try:
         selftest.self_test(generate)
         verdict = None
     except Exception as error:  # any failure of a bucketed call on this version is the verdict, kept
         verdict = str(error) if isinstance(error, RuntimeError) else f"prefill_buckets' self-test failed: {error!r}"
     finally:
-        _self_test_verdict["verdict"] = verdict
+        PROCESS.self_test_verdict = verdict
     return verdict

@@ -4,9 +4,12 @@ Models and measuring helpers shared by the CLI, the benchmark, the tests and `ut
 
 - `tiny_llama`: a tiny randomly initialised Llama built from a config, for tests and demos (no download);
 - `smollm2_folder`: the real model of the benchmark, SmolLM2-135M-Instruct, as a plain fp32 folder;
-- `TokenClock`: a streamer that notes when each new token arrives (time to first token, decode time per token).
+- `TokenClock`: a streamer that notes when each new token arrives (time to first token, decode time per token);
+- `as_new_process`: the package's process-wide memory as in a new process, for a test that plays one.
 """
 
+import contextlib
+import dataclasses
 import importlib.util
 import os
 import shutil
@@ -19,6 +22,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from . import _compat
+from .state import LOCK, PROCESS, ProcessState
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -172,3 +176,40 @@ class TokenClock:
     def decode_seconds_per_token(self) -> float | None:
         """From the first new token to the last, per token after the first: the decode steps."""
         return (self.times[-1] - self.times[0]) / (len(self.times) - 1) if len(self.times) > 1 else None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A new process, for a test
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def as_new_process():
+    """
+    Inside, the package remembers nothing of this process's earlier calls, as in a new process: `state.PROCESS` is
+    fresh (the version gate's verdicts, the raised recompile limits, the staged and live compiled forwards), and the
+    once-per-process checks of the installed torch and transformers (`_compat.CACHED_CHECKS`) run again. What `enable()`
+    replaced stays as it is: enabling is the test's to do or undo. Once it exits, everything is as it was before. The
+    one reset the tests use: none touches a module's private state.
+    """
+    with LOCK:
+        if PROCESS.calls_in_flight:
+            raise RuntimeError("`as_new_process` can't start while a bucketed call is in flight.")
+        names = [field.name for field in dataclasses.fields(ProcessState) if field.name != "patched"]
+        saved = {name: getattr(PROCESS, name) for name in names}
+        fresh = ProcessState()
+        for name in names:
+            setattr(PROCESS, name, getattr(fresh, name))
+    _clear_cached_checks()
+    try:
+        yield PROCESS
+    finally:
+        with LOCK:
+            for name, value in saved.items():
+                setattr(PROCESS, name, value)
+        _clear_cached_checks()
+
+
+def _clear_cached_checks() -> None:
+    for check in _compat.CACHED_CHECKS:
+        check.cache_clear()

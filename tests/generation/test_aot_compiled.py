@@ -23,6 +23,8 @@ from transformers.utils import logging
 import prefill_buckets
 from prefill_buckets import _compat, aot_compiled
 from prefill_buckets.aot_key import UNNAMED, dispatch_key
+from prefill_buckets.state import PROCESS
+from prefill_buckets.testing_utils import as_new_process
 
 from .tiny_models import CACHE, tiny_llama, tiny_llama_config
 
@@ -48,10 +50,7 @@ class AOTForwardTest(unittest.TestCase):
         torch._dynamo.reset()
         counters.clear()
         self.addCleanup(torch._dynamo.reset)
-        aot_compiled._live.clear()  # each test plays a new process: no compiled forwards of others to save
-        self.addCleanup(aot_compiled._live.clear)
-        self.addCleanup(aot_compiled._staged.clear)
-        self.addCleanup(aot_compiled._staged_from.clear)
+        self.enterContext(as_new_process())  # each test plays a new process: no compiled forwards of others to save
 
     def compiled_model(self, **overrides):
         model = tiny_llama(**overrides)
@@ -73,7 +72,7 @@ class AOTForwardTest(unittest.TestCase):
         """What a new process starts without: dynamo's compiled code, torch's counters, the compiled forwards."""
         torch._dynamo.reset()
         counters.clear()
-        aot_compiled._live.clear()
+        PROCESS.aot_forwards.clear()
 
     def test_warm_start_traces_nothing(self):
         tokens = self.run_prompts(self.compiled_model())

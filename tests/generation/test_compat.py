@@ -22,6 +22,8 @@ import prefill_buckets
 from prefill_buckets import _compat, support
 from prefill_buckets.compilation import GraphCounter
 from prefill_buckets.selftest import self_test
+from prefill_buckets.state import PROCESS, SELF_TEST_PENDING
+from prefill_buckets.testing_utils import as_new_process
 
 from .tiny_models import tiny_llama, tiny_llama_config
 
@@ -209,11 +211,7 @@ class SharedWrapperThreadsTest(unittest.TestCase):
 class UntestedVersionTest(unittest.TestCase):
     def setUp(self):
         # As on a transformers release outside the tested range, in a fresh process: nothing checked yet.
-        checked, verdict = dict(support._checked), dict(support._self_test_verdict)
-        support._checked.clear()
-        support._self_test_verdict["verdict"] = support._PENDING
-        self.addCleanup(lambda: (support._checked.clear(), support._checked.update(checked)))
-        self.addCleanup(support._self_test_verdict.update, verdict)
+        self.enterContext(as_new_process())
         patcher = mock.patch.object(support, "is_tested_range", return_value=False)
         patcher.start()
         self.addCleanup(patcher.stop)
@@ -322,15 +320,7 @@ def private_torch_paths() -> set[str]:
 
 class TorchVersionTest(unittest.TestCase):
     def setUp(self):
-        checked, verdict = dict(support._checked), dict(support._self_test_verdict)
-        support._checked.clear()
-        support._self_test_verdict["verdict"] = support._PENDING
-        _compat.torch_problems.cache_clear()
-        _compat.aot_compile_problem.cache_clear()
-        self.addCleanup(lambda: (support._checked.clear(), support._checked.update(checked)))
-        self.addCleanup(support._self_test_verdict.update, verdict)
-        self.addCleanup(_compat.torch_problems.cache_clear)
-        self.addCleanup(_compat.aot_compile_problem.cache_clear)
+        self.enterContext(as_new_process())  # nothing checked yet, and checked again after
 
     def test_every_private_torch_name_is_checked(self):
         # Each private torch name `_compat` reads is one `upstream_problems` (or, for `aot_forward`, the AOT check)
@@ -406,7 +396,7 @@ class TorchVersionTest(unittest.TestCase):
         model = tiny_llama()
         for installed in ("2.10.0", "2.15.0"):
             with self.subTest(installed=installed):
-                support._self_test_verdict["verdict"] = support._PENDING
+                PROCESS.self_test_verdict = SELF_TEST_PENDING
                 with mock.patch.object(_compat, "TORCH_VERSION", Version(installed)):
                     self.assertTrue(support.is_tested_transformers())
                     self.assertFalse(support.is_tested_range())
@@ -416,7 +406,7 @@ class TorchVersionTest(unittest.TestCase):
                             prefill_buckets.generate(model, random_ids(6), max_new_tokens=2, prefill_buckets=[8])
                 self.assertEqual(spy.call_count, 1)
                 self.assertIn(f"torch 2.11.0 to 2.14.1, and this is torch {torch.__version__}", logs.out)
-        support._self_test_verdict["verdict"] = support._PENDING
+        PROCESS.self_test_verdict = SELF_TEST_PENDING
         with mock.patch.object(_compat, "TORCH_VERSION", Version("2.15.0")):
             with mock.patch("prefill_buckets.call.generation.strip_output", lambda output, plan: output):
                 with self.assertRaisesRegex(RuntimeError, r"self-test failed on transformers .* \(torch "):

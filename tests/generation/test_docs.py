@@ -40,7 +40,7 @@ from torch.compiler._cache import CacheArtifactManager  # private: a page starts
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 import prefill_buckets
-from prefill_buckets.state import PROCESS
+from prefill_buckets.testing_utils import as_new_process
 
 from .tiny_models import CACHE
 
@@ -240,16 +240,14 @@ def isolated_page(namespace: dict | None = None):
     page's `namespace`, its model and tokenizer are what `from_pretrained` loads for the names of `CHECKPOINTS`.
     """
     recompile_limit = torch._dynamo.config.recompile_limit
-    raised = (PROCESS.raised_recompile_limit, PROCESS.raised_accumulated_limit)
     cwd = os.getcwd()
     torch._dynamo.reset()
     # A page runs as in a fresh process, so that what it logs is what a user sees: torch's default limit, not one a
     # bucketed call of an earlier test raised (nor the package's memory of having raised it), and no compile artifacts
     # of earlier tests for `save_compile_cache` to find (`torch._dynamo.reset` keeps them).
     torch._dynamo.config.recompile_limit = TORCH_DEFAULT_RECOMPILE_LIMIT
-    PROCESS.raised_recompile_limit, PROCESS.raised_accumulated_limit = (None, 0), 0
     CacheArtifactManager.clear()
-    with contextlib.ExitStack() as stack:
+    with as_new_process(), contextlib.ExitStack() as stack:
         tmp = stack.enter_context(tempfile.TemporaryDirectory())
         stack.enter_context(mock.patch("torch.compile", eager_by_default_compile))
         stack.enter_context(mock.patch("prefill_buckets.aot_forward", aot_eager_by_default))
@@ -267,7 +265,6 @@ def isolated_page(namespace: dict | None = None):
             os.chdir(cwd)
             prefill_buckets.disable()
             torch._dynamo.config.recompile_limit = recompile_limit
-            PROCESS.raised_recompile_limit, PROCESS.raised_accumulated_limit = raised
             torch._dynamo.reset()
 
 

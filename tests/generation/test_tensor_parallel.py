@@ -182,7 +182,7 @@ def _aot_warm_start_phase(directory: str) -> dict:
     """
     from torch._dynamo.utils import counters
 
-    from prefill_buckets import aot_compiled
+    from prefill_buckets.testing_utils import as_new_process
 
     def traced() -> int:
         return counters["stats"]["calls_captured"] + counters["frames"]["total"]
@@ -192,31 +192,30 @@ def _aot_warm_start_phase(directory: str) -> dict:
     config.prefill_buckets = BUCKETS
     results = {}
     for launch in ("cold", "warm"):
-        aot_compiled._live.clear()  # a new process: no compiled forwards of the phases before
-        if launch == "warm":
-            results["loaded"] = prefill_buckets.load_compile_cache(path)
-        before = traced()
-        from transformers.distributed import DistributedConfig
+        with as_new_process():  # a new process: no compiled forwards of the phases before
+            if launch == "warm":
+                results["loaded"] = prefill_buckets.load_compile_cache(path)
+            before = traced()
+            from transformers.distributed import DistributedConfig
 
-        model = AutoModelForCausalLM.from_pretrained(
-            os.path.join(directory, "model"), distributed_config=DistributedConfig(tp_plan="auto")
-        )
-        model.forward = prefill_buckets.aot_forward(model, backend="aot_eager")
-        prefill_buckets.precompile(model, config, progress=False)
-        tokens = {}
-        for length in LENGTHS:
-            out = prefill_buckets.generate(model, prompt(1, length), generation_config=config)
-            tokens[str(length)] = out[:, length:].tolist()
-        results[launch] = {
-            "tokens": tokens,
-            "traced": traced() - before,
-            "graphs_compiled": model.forward.graphs_compiled,
-            "graphs_loaded": model.forward.graphs_loaded,
-        }
-        if launch == "cold":
-            results["saved"] = prefill_buckets.save_compile_cache(path) is not None
-            dist.barrier()  # every rank has written its file
-    aot_compiled._live.clear()
+            model = AutoModelForCausalLM.from_pretrained(
+                os.path.join(directory, "model"), distributed_config=DistributedConfig(tp_plan="auto")
+            )
+            model.forward = prefill_buckets.aot_forward(model, backend="aot_eager")
+            prefill_buckets.precompile(model, config, progress=False)
+            tokens = {}
+            for length in LENGTHS:
+                out = prefill_buckets.generate(model, prompt(1, length), generation_config=config)
+                tokens[str(length)] = out[:, length:].tolist()
+            results[launch] = {
+                "tokens": tokens,
+                "traced": traced() - before,
+                "graphs_compiled": model.forward.graphs_compiled,
+                "graphs_loaded": model.forward.graphs_loaded,
+            }
+            if launch == "cold":
+                results["saved"] = prefill_buckets.save_compile_cache(path) is not None
+                dist.barrier()  # every rank has written its file
     return results
 
 
