@@ -22,6 +22,7 @@ from transformers.utils import logging
 
 import prefill_buckets
 from prefill_buckets import aot_compiled, compile_cache
+from prefill_buckets.testing_utils import as_new_process
 
 
 ARTIFACTS = b"\x95bu\xf6 torch cache artifacts"
@@ -31,6 +32,8 @@ logger = logging.get_logger("prefill_buckets.compile_cache")
 
 class CompileCacheTest(unittest.TestCase):
     def setUp(self):
+        # Each test plays a process of its own: no `aot_forward` of an earlier test has graphs to save.
+        self.enterContext(as_new_process())
         tmp = tempfile.TemporaryDirectory()
         self.addCleanup(tmp.cleanup)
         self.tmp = tmp.name
@@ -185,6 +188,7 @@ class BadFileTest(unittest.TestCase):
     """Every kind of file `load_compile_cache` can't use: one warning, `False`, and nothing installed."""
 
     def setUp(self):
+        self.enterContext(as_new_process())
         tmp = tempfile.TemporaryDirectory()
         self.addCleanup(tmp.cleanup)
         self.tmp = tmp.name
