@@ -117,6 +117,18 @@ class TestedVersionsTest(unittest.TestCase):
         # The GPU machine's pair is the oldest pair: its check's dry run runs in .venv-oldest.
         self.assertRegex(ci, r"PYTHON=\.venv-oldest/bin/python bash utils/gpu_check\.sh --dry-run")
 
+    def test_every_test_target_runs_in_test_workers_processes(self):
+        # What the README says of `make test`: 2 processes by default (pytest-xdist, from the `testing` extra).
+        text = (ROOT / "Makefile").read_text(encoding="utf-8")
+        self.assertRegex(text, r"(?m)^TEST_WORKERS \?= 2$")
+        self.assertEqual(makefile_variable("PYTEST")[:4], ["-m", "pytest", "-n", "$(TEST_WORKERS)"])
+        for target in ("test", "test-oldest", "test-newest", "test-slow"):
+            self.assertIn(" $(PYTEST) ", makefile_recipe(target), target)
+        self.assertNotRegex(text, r"-m pytest (?!-n)", "a test run outside $(PYTEST)")
+        self.assertRegex((ROOT / "setup.py").read_text(encoding="utf-8"), r'"testing": \[[^]]*"pytest-xdist"')
+        readme = (ROOT / "README.md").read_text(encoding="utf-8")
+        self.assertIn("in 2 processes (`TEST_WORKERS=2`, pytest-xdist", readme)
+
     def test_each_environment_installs_its_own_torch_pin(self):
         # torch is installed first, pinned, from the environment's own constraints file (never a resolved torch).
         text = (ROOT / "Makefile").read_text(encoding="utf-8")
