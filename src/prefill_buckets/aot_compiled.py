@@ -134,7 +134,8 @@ class AOTForward:
             return self.eager(*args, **kwargs)
         self.graphs_compiled += 1
         self.calls += 1
-        self.functions.setdefault(key, []).append((function, {"key": key}))
+        # The thread count its guards check (torch's global state): a process with another compiles it again.
+        self.functions.setdefault(key, []).append((function, {"key": key, "num_threads": torch.get_num_threads()}))
         return function(self.model, *args, **kwargs)
 
     def _compile(self, args: tuple, kwargs: dict) -> tuple[object, list[str]]:
@@ -178,6 +179,7 @@ class AOTForward:
             )
         for meta, data in entries:
             self.pending.setdefault(meta["key"], []).append((meta, data))
+        _warn_if_other_thread_count(entries)
 
     def _load(self, entries: list[tuple[dict, bytes]]) -> None:
         """
@@ -239,6 +241,23 @@ def is_aot_forward(model) -> bool:
     forward = model.__dict__.get("forward")
     # During a bucketed call it is wrapped (`EagerFallback`), as every compiled forward is.
     return isinstance(forward, AOTForward) or isinstance(getattr(forward, "__wrapped__", None), AOTForward)
+
+
+def _warn_if_other_thread_count(entries: list[tuple[dict, bytes]]) -> None:
+    """
+    Warns when graphs read from a file were compiled with another thread count than this process runs: their guards
+    check `torch.get_num_threads()`, so none of them passes, and each shape compiles again here.
+    """
+    threads = torch.get_num_threads()
+    other = {meta["num_threads"]: meta["source"] for meta, _ in entries if meta.get("num_threads", threads) != threads}
+    for compiled_with, source in other.items():
+        logger.warning(
+            f"The compiled forwards of the compile cache {source} were compiled with {compiled_with} threads "
+            f"(`torch.get_num_threads()`), and this process runs {threads}: torch's guards check the thread count, so "
+            f"none of them runs here, and each input shape compiles again. Call `torch.set_num_threads({compiled_with})` "
+            f"(or set `OMP_NUM_THREADS={compiled_with}`) before the first call, or save the file from a process with "
+            "as many threads."
+        )
 
 
 def _as_read(meta: dict, data: bytes) -> tuple[dict, bytes]:

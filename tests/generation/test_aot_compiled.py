@@ -115,6 +115,28 @@ class AOTForwardTest(unittest.TestCase):
         self.assertEqual(counters["stats"]["unique_graphs"], 3)
         self.assertEqual(tokens, self.expected(**other))
 
+    def test_another_thread_count_says_so(self):
+        # torch's guards check `torch.get_num_threads()`: a replica that runs another count compiles every shape again,
+        # which it says, naming the count to set. The same count warns nothing.
+        threads = torch.get_num_threads()
+        self.addCleanup(torch.set_num_threads, threads)
+        torch.set_num_threads(2)
+        tokens = self.run_prompts(self.compiled_model())
+        prefill_buckets.save_compile_cache(self.path)
+        for replica_threads, compiled in ((2, 0), (1, 3)):
+            with self.subTest(replica_threads=replica_threads):
+                self.new_process()
+                torch.set_num_threads(replica_threads)
+                self.assertTrue(prefill_buckets.load_compile_cache(self.path))
+                model = self.compiled_model()
+                with CaptureLogger(logger) as captured:
+                    self.assertEqual(self.run_prompts(model), tokens)
+                self.assertEqual((model.forward.graphs_loaded, model.forward.graphs_compiled), (3, compiled))
+                said = "were compiled with 2 threads (`torch.get_num_threads()`), and this process runs 1"
+                self.assertEqual(captured.out.count(said), 1 if compiled else 0, captured.out)
+                if compiled:
+                    self.assertIn("Call `torch.set_num_threads(2)`", captured.out)
+
     def test_new_shape_after_warm_start_compiles(self):
         self.run_prompts(self.compiled_model())
         prefill_buckets.save_compile_cache(self.path)
