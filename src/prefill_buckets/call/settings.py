@@ -6,6 +6,8 @@ from a cache a bucketed call filled, and sets no bucket field itself, takes the 
 (`call_sets_fields`), so a conversation stays bucketed without repeating them.
 """
 
+import inspect
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +51,31 @@ def _token_ids(value) -> tuple[int, ...]:
     if isinstance(value, (list, tuple)):
         return tuple(int(v) for v in value)
     return (int(value),)
+
+
+# The parameters of each forward function a model has run, by function: read once per function, not once per question.
+_FORWARD_PARAMETERS: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+
+
+def forward_parameters(model):
+    """The parameters of `model.forward` (`inspect.signature(model.forward).parameters`), read once per forward."""
+    forward = model.forward
+    key = getattr(forward, "__func__", forward)  # a bound method is new on every lookup: its function is not
+    try:
+        return _FORWARD_PARAMETERS[key]
+    except (KeyError, TypeError):  # TypeError: a callable that can't be a weak key; read every time
+        pass
+    parameters = inspect.signature(forward).parameters
+    try:
+        _FORWARD_PARAMETERS[key] = parameters
+    except TypeError:
+        pass
+    return parameters
+
+
+def forward_takes(model, name: str) -> bool:
+    """Whether `model.forward` takes a parameter `name`."""
+    return name in forward_parameters(model)
 
 
 def vocabulary_size(model) -> int | None:
