@@ -53,24 +53,32 @@ def _token_ids(value) -> tuple[int, ...]:
     return (int(value),)
 
 
-# The parameters of each forward function a model has run, by function: read once per function, not once per question.
-_FORWARD_PARAMETERS: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+# The parameters of each function a call asks about (a forward, a logits processor's `__call__`), read once: bound
+# methods by their function (a bound method is new on every lookup, its function is not; its signature has no `self`),
+# other callables by themselves.
+_BOUND_PARAMETERS: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+_PARAMETERS: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
 
 
-def forward_parameters(model):
-    """The parameters of `model.forward` (`inspect.signature(model.forward).parameters`), read once per forward."""
-    forward = model.forward
-    key = getattr(forward, "__func__", forward)  # a bound method is new on every lookup: its function is not
+def parameters_of(function):
+    """`inspect.signature(function).parameters`, read once per function."""
+    bound = getattr(function, "__func__", None)
+    known, key = (_BOUND_PARAMETERS, bound) if bound is not None else (_PARAMETERS, function)
     try:
-        return _FORWARD_PARAMETERS[key]
+        return known[key]
     except (KeyError, TypeError):  # TypeError: a callable that can't be a weak key; read every time
         pass
-    parameters = inspect.signature(forward).parameters
+    parameters = inspect.signature(function).parameters
     try:
-        _FORWARD_PARAMETERS[key] = parameters
+        known[key] = parameters
     except TypeError:
         pass
     return parameters
+
+
+def forward_parameters(model):
+    """The parameters of `model.forward`."""
+    return parameters_of(model.forward)
 
 
 def forward_takes(model, name: str) -> bool:
