@@ -1,6 +1,6 @@
 """Per-call overhead of a bucketed call against upstream `generate`: tiny Llama, eager, 1 thread, side by side.
 
-    python utils/measure_call_overhead.py [--rounds 200] [--cache dynamic|static] [--profile N]
+    python utils/measure_call_overhead.py [--rounds 200] [--cache dynamic|static] [--clock wall|cpu] [--profile N]
 
 A prompt that exactly fits its bucket (16 tokens, bucket 16) and 4 new tokens, so both calls run the same forwards
 on the same shapes: the difference is what bucketing adds around upstream `generate` (resolving, padding, hooks,
@@ -12,13 +12,15 @@ stripping). The two alternate; the medians and their difference are printed.
   (right padding, the cache sized by the package's rule); upstream's call then makes a cache of the same length
   (upstream keeps the model's largest static cache length), so both run the same forwards on the same cache shape.
 - `--clock cpu`: times each call by the process's CPU time, which other processes on a busy machine don't add to.
-- `--profile N`: after the timing, profiles N bucketed calls with `sys.setprofile` and prints the package's own time
-  per function, per call (torch and standard-library code it calls included, upstream's code excluded).
+- `--profile N`: after the timing, samples the stack (by CPU time) while the two calls alternate N more times, and
+  prints the package's own time per function and per call (torch and standard-library code it calls included,
+  upstream's code excluded), then the upstream functions whose time the bucketed call changes.
 """
 
 import argparse
+import collections
+import signal
 import statistics
-import sys
 import time
 
 import torch
@@ -28,7 +30,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=200)
     parser.add_argument("--cache", choices=("dynamic", "static"), default="dynamic")
-    parser.add_argument("--profile", type=int, default=0, metavar="N", help="profile N bucketed calls")
+    parser.add_argument("--profile", type=int, default=0, metavar="N", help="sample the stacks of N more rounds")
     parser.add_argument(
         "--clock",
         choices=("wall", "cpu"),
@@ -80,53 +82,64 @@ def main() -> None:
         print_profile(calls, args.profile)
 
 
-def _own_time(call, times: int) -> tuple[dict, float]:
+def _owner(frame) -> tuple[str, str]:
     """
-    Runs `call` `times` times under `sys.setprofile` and returns the time spent in the package's own code, per call,
-    by function: each moment is the package's when the innermost frame of the package or of transformers on the stack
-    is the package's (torch and the standard library called from the package count as the package's; a forward the
-    package runs counts as upstream's). Returns `({(function, caller): (seconds, calls)}, total seconds)`.
+    `("package" | "upstream", function)`: whose moment a sampled frame is. The package's when the innermost frame of
+    the package or of transformers on the stack is the package's (torch and the standard library it calls count as
+    its own; a forward it runs counts as upstream's), named by that frame's function; else upstream's, named by the
+    innermost transformers function (or the innermost frame's, outside both).
     """
-    own, last = {}, [time.perf_counter()]
+    inner = frame
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if "prefill_buckets" in path or "transformers" in path:
+            owner = "package" if "prefill_buckets" in path else "upstream"
+            return owner, f"{path.split('site-packages/')[-1].split('src/')[-1]}:{frame.f_code.co_name}"
+        frame = frame.f_back
+    return "upstream", f"(outside) {inner.f_code.co_filename.split('/')[-1]}:{inner.f_code.co_name}"
 
-    def owner(frame):
-        while frame is not None:
-            path = frame.f_code.co_filename
-            if "prefill_buckets" in path:
-                return frame
-            if "transformers" in path:
-                return None
-            frame = frame.f_back
-        return None
 
-    def profiler(frame, event, arg):
-        now = time.perf_counter()
-        package = owner(frame)
-        if package is not None:
-            key = f"{package.f_code.co_filename.split('prefill_buckets/')[-1]}:{package.f_code.co_name}"
-            seconds, count = own.get(key, (0.0, 0))
-            own[key] = (seconds + now - last[0], count + (event == "call" and frame is package))
-        last[0] = time.perf_counter()
-
-    start = time.perf_counter()
-    sys.setprofile(profiler)
+def print_profile(calls: dict, rounds: int, interval: float = 0.0002) -> None:
+    """
+    Samples the stack every `interval` seconds of the process's CPU time (`ITIMER_PROF`: other processes don't count)
+    while the two calls alternate `rounds` times, and prints, per call: the package's own time by function, and the
+    upstream functions that take more (or less) time in the bucketed call than in upstream's.
+    """
+    samples = {name: collections.Counter() for name in calls}
+    cpu = dict.fromkeys(calls, 0.0)
+    current = [None]
+    signal.signal(signal.SIGPROF, lambda signum, frame: samples[current[0]].update([_owner(frame)]))
+    signal.setitimer(signal.ITIMER_PROF, interval, interval)
     try:
-        for _ in range(times):
-            call()
+        for _ in range(rounds):
+            for name, call in calls.items():
+                current[0] = name
+                start = time.process_time()
+                call()
+                cpu[name] += time.process_time() - start
     finally:
-        sys.setprofile(None)
-    total = (time.perf_counter() - start) / times
-    return {key: (seconds / times, count / times) for key, (seconds, count) in own.items()}, total
+        signal.setitimer(signal.ITIMER_PROF, 0, 0)
 
+    def ms(name, count):  # a function's share of the samples, as CPU time per call
+        return count / max(1, sum(samples[name].values())) * cpu[name] / rounds * 1000
 
-def print_profile(calls: dict, times: int) -> None:
-    """The package's own time in a bucketed call, by function (`_own_time`; the profiler inflates every figure)."""
-    own, total = _own_time(calls["bucketed"], times)
-    package = sum(seconds for seconds, _ in own.values())
-    print(f"\nprofiled bucketed call: {total * 1000:.2f} ms, {package * 1000:.2f} ms of it the package's own code")
-    print(f"{'own ms':>7} {'share':>6} {'calls':>6}  function (with torch and stdlib it calls)")
-    for key, (seconds, count) in sorted(own.items(), key=lambda item: -item[1][0])[:40]:
-        print(f"{seconds * 1000:7.3f} {seconds / package:6.1%} {count:6.1f}  {key}")
+    bucketed, upstream = samples["bucketed"], samples["upstream"]
+    package = sum(count for (owner, _), count in bucketed.items() if owner == "package")
+    print(
+        f"\nsampled CPU time per call: upstream {cpu['upstream'] / rounds * 1000:.2f} ms, bucketed "
+        f"{cpu['bucketed'] / rounds * 1000:.2f} ms, of which the package's own code {ms('bucketed', package):.3f} ms"
+    )
+    print("the package's own time per call, by function (with the torch and standard-library code it calls):")
+    own = sorted(((count, key) for key, count in bucketed.items() if key[0] == "package"), reverse=True)
+    for count, (_, where) in own[:30]:
+        print(f"  {ms('bucketed', count):7.3f} ms  {where}")
+    print("upstream's code, bucketed minus upstream's call, per call (sampling noise: a few hundredths of a ms):")
+    keys = {key for key in (*bucketed, *upstream) if key[0] == "upstream"}
+    diff = sorted(
+        ((ms("bucketed", bucketed[k]) - ms("upstream", upstream[k]), k[1]) for k in keys), key=lambda d: -abs(d[0])
+    )
+    for extra, where in diff[:15]:
+        print(f"  {extra:+7.3f} ms  {where}")
 
 
 if __name__ == "__main__":
