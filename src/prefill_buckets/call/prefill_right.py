@@ -62,7 +62,7 @@ def prefill_right(plan: Plan, step):
             keep, column = _last_positions(row_lengths, right.bucket)
         else:  # every row is the whole prompt: padded after it, each row's last token in the prompt's last column
             prompt, row_lengths = _padded_after(plan, input_ids, inputs_embeds), None
-            keep, column = _last_column(rows, new_tokens, right.bucket, prompt_device(prompt)), None
+            keep, column = _last_column(rows, new_tokens, right.bucket, _prompt_device(prompt)), None
     else:  # a continued conversation: the rows are one length (the rule), the new tokens follow the cached ones
         new_ids = input_ids[:, past:]  # [rows, S]
         new_tokens = new_ids.shape[1]
@@ -116,7 +116,7 @@ def prefill_right(plan: Plan, step):
     return outputs
 
 
-def prompt_device(prompt: dict) -> torch.device:
+def _prompt_device(prompt: dict) -> torch.device:
     return next(iter(prompt.values())).device
 
 
