@@ -256,7 +256,8 @@ def _materialize_recurrent_masks(model_inputs: dict, attention_mask) -> None:
 def _sdpa_mask_skip(original):
     def hooked(*args, **kwargs):
         # Inside a compiled forward (a model building its own mask), stay out of the graph: upstream's rule applies.
-        if _MATERIALIZE_SDPA_MASK.get() and not torch.compiler.is_compiling():
+        # Asked first: dynamo can't trace `ContextVar.get`.
+        if not torch.compiler.is_compiling() and _MATERIALIZE_SDPA_MASK.get():
             return False
         return original(*args, **kwargs)
 
