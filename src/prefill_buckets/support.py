@@ -15,6 +15,8 @@ The self-test compares the package's `generate` with upstream's, and `generate` 
 the caller passes its `generate` in, so this module stays below it (no import cycle).
 """
 
+import functools
+
 import torch
 import transformers
 from packaging import version
@@ -69,6 +71,7 @@ def is_tested_torch() -> bool:
     return _within(_compat.TORCH_VERSION, _compat.TESTED_TORCH)
 
 
+@functools.lru_cache(maxsize=16)  # every bucketed call asks, with the same versions
 def _within(installed: version.Version, tested: tuple[str, ...]) -> bool:
     oldest, newest = (version.parse(v).release[:2] for v in (tested[0], tested[-1]))
     return oldest <= installed.release[:2] <= newest and not installed.is_prerelease

@@ -23,6 +23,7 @@ bytes when it is made. Pin `max_cache_len` to the largest bucket plus `max_new_t
 """
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from transformers.utils import logging
@@ -214,18 +215,66 @@ class CacheRecord:
     # generated tokens in the slots of their columns. A later call lines its mask up with that.
     ragged_rows: torch.Tensor | None = None
     # The bucket fields the call ran with (`CallSettings.bucketing`): a later call that sets none of its own continues
-    # the conversation with them (`recorded_bucketing`), so every turn of a chat is bucketed as the first was.
+    # the conversation with them (`PassedCache.bucketing`), so every turn of a chat is bucketed as the first was.
     bucketing: tuple | None = None
 
 
-def cache_record(cache) -> CacheRecord | None:
-    """The record of the bucketed calls that filled `cache`, or `None`; a reset cache (no tokens) loses its record."""
+_UNREAD = object()
+
+
+def cache_record(cache, tokens=_UNREAD) -> CacheRecord | None:
+    """
+    The record of the bucketed calls that filled `cache`, or `None`; a reset cache (no tokens) loses its record.
+    `tokens`: what `cache_seq_length(cache)` returns, when the caller has read it already.
+    """
     if cache is None or _CACHE_RECORD not in cache.__dict__:
         return None
-    if cache_seq_length(cache) == 0:
+    if (cache_seq_length(cache) if tokens is _UNREAD else tokens) == 0:
         del cache.__dict__[_CACHE_RECORD]
         return None
     return cache.__dict__[_CACHE_RECORD]
+
+
+class PassedCache:
+    """
+    The cache a call passes to `generate` (`None`: none), and what the call's steps ask of it, each read once per call
+    when first asked (`generation.generate` makes it before the call writes its own record, and hands it on).
+    """
+
+    def __init__(self, model_kwargs: dict):
+        self.cache = passed_cache(model_kwargs)
+
+    @cached_property
+    def tokens(self) -> int | None:
+        """The tokens the cache holds (`cache_seq_length`; `None`: it can't tell); 0 when no cache is passed."""
+        return cache_seq_length(self.cache) if self.cache is not None else 0
+
+    @cached_property
+    def record(self) -> CacheRecord | None:
+        """The record the bucketed calls that filled it left (`cache_record`)."""
+        if self.cache is None or _CACHE_RECORD not in self.cache.__dict__:
+            return None
+        return cache_record(self.cache, self.tokens)
+
+    @property
+    def continued(self) -> tuple[int, int] | None:
+        """`(pad, padded batch)` when the cache holds a bucketed call's padding the call must continue, else `None`."""
+        return self.record.padding if self.record is not None else None
+
+    @property
+    def bucketing(self) -> tuple | None:
+        """The bucket fields of the bucketed call that filled the cache, or `None`."""
+        return self.record.bucketing if self.record is not None else None
+
+    @property
+    def ragged_rows(self) -> torch.Tensor | None:
+        """The attention mask of the ragged right-padded call that filled the cache, or `None`."""
+        return self.record.ragged_rows if self.record is not None else None
+
+    @property
+    def holds_padding(self) -> bool:
+        """Whether a bucketed call left padding in the cache that the call must continue (`holds_padding`)."""
+        return self.continued is not None
 
 
 def record_call(cache, plan, attention_mask, continues: bool) -> None:
@@ -246,28 +295,10 @@ def record_call(cache, plan, attention_mask, continues: bool) -> None:
     cache.__dict__[_CACHE_RECORD] = CacheRecord(padding, ragged_rows, plan.settings.bucketing)
 
 
-def recorded_bucketing(model_kwargs: dict) -> tuple | None:
-    """The bucket fields of the bucketed call that filled the cache a call continues from, or `None`."""
-    record = cache_record(passed_cache(model_kwargs))
-    return record.bucketing if record is not None else None
-
-
-def ragged_rows_mask(cache):
-    """The attention mask of the ragged right-padded call that filled `cache`, or `None`."""
-    record = cache_record(cache)
-    return record.ragged_rows if record is not None else None
-
-
 def holds_padding(cache) -> bool:
     """Whether a bucketed call left padding in `cache` that a later call must continue."""
     record = cache_record(cache)
     return record is not None and record.padding is not None
-
-
-def continued_padding(model_kwargs: dict) -> tuple[int, int] | None:
-    """`(pad, padded batch)` when the call continues from a cache that holds a bucketed call's padding, else `None`."""
-    record = cache_record(passed_cache(model_kwargs))
-    return record.padding if record is not None else None
 
 
 def early_initialize(model, cache, rows: int) -> None:

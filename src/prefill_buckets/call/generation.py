@@ -19,7 +19,6 @@ that can't be bucketed runs as the user made it, after a warning that says why (
 
 import contextlib
 import dataclasses
-import inspect
 from collections.abc import Callable
 
 import torch
@@ -29,17 +28,17 @@ from .. import _compat, support
 from ..buckets import BucketPolicy
 from ..compilation import compiled_forward, compiled_wrapper_forward
 from ..config import BUCKET_FIELDS, FIELDS, PREFILL_BUCKETS, PREFILL_PAD_TO_MULTIPLE_OF
-from ..distributed import generate_call, ranks_agree
+from ..distributed import generate_call, ranks_agree, tensor_parallel_group
 from ..state import state_of
 from .budget import budget_of, check_compiled
-from .cache import cache_seq_length, continued_padding, holds_padding, passed_cache, record_call, recorded_bucketing
+from .cache import PassedCache, passed_cache, record_call
 from .hook_registry import active_plan
 from .hooks import bucketed_call
 from .inputs import plan_call
 from .output import strip_output
 from .padding_side import choose_side
 from .plan import Plan, RunsUnpadded
-from .settings import CallSettings, call_sets_fields, resolve_settings
+from .settings import CallSettings, call_sets_fields, forward_takes, resolve_settings
 
 
 logger = logging.get_logger(__name__)
@@ -91,18 +90,21 @@ def generate(model, *args, **kwargs):
     # 1. Resolve the call: bound as upstream's `generate` binds it, the bucket fields taken out.
     wrapper = model if _compat.is_compiled_wrapper(model) else None
     model = _compat.unwrap(model)  # an `OptimizedModule` hands `generate` to the module it wraps
-    arguments = dict(_compat.UPSTREAM_GENERATE_SIGNATURE.bind(model, *args, **kwargs).arguments)
-    arguments.pop("self")
-    model_kwargs = arguments.pop("kwargs", {})
+    arguments, model_kwargs = _bind(model, args, kwargs)
     field_kwargs = {field: model_kwargs.pop(field) for field in FIELDS if field in model_kwargs}
     if active_plan(model) is not None:
         # Re-entered from inside a bucketed call (a model whose own `generate` calls ours): already padded.
         return UPSTREAM_GENERATE(model, **arguments, **model_kwargs)
-    continues = continued_padding(model_kwargs)  # read before the call writes the cache's record
+    passed = PassedCache(model_kwargs)  # read before the call writes the cache's record
+    continues = passed.continued
 
     # 5. Agree across ranks: steps 1 to 4 run inside it, and any error they raise is raised on every rank.
-    with ranks_agree(model, *generate_call(model, arguments, model_kwargs, field_kwargs)):
-        call = _prepare(model, wrapper, arguments, model_kwargs, field_kwargs)
+    if tensor_parallel_group(model) is not None:
+        agreed = ranks_agree(model, *generate_call(model, arguments, model_kwargs, field_kwargs))
+    else:
+        agreed = contextlib.nullcontext()  # one process: nothing to agree on, nothing to summarize
+    with agreed:
+        call = _prepare(model, wrapper, arguments, model_kwargs, field_kwargs, passed)
     if call.plan is None:
         output = UPSTREAM_GENERATE(model, **call.arguments, **call.model_kwargs)
         if call.after is not None:
@@ -128,6 +130,31 @@ def generate(model, *args, **kwargs):
     return strip_output(output, plan)
 
 
+# `generate`'s parameters after `self`, in order, and those that may come by position.
+_PARAMETERS = tuple(p for p in _compat.UPSTREAM_GENERATE_SIGNATURE.parameters.values() if p.kind != p.VAR_KEYWORD)[1:]
+_NAMED = tuple(p.name for p in _PARAMETERS)
+_POSITIONAL = tuple(p.name for p in _PARAMETERS if p.kind == p.POSITIONAL_OR_KEYWORD)
+
+
+def _bind(model, args: tuple, kwargs: dict) -> tuple[dict, dict]:
+    """
+    The call's arguments as upstream's `generate` signature binds them: `(its named parameters that were passed, in
+    their order; the rest of the keyword arguments)`. What only `inspect` can bind, or must reject, goes through it.
+    """
+    if len(args) > len(_POSITIONAL) or "self" in kwargs or any(name in kwargs for name in _POSITIONAL[: len(args)]):
+        arguments = dict(_compat.UPSTREAM_GENERATE_SIGNATURE.bind(model, *args, **kwargs).arguments)
+        arguments.pop("self")
+        return arguments, arguments.pop("kwargs", {})
+    passed = dict(zip(_POSITIONAL, args))
+    model_kwargs = {}
+    for name, value in kwargs.items():
+        if name in _NAMED:
+            passed[name] = value
+        else:
+            model_kwargs[name] = value
+    return {name: passed[name] for name in _NAMED if name in passed}, model_kwargs
+
+
 @dataclasses.dataclass
 class PreparedCall:
     """What steps 1 to 4 decided: the arguments upstream `generate` runs with, and the plan of a bucketed call."""
@@ -138,34 +165,39 @@ class PreparedCall:
     after: Callable[[], None] | None = None  # an unbucketed call: what to record once it ran
 
 
-def _prepare(model, wrapper, arguments: dict, model_kwargs: dict, field_kwargs: dict) -> PreparedCall:
-    """Steps 1 to 4 of a call: its settings, its support, its side and its plan (see the module docstring)."""
+def _prepare(
+    model, wrapper, arguments: dict, model_kwargs: dict, field_kwargs: dict, passed: PassedCache
+) -> PreparedCall:
+    """
+    Steps 1 to 4 of a call: its settings, its support, its side and its plan (see the module docstring). `passed`:
+    the cache the call passes, read once for every step.
+    """
     # 1. Resolve the settings the call runs with.
     settings = resolve_settings(model, arguments.get("generation_config"), field_kwargs, model_kwargs)
-    recorded = recorded_bucketing(model_kwargs)
+    recorded = passed.bucketing
     if recorded is not None and not call_sets_fields(arguments.get("generation_config"), field_kwargs):
         # A later turn of a conversation: bucketed as the call that filled the cache was.
         policy, batch_policy, padding_side = recorded
         settings = dataclasses.replace(settings, policy=policy, batch_policy=batch_policy, padding_side=padding_side)
-    if settings.policy is None and continued_padding(model_kwargs) is not None:
+    if settings.policy is None and passed.continued is not None:
         # The cache holds a bucketed call's padding: the prompt must get it too, bucket fields or not.
         settings = dataclasses.replace(settings, policy=BucketPolicy(pad_to_multiple_of=1))
     if settings.policy is None:
         return PreparedCall(
-            arguments, model_kwargs, after=_warn_unbucketed(model, wrapper, settings, arguments, model_kwargs)
+            arguments, model_kwargs, after=_warn_unbucketed(model, wrapper, settings, arguments, model_kwargs, passed)
         )
     try:
         # 2. Check support: the hooked steps of upstream `generate`, and what padding can't serve.
         support.check_upstream(type(model), generate=generate)
-        _check_support(model, arguments, model_kwargs)
+        _check_support(model, arguments, model_kwargs, passed)
         # 3. Choose the side.
-        side = choose_side(model, settings, arguments, model_kwargs)
+        side = choose_side(model, settings, arguments, model_kwargs, passed)
         if side.side == "unpadded":
             raise RunsUnpadded(f"{side.reason}.")
         if side.side == "left":
-            _check_left_cache(model_kwargs)
+            _check_left_cache(passed)
         # 4. Plan: pad the prompt and the batch.
-        plan, padded_arguments, padded_kwargs = plan_call(model, settings, side, arguments, model_kwargs)
+        plan, padded_arguments, padded_kwargs = plan_call(model, settings, side, arguments, model_kwargs, passed)
     except RunsUnpadded as unpadded:
         logger.warning_once(
             f"The prefill bucket fields ({', '.join(f'`{f}`' for f in BUCKET_FIELDS)}) are ignored for this call: "
@@ -179,7 +211,7 @@ def _returned_cache(output):
     return passed_cache(output) if isinstance(output, ModelOutput) else None
 
 
-def _check_support(model, arguments: dict, model_kwargs: dict) -> None:
+def _check_support(model, arguments: dict, model_kwargs: dict, passed: PassedCache) -> None:
     """Raises `ValueError` for a call padding can't serve, and `RunsUnpadded` for one it must not pad."""
     if model.config.is_encoder_decoder:
         raise ValueError(
@@ -197,30 +229,27 @@ def _check_support(model, arguments: dict, model_kwargs: dict) -> None:
             "`kv_padding_interval_size`. Set those on the `ContinuousBatchingConfig` instead, or drop "
             "`cache_implementation='paged'` to use the buckets."
         )
-    cache = passed_cache(model_kwargs)
-    cached_tokens = cache_seq_length(cache) if cache is not None else 0
-    if cached_tokens is None:
+    if passed.tokens is None:
         raise RunsUnpadded(
             "the cache passed in has only recurrent (linear-attention) layers, which don't tell how many tokens they "
             "hold, so the prompt can't be lined up with them. Let `generate` create the cache."
         )
-    if "attention_mask" not in inspect.signature(model.forward).parameters:
+    if not forward_takes(model, "attention_mask"):
         raise RunsUnpadded(
             f"{type(model).__name__}.forward takes no `attention_mask`, so padding could not be masked."
         )
 
 
-def _check_left_cache(model_kwargs: dict) -> None:
+def _check_left_cache(passed: PassedCache) -> None:
     """Raises `RunsUnpadded` when the cache holds tokens of an unpadded call (right padding continues it, left can't)."""
-    cache = passed_cache(model_kwargs)
-    if cache is not None and (cache_seq_length(cache) or 0) > 0 and not holds_padding(cache):
+    if passed.cache is not None and (passed.tokens or 0) > 0 and not passed.holds_padding:
         raise RunsUnpadded(
             "the cache passed in already holds tokens from an unpadded call, so the prompt can't be padded in front "
             "of them. The call runs unpadded (exact output), and this prompt length may compile a new graph."
         )
 
 
-def _warn_unbucketed(model, wrapper, settings: CallSettings, arguments: dict, model_kwargs: dict):
+def _warn_unbucketed(model, wrapper, settings: CallSettings, arguments: dict, model_kwargs: dict, passed: PassedCache):
     """
     The advice for a call without buckets: upstream runs unchanged, this only says what it will cost. Returns a
     function to call after the call (it records the shapes the call compiled for), or `None`.
@@ -235,7 +264,7 @@ def _warn_unbucketed(model, wrapper, settings: CallSettings, arguments: dict, mo
     compiled = compiled_forward(model)
     if compiled is None:
         return None
-    cache = passed_cache(model_kwargs)
+    cache = passed.cache
     static = _compat.is_static_cache(cache) or (
         cache is None and settings.cache_implementation in _compat.ALL_STATIC_CACHE_IMPLEMENTATIONS
     )

@@ -14,6 +14,7 @@ import contextvars
 import dataclasses
 import functools
 import inspect
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -70,13 +71,13 @@ def active_plan(model):
 
 
 @functools.cache
-def _upstream_parameters(target: str) -> tuple[list[str], dict[str, Any]]:
-    """The positional parameter names (after `self`) of upstream's method `target`, and its defaults."""
+def _upstream_parameters(target: str) -> tuple[dict[str, int], dict[str, Any]]:
+    """The positions of upstream's method `target`'s positional parameters (after `self`) by name, and its defaults."""
     method = getattr(GenerationMixin, target, None) or getattr(PreTrainedModel, target)
     parameters = list(inspect.signature(method).parameters.values())[1:]
     positional = [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     defaults = {p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty}
-    return positional, defaults
+    return {name: index for index, name in enumerate(positional)}, defaults
 
 
 class StepArguments:
@@ -86,16 +87,17 @@ class StepArguments:
     `step[name] = value` changes it where it was passed, and `step.call()` runs the method the hook replaces.
     """
 
+    __slots__ = ("original", "args", "kwargs", "_positions", "_defaults")
+
     def __init__(self, target: str, original: Callable, args: tuple, kwargs: dict):
         self.original = original
-        self.args = list(args)
-        self.kwargs = dict(kwargs)
-        self._positional, self._defaults = _upstream_parameters(target)
+        self.args = args  # a tuple until a hook changes one of them
+        self.kwargs = kwargs  # the hooked function's own `**kwargs`: already a new dict
+        self._positions, self._defaults = _upstream_parameters(target)
 
     def _index(self, name: str) -> int | None:
-        if name in self._positional and self._positional.index(name) < len(self.args):
-            return self._positional.index(name)
-        return None
+        index = self._positions.get(name)
+        return index if index is not None and index < len(self.args) else None
 
     def __getitem__(self, name: str):
         if name in self.kwargs:
@@ -108,7 +110,9 @@ class StepArguments:
     def __setitem__(self, name: str, value) -> None:
         index = self._index(name)
         if index is not None and name not in self.kwargs:
-            self.args[index] = value
+            args = list(self.args)
+            args[index] = value
+            self.args = tuple(args)
         else:
             self.kwargs[name] = value
 
@@ -119,12 +123,30 @@ class StepArguments:
 
 def make_hooked(entry: Hook, original: Callable, model) -> Callable:
     """The function installed on `model` in place of `original`: `entry.body` while `model` has an active plan."""
+    body, target = entry.body, entry.target
 
-    @functools.wraps(original)
     def hooked(*args, **kwargs):
-        plan = active_plan(model)
-        if plan is None:
+        plan = _ACTIVE_PLAN.get()
+        if plan is None or plan.model is not model:
             return original(*args, **kwargs)
-        return entry.body(plan, StepArguments(entry.target, original, args, kwargs))
+        return body(plan, StepArguments(target, original, args, kwargs))
 
-    return hooked
+    return wraps(hooked, original)
+
+
+def wraps(wrapper: Callable, wrapped: Callable) -> Callable:
+    """
+    `functools.update_wrapper(wrapper, wrapped)`, at a fraction of its cost (a bucketed call installs a wrapper per
+    hook): the same attributes, `__wrapped__` included, which `inspect.signature` follows to the method's parameters.
+    """
+    try:
+        wrapper.__module__, wrapper.__name__ = wrapped.__module__, wrapped.__name__
+        wrapper.__qualname__, wrapper.__doc__ = wrapped.__qualname__, wrapped.__doc__
+        wrapper.__annotations__ = wrapped.__annotations__
+        if sys.version_info >= (3, 12):
+            wrapper.__type_params__ = wrapped.__type_params__
+    except AttributeError:  # a callable without them: functools copies those it has
+        return functools.update_wrapper(wrapper, wrapped)
+    wrapper.__dict__.update(getattr(wrapped, "__dict__", {}))
+    wrapper.__wrapped__ = wrapped
+    return wrapper

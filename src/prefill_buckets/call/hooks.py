@@ -26,7 +26,6 @@ one model or several, don't see each other's plans.
 
 import contextlib
 import contextvars
-import functools
 
 import torch
 from transformers.utils import logging
@@ -40,7 +39,7 @@ from . import prefill_right, views  # noqa: F401  (they declare the hooks of the
 from .attention_keys import key_layouts
 from .budget import budget_of, restore_recompile_limit, restore_user_recompile_limits
 from .cache import cache_seq_length, early_initialize, passed_cache, sequence_length, static_cache_length
-from .hook_registry import _ACTIVE_PLAN, HOOKS, hook, hook_targets, make_hooked
+from .hook_registry import _ACTIVE_PLAN, HOOKS, hook, hook_targets, make_hooked, wraps
 from .padding import strip_left
 from .plan import PER_TOKEN_KWARGS
 from .windows import close_windows, has_windows, open_windows, set_window, window_length, windows_between
@@ -121,6 +120,7 @@ def _prepare_cache_for_generation(plan, step):
     plan.static_cache_length = cache_length
     if cache is not None and open_windows(cache, _compat.attention_implementation(model.config)):
         plan.windowed_cache = cache
+        plan.reads_windows = has_windows(cache)
     plan.key_layouts = key_layouts(cache)
     # What prefill runs on: the padded prompt, or, continuing from a cache, the tokens the cache lacks.
     cached_tokens = (cache_seq_length(cache) or 0) if cache is not None else 0  # `None`: the model keeps no cache
@@ -128,6 +128,7 @@ def _prepare_cache_for_generation(plan, step):
     auto_compile = _compat.valid_auto_compile(model, model_kwargs, generation_config)
     rows = batch_size * max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
     compiled = auto_compile or compiled_forward(model) is not None
+    plan.auto_compile, plan.compiled = auto_compile, compiled
     if creates_static and compiled and cache is not None:
         early_initialize(model, cache, rows)
     if (
@@ -156,7 +157,7 @@ def _prepare_cache_for_generation(plan, step):
             filled += length
             shapes.add((length, _window_of(plan, filled, cache_length)))
         decode_windows = {None}
-        if has_windows(plan.windowed_cache):  # from the first decode step (at least) to the last
+        if plan.reads_windows:  # from the first decode step (at least) to the last
             first = (plan.prompt_slots if plan.right is None else plan.right.past_length) + 1
             decode_windows = windows_between(first, max(first, max_cache_length), cache_length)
         plan.expected_graphs = budget_of(model).account(model, rows, shapes, cache_length, plan.side, decode_windows)
@@ -166,7 +167,7 @@ def _prepare_cache_for_generation(plan, step):
 
 def _window_of(plan, tokens: int, cache_length: int) -> int | None:
     """The window a forward reads after which the cache holds `tokens` tokens (`None`: no windowed layers)."""
-    return window_length(tokens, cache_length) if has_windows(plan.windowed_cache) else None
+    return window_length(tokens, cache_length) if plan.reads_windows else None
 
 
 @hook("prepare_inputs_for_generation", reads=("input_ids", "attention_mask", "inputs_embeds"))
@@ -174,18 +175,18 @@ def _prepare_inputs_for_generation(plan, step):
     input_ids = step["input_ids"]
     tokens = sequence_length(input_ids, step.kwargs)  # what the cache holds after this forward
     if plan.right is not None:  # decode as upstream decodes an unpadded prompt: its graph is shared with those calls
-        restore_recompile_limit(plan.recompile_limit)
         if plan.windowed_cache is not None:
             set_window(plan.windowed_cache, tokens)
         model_inputs = step.call()
-        _note_decode_window(plan, model_inputs, tokens)
+        _before_forward(plan, model_inputs, tokens)
         return model_inputs
-    if step["attention_mask"] is None:
+    attention_mask = step["attention_mask"]
+    if attention_mask is None:
         # Upstream dropped an all-ones mask. Put it back, with the length upstream would have carried.
-        step["attention_mask"] = torch.ones(input_ids.shape[0], tokens, dtype=torch.long, device=input_ids.device)
+        attention_mask = torch.ones(input_ids.shape[0], tokens, dtype=torch.long, device=input_ids.device)
+        step["attention_mask"] = attention_mask
     if plan.windowed_cache is not None:  # before upstream builds the 4D mask, which reads the window's length
         set_window(plan.windowed_cache, tokens)
-    restore_recompile_limit(plan.recompile_limit)
     token = _MATERIALIZE_SDPA_MASK.set(True)
     try:
         model_inputs = step.call()
@@ -199,8 +200,8 @@ def _prepare_inputs_for_generation(plan, step):
             f"model, so a prompt padded on the left would attend to its padding. Set `{PREFILL_PADDING_SIDE}='right'`"
             " where that is exact, or unset the prefill bucket fields for this model."
         )
-    _materialize_recurrent_masks(model_inputs, step["attention_mask"])
-    _note_decode_window(plan, model_inputs, tokens)
+    _materialize_recurrent_masks(model_inputs, attention_mask)
+    _before_forward(plan, model_inputs, tokens)
     # Chunked prefill slices per-token inputs out of the whole prompt's: views whose strides depend on the prompt
     # length, which a compiled forward guards on. Fresh copies give every chunk of every prompt one signature.
     for key in PER_TOKEN_KWARGS:
@@ -210,15 +211,25 @@ def _prepare_inputs_for_generation(plan, step):
     return model_inputs
 
 
-def _note_decode_window(plan, model_inputs: dict, tokens: int) -> None:
+def _before_forward(plan, model_inputs: dict, tokens: int) -> None:
     """
-    Notes the window a decode step (a 1-token forward) reads, for the budget (`check_compiled`): the windows calls
-    reach, not those they were predicted to reach (a call that stops at eos reads fewer).
+    What a bucketed call does before each forward upstream prepared (`model_inputs`), after which the cache holds
+    `tokens` tokens:
+
+    - puts torch's recompile limit back to the call's if something lowered it (`restore_recompile_limit`): before
+      every forward of the prompt, and before the first decode step (upstream lowers it before a chunked prefill, on
+      transformers < 5.23; nothing does between decode steps);
+    - notes the window a decode step (a 1-token forward) reads, for the budget (`check_compiled`): the windows calls
+      reach, not those they were predicted to reach (a call that stops at eos reads fewer).
     """
     new_tokens = model_inputs.get("input_ids")
     if new_tokens is None:
         new_tokens = model_inputs.get("inputs_embeds")
-    if isinstance(new_tokens, torch.Tensor) and new_tokens.ndim >= 2 and new_tokens.shape[1] == 1:
+    decode = isinstance(new_tokens, torch.Tensor) and new_tokens.ndim >= 2 and new_tokens.shape[1] == 1
+    if not (decode and plan.decoding):
+        restore_recompile_limit(plan.recompile_limit)
+    plan.decoding = decode
+    if decode:
         plan.decode_windows_read.add(_window_of(plan, tokens, plan.static_cache_length))
 
 
@@ -243,14 +254,14 @@ def _materialize_recurrent_masks(model_inputs: dict, attention_mask) -> None:
 
 
 def _sdpa_mask_skip(original):
-    @functools.wraps(original)
     def hooked(*args, **kwargs):
         # Inside a compiled forward (a model building its own mask), stay out of the graph: upstream's rule applies.
+        # Asked first: dynamo can't trace `ContextVar.get`.
         if not torch.compiler.is_compiling() and _MATERIALIZE_SDPA_MASK.get():
             return False
         return original(*args, **kwargs)
 
-    return hooked
+    return wraps(hooked, original)
 
 
 @hook("get_compiled_call", reads=("compile_config",))

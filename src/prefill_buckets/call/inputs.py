@@ -12,7 +12,7 @@ from transformers.utils import logging
 
 from ..config import PREFILL_BATCH_BUCKETS, PREFILL_BUCKETS, PREFILL_PAD_TO_MULTIPLE_OF
 from .batch_rows import check_pad_token_id, pad_rows
-from .cache import continued_padding, passed_cache, ragged_rows_mask, unpadded_for_room
+from .cache import PassedCache, unpadded_for_room
 from .padding import fill_embedding, left_pad
 from .plan import PER_TOKEN_KWARGS, Plan, RightPadding, RunsUnpadded
 from .settings import CallSettings, bos_prompt
@@ -22,21 +22,24 @@ from .views import PromptStrippingStreamer
 logger = logging.get_logger(__name__)
 
 
-def plan_call(model, settings: CallSettings, side, arguments: dict, model_kwargs: dict) -> tuple[Plan, dict, dict]:
+def plan_call(
+    model, settings: CallSettings, side, arguments: dict, model_kwargs: dict, passed: PassedCache | None = None
+) -> tuple[Plan, dict, dict]:
     """
     The plan of a bucketed call padded on `side` (a `padding_side.PaddingSide`), and the arguments upstream
-    `generate` runs with. On the left the prompt and its per-token inputs are padded in front to the bucket; on the
+    `generate` runs with (`passed`: the cache the call passes, as `generate` read it). On the left the prompt and its per-token inputs are padded in front to the bucket; on the
     right they go on as passed, and the `_prefill` hook pads them. Then the batch is padded to its batch bucket, and
     the pad id checked against the rows that can finish early.
 
     Raises `RunsUnpadded` when the padded call doesn't fit the cache it would write (`cache.unpadded_for_room`), and
     `ValueError` for inputs padding can't serve.
     """
-    continues = continued_padding(model_kwargs)
+    passed = passed if passed is not None else PassedCache(model_kwargs)
+    continues = passed.continued
     if side.side == "right":
         plan, arguments, model_kwargs = _plan_right(model, settings, arguments, model_kwargs, side)
     else:
-        plan, padded_arguments, padded_kwargs = _pad_prompt(model, settings, arguments, model_kwargs)
+        plan, padded_arguments, padded_kwargs = _pad_prompt(model, settings, arguments, model_kwargs, passed)
         reason = unpadded_for_room(plan, model_kwargs)
         if reason is not None:
             raise RunsUnpadded(reason)
@@ -120,7 +123,7 @@ def _default_attention_mask(settings: CallSettings, input_ids: torch.Tensor) -> 
     return torch.ones(input_ids.shape[:2], dtype=torch.long, device=input_ids.device)
 
 
-def _pad_prompt(model, settings: CallSettings, arguments: dict, model_kwargs: dict):
+def _pad_prompt(model, settings: CallSettings, arguments: dict, model_kwargs: dict, passed: PassedCache):
     """Left-pads the prompt and every per-token input to the bucket. Returns the plan and new call arguments."""
     arguments = dict(arguments)
     model_kwargs = dict(model_kwargs)  # the user's dict and tensors are never modified
@@ -148,7 +151,7 @@ def _pad_prompt(model, settings: CallSettings, arguments: dict, model_kwargs: di
             "one token: start the prompt with the BOS token."
         )
 
-    continued = continued_padding(model_kwargs)
+    continued = passed.continued
     if continued is not None:
         # Continuing from a cache a bucketed call filled: its first positions are padding, so the prompt (the whole
         # conversation so far) gets the same padding in front.
@@ -204,7 +207,7 @@ def _pad_prompt(model, settings: CallSettings, arguments: dict, model_kwargs: di
         value = model_kwargs.get(key)
         if isinstance(value, torch.Tensor) and value.shape[-1] == prompt_length:
             model_kwargs[key] = left_pad(value, added_positions, fill)
-    ragged = ragged_rows_mask(passed_cache(model_kwargs)) if continued is not None else None
+    ragged = passed.ragged_rows if continued is not None else None
     if ragged is not None:
         model_kwargs["attention_mask"] = _line_up_with_ragged_rows(model_kwargs["attention_mask"], ragged)
 

@@ -20,7 +20,6 @@ Each side also assumes something of the model (`side_assumptions.SIDE_ASSUMPTION
 model can't take left padding either, the call runs unpadded, exact, and the package logs why, once.
 """
 
-import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
@@ -31,8 +30,8 @@ from transformers.utils import logging
 from .. import _compat
 from ..config import PREFILL_PADDING_SIDE
 from ..state import state_of
-from .cache import cache_seq_length, continued_padding, passed_cache, ragged_rows_mask
-from .settings import CallSettings, prompt_rows
+from .cache import PassedCache
+from .settings import CallSettings, forward_takes, prompt_rows
 from .side_assumptions import side_assumption_broken, window_from_the_cache_end
 
 
@@ -52,9 +51,14 @@ class PaddingSide:
     past_length: int = 0  # right: the tokens the cache already holds
 
 
-def choose_side(model, settings: CallSettings, arguments: dict, model_kwargs: dict) -> PaddingSide:
-    """The padding side of a bucketed call (see the module docstring for the rule)."""
-    call = _Call(model, settings, arguments, model_kwargs)
+def choose_side(
+    model, settings: CallSettings, arguments: dict, model_kwargs: dict, passed: PassedCache | None = None
+) -> PaddingSide:
+    """
+    The padding side of a bucketed call (see the module docstring for the rule); `passed`: the cache the call passes,
+    as `generate` read it.
+    """
+    call = _Call(model, settings, arguments, model_kwargs, passed if passed is not None else PassedCache(model_kwargs))
     if call.window_reason is not None:
         return PaddingSide("unpadded", call.window_reason)
     side = _rule(call)
@@ -72,9 +76,10 @@ def choose_side(model, settings: CallSettings, arguments: dict, model_kwargs: di
 class _Call:
     """What the rule reads of one call, each read once, when a case first asks (so only after the cases before it)."""
 
-    def __init__(self, model, settings: CallSettings, arguments: dict, model_kwargs: dict):
+    def __init__(self, model, settings: CallSettings, arguments: dict, model_kwargs: dict, passed: PassedCache):
         self.model, self.settings, self.arguments, self.model_kwargs = model, settings, arguments, model_kwargs
-        self.cache = passed_cache(model_kwargs)
+        self.passed = passed
+        self.cache = passed.cache
 
     @cached_property
     def prompt(self):
@@ -94,7 +99,7 @@ class _Call:
     @cached_property
     def past_length(self) -> int:
         """The tokens the cache passed in already holds."""
-        return (cache_seq_length(self.cache) or 0) if self.cache is not None else 0
+        return self.passed.tokens or 0
 
     @cached_property
     def other_inputs(self) -> list[str]:
@@ -103,8 +108,8 @@ class _Call:
 
     @cached_property
     def continued(self) -> tuple[int, int] | None:
-        """`(padding, rows)` of the bucketed call that filled the cache passed in (`cache.continued_padding`)."""
-        return continued_padding(self.model_kwargs)
+        """`(padding, rows)` of the bucketed call that filled the cache passed in (`PassedCache.continued`)."""
+        return self.passed.continued
 
     @cached_property
     def bucket(self) -> int:
@@ -176,10 +181,6 @@ class _Call:
         return _ragged_reason(
             self.model, self.settings, self.model_kwargs, self.prompt, self.past_length, self.cache, self.slots
         )
-
-
-def _takes(model, parameter: str) -> bool:
-    return parameter in inspect.signature(model.forward).parameters
 
 
 def _is_dynamic(implementation) -> bool:
@@ -257,7 +258,7 @@ RULE = (
         "a forward without `logits_to_keep`",
         "left",
         "it would compute logits for every pad position",
-        lambda call: not _takes(call.model, "logits_to_keep"),
+        lambda call: not forward_takes(call.model, "logits_to_keep"),
         "`{call.model_name}.forward` takes no `logits_to_keep`: it would compute every pad's logits",
     ),
     Case(
@@ -303,7 +304,7 @@ RULE = (
         "a cache filled by rows of different lengths",
         "left",
         "the prompt must line up with the padding in the cache (pass the first call's mask, then ones)",
-        lambda call: call.cache is not None and call.past_length and ragged_rows_mask(call.cache) is not None,
+        lambda call: call.cache is not None and call.past_length and call.passed.ragged_rows is not None,
         "the cache holds rows of different lengths, each at the start of its slots: a mask lines them up",
     ),
     Case(
@@ -417,7 +418,7 @@ def _ragged_reason(
                 "which only its mask reproduces (decoder-only batches are padded on the left)"
             )
         return "the attention mask has zeros between a row's tokens"
-    if "position_ids" not in inspect.signature(model.forward).parameters:
+    if not forward_takes(model, "position_ids"):
         return f"`{type(model).__name__}.forward` takes no `position_ids`: each row's positions must follow its tokens"
     if _has_sliding_layers(model, cache, slots):
         return "a sliding window counts cache slots, and a short row's pads would sit after its tokens, not before"

@@ -48,7 +48,13 @@ class Plan:
     recompile_limit: int | None = None  # torch's limit once the call's graphs are accounted for
     expected_graphs: Any = None  # with a compiled forward: what the call expects to compile (`budget.CallGraphs`)
     static_cache_length: int | None = None  # slots of the call's static cache, once it is made
+    # Whether upstream compiles the forward itself (`_compat.valid_auto_compile`), and whether the call's forwards are
+    # compiled at all (that, or the user's compiled forward): decided once the cache is made (`None` until then).
+    auto_compile: bool | None = None
+    compiled: bool | None = None
     windowed_cache: Any = None  # the static cache whose full-attention layers read windows (`windows.py`)
+    reads_windows: bool = False  # whether its full-attention layers read windows (`windows.has_windows`)
+    decoding: bool = False  # whether the last forward prepared was a decode step (`hooks._before_forward`)
     # How each layer of the call's static cache lays out the keys it reads (`attention_keys.key_layouts`), for the
     # attentions `output.strip_output` returns; `None`: no static cache.
     key_layouts: tuple | None = None

@@ -20,6 +20,7 @@ import torch
 from transformers.utils import logging
 
 from .. import _compat
+from ..aot_compiled import is_aot_forward
 from .cache import cache_argument, cache_seq_length, early_initialize
 from .hook_registry import hook
 from .padding import fill_embedding
@@ -46,14 +47,22 @@ def prefill_right(plan: Plan, step):
         )
         return step.call()
     rows = input_ids.shape[0] if input_ids.shape[1] else model_kwargs["inputs_embeds"].shape[0]
-    if not all(getattr(layer, "is_initialized", True) for layer in cache.layers):
-        early_initialize(model, cache, rows)  # outside the compiled forward: static addresses, as on the left
+    # Compiled: allocated outside the compiled forward (static addresses), as on the left. Eager: on the first write,
+    # as upstream's lazily initialized cache is (`None`: the cache hook did not run, so as if compiled).
+    compiled = plan.compiled is not False or is_aot_forward(model)
+    if compiled and not all(getattr(layer, "is_initialized", True) for layer in cache.layers):
+        early_initialize(model, cache, rows)
     past = cache_seq_length(cache) or 0  # what a continued conversation holds; 0 for a fresh cache
     inputs_embeds = model_kwargs.get("inputs_embeds")
     if past == 0:
-        prompt, row_lengths = _rows_from_the_start(plan, input_ids, inputs_embeds, model_kwargs.get("attention_mask"))
         new_tokens = (inputs_embeds if inputs_embeds is not None else input_ids).shape[1]
-        keep, column = _last_positions(row_lengths, right.bucket)
+        if right.ragged:
+            attention_mask = model_kwargs.get("attention_mask")
+            prompt, row_lengths = _rows_from_the_start(plan, input_ids, inputs_embeds, attention_mask)
+            keep, column = _last_positions(row_lengths, right.bucket)
+        else:  # every row is the whole prompt: padded after it, each row's last token in the prompt's last column
+            prompt, row_lengths = _padded_after(plan, input_ids, inputs_embeds), None
+            keep, column = _last_column(rows, new_tokens, right.bucket, _prompt_device(prompt)), None
     else:  # a continued conversation: the rows are one length (the rule), the new tokens follow the cached ones
         new_ids = input_ids[:, past:]  # [rows, S]
         new_tokens = new_ids.shape[1]
@@ -62,7 +71,10 @@ def prefill_right(plan: Plan, step):
         keep, column = torch.tensor([new_tokens - 1], device=input_ids.device), None  # [1]: an input, not a shape
     device = keep.device
     positions = past + torch.arange(right.bucket, device=device).expand(rows, -1)  # [rows, bucket]
-    if _compat.valid_auto_compile(model, model_kwargs, generation_config):
+    auto_compile = plan.auto_compile
+    if auto_compile is None:
+        auto_compile = _compat.valid_auto_compile(model, model_kwargs, generation_config)
+    if auto_compile:
         forward = model.get_compiled_call(generation_config.compile_config)  # as upstream decodes
     else:
         forward = model.__call__  # compiled in place, through the compiled wrapper, or eager
@@ -82,6 +94,8 @@ def prefill_right(plan: Plan, step):
     if column is not None:
         # [rows, kept, vocab] -> [rows, 1, vocab]: each row's logits at its own last position
         outputs["logits"] = outputs.logits[torch.arange(rows, device=device), column].unsqueeze(1)
+    elif keep.shape[0] > 1:  # every kept position is the last token's: [rows, kept, vocab] -> [rows, 1, vocab]
+        outputs["logits"] = outputs.logits[:, -1:]
     if (cache_seq_length(cache) or 0) == past:
         # The forward wrote nothing to the cache (OpenAI GPT takes it and keeps none): every decode step runs the whole
         # sequence again, as the user passed it, with the user's mask. Decode stays upstream's, mask and cache too.
@@ -93,10 +107,34 @@ def prefill_right(plan: Plan, step):
     _compat.set_static_cache_length(cache, past + new_tokens)
     if past == 0 and model_kwargs.get("attention_mask") is not None:
         # The cache's layout: row i's tokens in slots 0..L_i-1, the decode steps from slot S on. [rows, S]
-        slots = torch.arange(new_tokens, device=device)
         mask = model_kwargs["attention_mask"]
-        model_kwargs["attention_mask"] = (slots < row_lengths[:, None].to(device)).to(mask.dtype)
+        if row_lengths is None:  # every row fills all S slots
+            model_kwargs["attention_mask"] = torch.ones(rows, new_tokens, dtype=mask.dtype, device=device)
+        else:
+            slots = torch.arange(new_tokens, device=device)
+            model_kwargs["attention_mask"] = (slots < row_lengths[:, None].to(device)).to(mask.dtype)
     return outputs
+
+
+def _prompt_device(prompt: dict) -> torch.device:
+    return next(iter(prompt.values())).device
+
+
+def _padded_after(plan: Plan, input_ids, inputs_embeds) -> dict:
+    """The prompt as prefill runs it when every row is the whole prompt: padded after its end to the bucket."""
+    fill_id = plan.settings.unmasked_fill_token_id
+    if inputs_embeds is not None:  # [rows, S, hidden] -> [rows, bucket, hidden]
+        fill = fill_embedding(plan.model.get_input_embeddings(), fill_id, inputs_embeds)  # [hidden]
+        rows, width, hidden = inputs_embeds.shape
+        padding = fill.expand(rows, plan.right.bucket - width, hidden)
+        return {"inputs_embeds": torch.cat([inputs_embeds, padding], dim=1)}
+    padding = input_ids.new_full((input_ids.shape[0], plan.right.bucket - input_ids.shape[1]), fill_id)
+    return {"input_ids": torch.cat([input_ids, padding], dim=1)}  # [rows, bucket]
+
+
+def _last_column(rows: int, width: int, bucket: int, device) -> torch.Tensor:
+    """`_last_positions` for rows that all end in column `width - 1`: that position, `min(rows, bucket)` times."""
+    return torch.full((min(rows, bucket),), width - 1, dtype=torch.long, device=device)
 
 
 def _rows_from_the_start(plan: Plan, input_ids, inputs_embeds, attention_mask) -> tuple[dict, torch.Tensor]:

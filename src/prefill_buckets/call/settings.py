@@ -6,6 +6,8 @@ from a cache a bucketed call filled, and sets no bucket field itself, takes the 
 (`call_sets_fields`), so a conversation stays bucketed without repeating them.
 """
 
+import inspect
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +51,39 @@ def _token_ids(value) -> tuple[int, ...]:
     if isinstance(value, (list, tuple)):
         return tuple(int(v) for v in value)
     return (int(value),)
+
+
+# The parameters of each function a call asks about (a forward, a logits processor's `__call__`), read once: bound
+# methods by their function (a bound method is new on every lookup, its function is not; its signature has no `self`),
+# other callables by themselves.
+_BOUND_PARAMETERS: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+_PARAMETERS: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+
+
+def parameters_of(function):
+    """`inspect.signature(function).parameters`, read once per function."""
+    bound = getattr(function, "__func__", None)
+    known, key = (_BOUND_PARAMETERS, bound) if bound is not None else (_PARAMETERS, function)
+    try:
+        return known[key]
+    except (KeyError, TypeError):  # TypeError: a callable that can't be a weak key; read every time
+        pass
+    parameters = inspect.signature(function).parameters
+    try:
+        known[key] = parameters
+    except TypeError:
+        pass
+    return parameters
+
+
+def forward_parameters(model):
+    """The parameters of `model.forward`."""
+    return parameters_of(model.forward)
+
+
+def forward_takes(model, name: str) -> bool:
+    """Whether `model.forward` takes a parameter `name`."""
+    return name in forward_parameters(model)
 
 
 def vocabulary_size(model) -> int | None:

@@ -5,12 +5,10 @@ its positions from `position_ids` or the mask, and passes the mask on. `padding_
 `side_assumption_broken` before its rule (right) and after it (left): where neither side holds, the call runs unpadded.
 """
 
-import inspect
-
 import torch
 
 from ..state import state_of
-from .settings import max_positions
+from .settings import forward_takes, max_positions
 
 
 def _attention_is_bidirectional(model) -> bool:
@@ -29,12 +27,12 @@ def _positions_from_the_mask(model) -> bool:
     No `position_ids` and no `max_position_embeddings`: positions are ALiBi biases built from the attention mask
     (BLOOM), which the right-padded prefill leaves out (on transformers 5.17 BLOOM then fails), or there are none.
     """
-    return "position_ids" not in inspect.signature(model.forward).parameters and max_positions(model) is None
+    return not forward_takes(model, "position_ids") and max_positions(model) is None
 
 
 def _positions_count_from_the_cache(model) -> bool:
     """No `position_ids`, but position embeddings (learned, sinusoidal or rotary): counted from the cache length."""
-    if "position_ids" in inspect.signature(model.forward).parameters:
+    if forward_takes(model, "position_ids"):
         return False
     return any(
         "Positional" in type(module).__name__ or "Rotary" in type(module).__name__ for module in model.modules()

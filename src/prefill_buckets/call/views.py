@@ -9,7 +9,6 @@ The hooks of the steps that build those objects (`_get_logits_processor`, `_get_
 """
 
 import copy
-import inspect
 
 import torch
 from transformers.generation import logits_process
@@ -20,6 +19,7 @@ from transformers.generation.streamers import BaseStreamer
 from .. import _compat
 from .hook_registry import hook
 from .padding import strip_left
+from .settings import parameters_of
 
 
 class _View:
@@ -129,9 +129,9 @@ def _get_logits_processor(plan, step):
     user_processors = {id(p) for p in step["logits_processor"] or ()}
     wrapped = LogitsProcessorList()
     for processor in processors:
-        plain = len(inspect.signature(processor.__call__).parameters) == 2  # extra arguments: leave it be
         padded_view = isinstance(processor, _PADDED_VIEW) or _skips_left_padding(processor, user_processors)
-        if plain and not padded_view:
+        plain = not padded_view and len(parameters_of(processor.__call__)) == 2  # extra arguments: leave it be
+        if plain:
             processor = UnpaddedProcessor(processor, plan.added_id_columns)
         wrapped.append(processor)
     return wrapped

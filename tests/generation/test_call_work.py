@@ -1,0 +1,133 @@
+# What a bucketed call derives, it derives once (issue 33, item 3): the cache it continues from is read once per call,
+# the forward's signature once per forward, the auto-compile verdict once per call, and a decode step looks up nothing
+# the call already knows. Counted, not timed.
+
+import inspect
+import unittest
+from unittest import mock
+
+import torch
+from transformers import StaticCache
+
+import prefill_buckets
+from prefill_buckets import _compat
+from prefill_buckets.call import cache as cache_module
+from prefill_buckets.call import hooks, prefill_right
+
+from .tiny_models import CACHE, single_thread_module, static_config, tiny_llama
+
+
+setUpModule, tearDownModule = single_thread_module()
+
+
+def prompt(length: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, 128, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+class Counter:
+    """Counts the calls of `owner.name` (still calling it) while the context is open."""
+
+    def __init__(self, owner, name: str, only=None):
+        self.owner, self.name, self.only, self.calls = owner, name, only, 0
+
+    def __enter__(self):
+        original = getattr(self.owner, self.name)
+
+        def counted(*args, **kwargs):
+            if self.only is None or self.only(*args, **kwargs):
+                self.calls += 1
+            return original(*args, **kwargs)
+
+        self.patcher = mock.patch.object(self.owner, self.name, counted)
+        self.patcher.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.patcher.stop()
+
+
+class CallWorkTest(unittest.TestCase):
+    def setUp(self):
+        prefill_buckets.disable()  # `model.generate` is upstream's
+        self.model = tiny_llama()
+
+    def test_the_cache_a_call_continues_from_is_read_once(self):
+        # Its record (the padding, the bucket fields, the ragged rows) was looked up by every step that asked: five
+        # times or more per call.
+        model = self.model
+        config = static_config(4, return_dict_in_generate=True)
+        for side in ("left", "right"):
+            with self.subTest(side):
+                cache = StaticCache(config=model.config, max_cache_len=128)
+                first = prefill_buckets.generate(
+                    model, prompt(5), generation_config=config, prefill_buckets=[16], prefill_padding_side=side,
+                    cache_implementation=None, **{CACHE: cache},
+                )  # fmt: skip
+                turn = torch.cat([first.sequences, prompt(3, seed=1)], dim=1)
+                with Counter(cache_module, "cache_record") as records:
+                    prefill_buckets.generate(
+                        model, turn, generation_config=config, cache_implementation=None, **{CACHE: first[CACHE]}
+                    )
+                self.assertEqual(records.calls, 1)
+
+    def test_the_forward_signature_is_read_once_per_forward(self):
+        # Upstream's `generate` reads it itself; a bucketed call asked three times more (the mask, `logits_to_keep`,
+        # `position_ids`), on every call.
+        model = self.model
+        forward = type(model).forward
+
+        def of_forward(obj, *args, **kwargs):
+            return getattr(obj, "__func__", obj) is forward
+
+        with Counter(inspect, "signature", only=of_forward) as upstream:
+            model.generate(prompt(5), generation_config=static_config(3))
+        for side in ("left", "right"):
+            with self.subTest(side):
+                call = lambda: prefill_buckets.generate(  # noqa: E731
+                    model, prompt(5), generation_config=static_config(3), prefill_buckets=[16],
+                    prefill_padding_side=side,
+                )  # fmt: skip
+                call()
+                with Counter(inspect, "signature", only=of_forward) as signatures:
+                    call()
+                self.assertEqual(signatures.calls, upstream.calls)
+
+    def test_auto_compile_is_decided_once_per_call(self):
+        # The cache hook decides it; the right-padded prefill reads the plan instead of asking upstream again.
+        with Counter(_compat, "valid_auto_compile") as verdicts:
+            prefill_buckets.generate(
+                self.model, prompt(5), generation_config=static_config(3), prefill_buckets=[16],
+                prefill_padding_side="right",
+            )  # fmt: skip
+        self.assertEqual(verdicts.calls, 1)
+
+    def test_an_eager_right_padded_prefill_allocates_its_cache_as_upstream_does(self):
+        # Lazily, on its first write: an early allocation (static addresses) is for a compiled forward.
+        with Counter(prefill_right, "early_initialize") as allocations:
+            out = prefill_buckets.generate(
+                self.model, prompt(5), generation_config=static_config(3), prefill_buckets=[16],
+                prefill_padding_side="right",
+            )  # fmt: skip
+        self.assertEqual(allocations.calls, 0)
+        self.assertEqual(out.shape, (1, 8))
+
+    def test_a_decode_step_looks_up_nothing_the_call_knows(self):
+        # Whether the cache reads windows, and torch's recompile limit, are the call's: as many lookups with 2 new
+        # tokens as with 12. A 512-slot cache has windowed layers (its window is 256).
+        model = self.model
+        for side in ("left", "right"):
+            counts = []
+            for new_tokens in (2, 12):
+                config = static_config(new_tokens, max_cache_len=512)
+                with Counter(hooks, "has_windows") as windows, Counter(hooks, "restore_recompile_limit") as limits:
+                    prefill_buckets.generate(
+                        model, prompt(5), generation_config=config, prefill_buckets=[16], prefill_padding_side=side
+                    )
+                counts.append((windows.calls, limits.calls))
+            with self.subTest(side):
+                self.assertEqual(counts[0], counts[1])
+                self.assertLessEqual(counts[1][1], 2)  # the prompt's forward, and the first decode step
+
+
+if __name__ == "__main__":
+    unittest.main()
