@@ -23,6 +23,7 @@ from packaging import version
 from transformers import PreTrainedModel, StaticCache, StaticLayer, StaticSlidingWindowLayer, masking_utils
 from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS
 from transformers.generation.utils import GenerationMixin
+from transformers.utils import output_capturing as _output_capturing
 
 
 TESTED_TRANSFORMERS = ("5.17.0", "5.24.0")  # oldest and newest, both run in CI
@@ -407,6 +408,29 @@ def reports_empty(cache):
         yield
     finally:
         cache.__dict__.pop("get_query_offset", None)
+
+
+def line_up_output_capture_registry(model) -> None:
+    """
+    Puts the entries of `model`'s classes first, sorted, in transformers' registry of what each model class can record
+    (`output_capturing._CAN_RECORD_REGISTRY`, keyed by class name, in the order classes were first built). A traced
+    forward reads its class's entry by its position among the registry's keys, and torch rebuilds that position when
+    it loads an ahead-of-time compiled graph: a graph traced in a process that had built other model classes first
+    indexed past the end of a replica's registry, and could not be loaded. Lined up in both processes, the position
+    is the same. Changes nothing where the entries are first already (a process with one model), or on a transformers
+    without the registry. Reordering a dict keyed by name changes no lookup.
+    """
+    registry = getattr(_output_capturing, "_CAN_RECORD_REGISTRY", None)
+    if not isinstance(registry, dict):
+        return
+    own = sorted({str(type(module)) for module in model.modules()}.intersection(registry))
+    keys = list(registry)
+    if keys[: len(own)] == own:
+        return
+    entries = [(key, registry[key]) for key in own] + [(key, registry[key]) for key in keys if key not in own]
+    dict.clear(registry)
+    for key, value in entries:  # `dict`'s own: the registry's `__setitem__` takes a model, not its key
+        dict.__setitem__(registry, key, value)
 
 
 def is_prompt_lookup(candidate_generator) -> bool:

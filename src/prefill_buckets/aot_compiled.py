@@ -146,6 +146,7 @@ class AOTForward:
         compiled = _compat.compile_for_aot(
             self.eager, backend=self.backend, fullgraph=True, dynamic=False, options=options
         )
+        _compat.line_up_output_capture_registry(self.model)  # the graph reads it by position: the same in a replica
         return _compat.aot_compile(compiled, args, kwargs), state_guards
 
     def _keep_guard(self, entries, state_guards: list[str]) -> list[bool]:
@@ -187,6 +188,7 @@ class AOTForward:
         reading state that only exists inside a forward call, and each graph costs only the shape that needs it.
         """
         model_class = type(self.model)
+        _compat.line_up_output_capture_registry(self.model)  # as the process that compiled them did
         for meta, data in entries:
             try:
                 aliases = {alias: importlib.import_module(name) for alias, name in meta["modules"].items()}

@@ -31,6 +31,8 @@ The rest must live where it is, each for its reason:
   static cache layer read through a window or a ring while the call runs (`call/windows.py`, `call/ring.py`: upstream's
   classes again when it returns); and a `CacheRecord` in the cache's `__dict__` (`call/cache.py`): it describes that
   cache's layout, and a later call finds it on the cache the user passes;
+- what `aot_forward` changes in transformers: the order of its registry of what each model class records (the
+  model's classes first, `_compat.line_up_output_capture_registry`), so its graphs load in a replica;
 - the active plan and the mask flag, in context variables (`call/hook_registry.py`, `call/hooks.py`): they belong to
   one call, and concurrent calls on one model (threads, tasks) must not see each other's;
 - torch's `recompile_limit` itself (raised by `call.budget.make_room` while calls need it, restored when none is in

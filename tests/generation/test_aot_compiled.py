@@ -316,7 +316,29 @@ class AOTForwardTest(unittest.TestCase):
         second = json.loads(result.stdout.strip().splitlines()[-1])
         self.assertTrue(second["loaded"])
         self.assertEqual(second["tokens"], expected)
-        self.assertEqual((second["traced"], second["graphs_loaded"], second["graphs_compiled"]), (0, 3, 0))
+        self.assertEqual(
+            (second["traced"], second["graphs_loaded"], second["graphs_compiled"]), (0, 3, 0), result.stderr[-3000:]
+        )
+
+    def test_a_file_saved_after_other_model_classes_loads(self):
+        # A traced forward reads transformers' registry of what each model class records by its key's position, and
+        # torch rebuilds that position when it loads the graph. A process that built a Mistral and a GPT-2 before its
+        # Llama saves graphs whose position a replica, which builds the Llama alone, must have too.
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        runs = []
+        for mode in ("save", "load"):
+            result = subprocess.run(
+                [sys.executable, "-c", _OTHER_CLASSES_FIRST_PROCESS, root, self.path, mode],
+                capture_output=True, text=True, timeout=600,
+            )  # fmt: skip
+            self.assertEqual(result.returncode, 0, result.stderr[-3000:])
+            runs.append(json.loads(result.stdout.strip().splitlines()[-1]))
+            self.assertNotIn("could not be loaded", result.stderr)
+        saved, loaded = runs
+        self.assertEqual((saved["graphs_loaded"], saved["graphs_compiled"]), (0, 3))  # the positive control
+        self.assertEqual(loaded["tokens"], saved["tokens"])
+        self.assertEqual(saved["tokens"], self.expected())
+        self.assertEqual((loaded["traced"], loaded["graphs_loaded"], loaded["graphs_compiled"]), (0, 3, 0))
 
 
 def run_conversation(model, bucketed: bool, padding_side: str = "auto") -> tuple[list, list]:
@@ -359,6 +381,37 @@ _CONVERSATION_PROCESS = textwrap.dedent(
     print(json.dumps(dict(
         loaded=loaded, tokens=tokens, traced=traced(), graphs_loaded=forward.graphs_loaded,
         graphs_compiled=forward.graphs_compiled,
+    )))
+    """
+)
+
+# A process that saves (after building two other model classes) or loads a file, then runs `CONFIG`'s prompts.
+_OTHER_CLASSES_FIRST_PROCESS = textwrap.dedent(
+    """
+    import json, sys
+    sys.path.insert(0, sys.argv[1])
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, GenerationConfig, MistralConfig, MistralForCausalLM
+    import prefill_buckets
+    from tests.generation.test_aot_compiled import CONFIG, PROMPTS, traced
+    from tests.generation.tiny_models import tiny_llama
+
+    path, mode = sys.argv[2], sys.argv[3]
+    if mode == "save":  # other classes first: the Llama's come after theirs in transformers' registry
+        MistralForCausalLM(MistralConfig(vocab_size=16, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1))
+        GPT2LMHeadModel(GPT2Config(vocab_size=16, n_embd=16, n_layer=1, n_head=2))
+    else:
+        prefill_buckets.load_compile_cache(path)
+    model = tiny_llama()
+    model.forward = prefill_buckets.aot_forward(model, backend="aot_eager")
+    config = GenerationConfig(**CONFIG)
+    tokens = [prefill_buckets.generate(model, prompt, generation_config=config).tolist() for prompt in PROMPTS]
+    if mode == "save":
+        prefill_buckets.save_compile_cache(path)
+    forward = model.forward
+    print(json.dumps(dict(
+        tokens=tokens, traced=traced(), graphs_loaded=forward.graphs_loaded, graphs_compiled=forward.graphs_compiled,
     )))
     """
 )
