@@ -15,8 +15,8 @@ from ._compat import graphs_compiled
 from .buckets import BucketPolicy, check_positive_int, is_positive_int
 from .call.budget import budget_of, make_room
 from .call.cache import pinned_cache_length
+from .call.decision import capped_bucket
 from .call.generation import generate
-from .call.inputs import capped_bucket
 from .call.settings import resolve_fields, resolve_settings
 from .call.windows import decode_warmups
 from .config import PREFILL_BUCKETS, PREFILL_PAD_TO_MULTIPLE_OF

@@ -1,16 +1,18 @@
 """The call path: one bucketed `generate` call, a module per step, in the order it runs (`generation.generate`).
 
-1. Resolve: `settings.py` (the bucket fields and the generation values padding depends on).
-2. Check support: `support.check_upstream` (the package's version gate, above this subpackage) and
-   `generation._check_support`.
-3. Choose the side: `padding_side.py` (the rule, as data), with `side_assumptions.py` (what a model's code assumes).
-4. Plan: `inputs.plan_call` makes the `Plan` (`plan.py`): the prompt padded in front (`padding.py`, tensor ops), or on
-   the right by the `_prefill` hook; the batch padded with dummy rows (`batch_rows.py`).
+1. Resolve: `resolved.py` (the call's inputs, read once into a frozen `ResolvedCall`), with `settings.py` (the bucket
+   fields and the generation values padding depends on) and `cache.PassedCache` (the cache the call passes).
+2. Check support: `support.check_upstream` (the package's version gate, above this subpackage).
+3. Decide: `decision.py`, the one decision of how the call is padded (left, right, or unpadded with its reason), with
+   the rule of `padding_side.py` (as data) and `side_assumptions.py` (what a model's code assumes).
+4. Plan: `planning.plan_call` makes the frozen `Plan` (`plan.py`): the prompt padded in front (`padding.py`, tensor
+   ops), or on the right by the `_prefill` hook; the batch padded with dummy rows (`batch_rows.py`).
 5. Agree across ranks: `distributed.ranks_agree` (above: it is also the user's, for `rank_path`).
 6. Run upstream `generate`, hooked: `hooks.py` installs what `hook_registry.py` declares; the hooks live in `hooks.py`,
    `views.py` (what reads token content sees the ids without padding) and `prefill_right.py` (the right-padded
-   prefill). The cache: its length and record (`cache.py`), the windows its layers read (`windows.py`, with
-   `ring.py` for sliding-window layers), and the graphs it compiles (`budget.py`).
+   prefill); what the call learns as it runs goes to `plan.run` (`plan.CallRun`). The cache: its length and record
+   (`cache.py`), the windows its layers read (`windows.py`, with `ring.py` for sliding-window layers), and the graphs
+   it compiles (`budget.py`).
 7. Mark the cache: `cache.record_call`.
 8. Strip: `output.py`, with `attention_keys.py` (a static cache's attentions laid out as upstream's layers lay them).
 

@@ -19,7 +19,7 @@ takes: never past `max_position_embeddings`, which some models size buffers by (
 call itself needs more slots, as it would unbucketed. `precompile` pins the cache to its longest bucket instead
 (`pinned_cache_length`). A cache the user did not ask for that is longer than `DEFAULT_CACHE_SLOTS` logs its size in
 bytes when it is made. Pin `max_cache_len` to the largest bucket plus `max_new_tokens` to choose the memory yourself
-(`unpadded_for_room` checks a call against a pinned or passed cache).
+(`room_reason` checks a call against a pinned or passed cache).
 """
 
 from dataclasses import dataclass
@@ -134,11 +134,14 @@ def pinned_cache_length(policy: BucketPolicy, needed: int) -> int:
     return _aligned(policy, needed)
 
 
-def unpadded_for_room(plan, model_kwargs: dict) -> str | None:
+def room_reason(
+    settings: CallSettings, cache, holds_padding: bool, prompt_length: int, padded_length: int
+) -> str | None:
     """
-    A left-padded call against the static cache it will write: its padded prompt (in a conversation, with the tokens
-    the cache holds) plus the new tokens, less one (the last token is never written). Returns why the call must run
-    unpadded, or `None` when it is bucketed:
+    A left-padded call against the static cache it will write (`cache`: the one passed in, or `None`; `holds_padding`:
+    whether a bucketed call left padding in it): its padded prompt of `padded_length` (in a conversation, with the
+    tokens the cache holds) plus the new tokens, less one (the last token is never written). Returns why the call must
+    run unpadded, or `None` when it is bucketed:
 
     - a cache passed in with fewer slots, that holds no padding: the call runs unpadded, as upstream runs it (reason);
     - a cache passed in with fewer slots, that holds a bucketed call's padding: `ValueError` naming both lengths (the
@@ -146,16 +149,14 @@ def unpadded_for_room(plan, model_kwargs: dict) -> str | None:
     - a pinned `max_cache_len` with fewer slots: upstream sizes the cache by what the call needs, so the call runs
       exact in a longer cache, a shape of its own; a warning says so (`None`).
     """
-    settings = plan.settings
-    new_tokens = settings.new_tokens(plan.prompt_length)
-    needed = plan.padded_length + new_tokens - 1
-    what = f"the bucket's {plan.padded_length} positions plus {new_tokens} new tokens, less one"
-    cache = passed_cache(model_kwargs)
+    new_tokens = settings.new_tokens(prompt_length)
+    needed = padded_length + new_tokens - 1
+    what = f"the bucket's {padded_length} positions plus {new_tokens} new tokens, less one"
     if cache is not None and is_static_cache(cache):
         slots = static_cache_slots(cache)
         if slots >= needed or all(sliding_window_slots(layer) is not None for layer in cache.layers):
             return None  # sliding-window layers drop the tokens past their window: they never run out of slots
-        if holds_padding(cache):
+        if holds_padding:
             raise ValueError(
                 f"The cache passed in has {slots} slots, fewer than the {needed} this call needs ({what}; the cache "
                 f"holds a bucketed call's padding, which this prompt is padded by too). A static cache does not grow: "
@@ -271,11 +272,6 @@ class PassedCache:
         """The attention mask of the ragged right-padded call that filled the cache, or `None`."""
         return self.record.ragged_rows if self.record is not None else None
 
-    @property
-    def holds_padding(self) -> bool:
-        """Whether a bucketed call left padding in the cache that the call must continue (`holds_padding`)."""
-        return self.continued is not None
-
 
 def record_call(cache, plan, attention_mask, continues: bool) -> None:
     """
@@ -295,12 +291,6 @@ def record_call(cache, plan, attention_mask, continues: bool) -> None:
     cache.__dict__[_CACHE_RECORD] = CacheRecord(padding, ragged_rows, plan.settings.bucketing)
 
 
-def holds_padding(cache) -> bool:
-    """Whether a bucketed call left padding in `cache` that a later call must continue."""
-    record = cache_record(cache)
-    return record is not None and record.padding is not None
-
-
 def early_initialize(model, cache, rows: int) -> None:
     """
     Allocates a lazily initialized static cache for `rows` rows, when the model's layout allows it and the shape
@@ -311,8 +301,12 @@ def early_initialize(model, cache, rows: int) -> None:
     decoder whose heads differ from the encoder's), the cache initializes from the first keys it gets, as upstream's
     own lazily allocated cache does: exact, at the cost of one more graph on the first compiled call.
     """
+    if not hasattr(cache, "early_initialization") or all(
+        getattr(layer, "is_initialized", False) for layer in cache.layers
+    ):
+        return  # allocated already: the model's cache, reused by a later call
     shape = static_cache_init_shape(model)
-    if shape is None or not hasattr(cache, "early_initialization"):
+    if shape is None:
         return
     num_heads, head_dim = shape
     if not _shape_is_held(model, cache, num_heads, head_dim):

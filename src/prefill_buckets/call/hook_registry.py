@@ -1,8 +1,9 @@
 """The registry of hooks: the steps of upstream `generate` a bucketed call replaces on the model instance.
 
-Each hook is declared once, where it is written, with `@hook(target, reads=..., positional=...)`. The declaration is
-the one list the package has: `bucketed_call` (`hooks.py`) installs `HOOKS`, `check_upstream` verifies each target's
-parameters (`hook_targets`), and the docs list is checked against it.
+Each hook is declared once, where it is written, with `@hook(target, reads=..., positional=..., side=...)`. The
+declaration is the one list the package has: `bucketed_call` (`hooks.py`) installs `HOOKS`, `check_upstream` verifies
+each target's parameters (`hook_targets`), and the docs list is checked against it. A hook declared for one `side` is
+not entered by a call padded on the other: upstream's method runs as it is.
 
 A hook body gets the call's plan and the step's arguments (`StepArguments`), reads and changes them by name, and runs
 upstream's method with `step.call()`. The arguments reach that method in the form upstream passed them (by position
@@ -40,12 +41,15 @@ class Hook:
     # Whether upstream `generate` passes `reads` by position (in this order): an override must take them there, or
     # pass `*args` on. Otherwise they come by keyword, and an override may take them through `**kwargs`.
     positional: bool
+    # `"left"` or `"right"`: the hook acts on calls padded on that side only; a call padded on the other side runs
+    # upstream's method without entering the hook. `None`: both sides.
+    side: str | None = None
 
 
 HOOKS: dict[str, Hook] = {}
 
 
-def hook(target: str, *, reads: tuple[str, ...], positional: bool = False):
+def hook(target: str, *, reads: tuple[str, ...], positional: bool = False, side: str | None = None):
     """Declares the decorated `body(plan, step)` as the hook of `target` (see `Hook`)."""
 
     def register(body):
@@ -53,7 +57,7 @@ def hook(target: str, *, reads: tuple[str, ...], positional: bool = False):
             raise RuntimeError(
                 f"Two hooks are declared for `{target}`: `{HOOKS[target].body.__name__}` and `{body.__name__}`."
             )
-        HOOKS[target] = Hook(target, body, tuple(reads), positional)
+        HOOKS[target] = Hook(target, body, tuple(reads), positional, side)
         return body
 
     return register
@@ -123,11 +127,11 @@ class StepArguments:
 
 def make_hooked(entry: Hook, original: Callable, model) -> Callable:
     """The function installed on `model` in place of `original`: `entry.body` while `model` has an active plan."""
-    body, target = entry.body, entry.target
+    body, target, only = entry.body, entry.target, entry.side
 
     def hooked(*args, **kwargs):
         plan = _ACTIVE_PLAN.get()
-        if plan is None or plan.model is not model:
+        if plan is None or plan.model is not model or (only is not None and plan.side != only):
             return original(*args, **kwargs)
         return body(plan, StepArguments(target, original, args, kwargs))
 

@@ -89,9 +89,7 @@ def _prepare_generated_length(plan, step):
     positional=True,
 )
 def _prepare_cache_for_generation(plan, step):
-    model = plan.model
     generation_config, model_kwargs = step["generation_config"], step["model_kwargs"]
-    batch_size, max_cache_length = step["batch_size"], step["max_cache_length"]
     creates_static = (
         passed_cache(model_kwargs) is None
         and generation_config.cache_implementation in _compat.ALL_STATIC_CACHE_IMPLEMENTATIONS
@@ -101,13 +99,7 @@ def _prepare_cache_for_generation(plan, step):
     # `generation_config` is upstream's private copy: what the user passed is untouched.
     sized_here = creates_static and generation_config.max_cache_len is None
     if sized_here:
-        # On the right the bucket is filled on top of the cached tokens: the new tokens' slots come after it, as on the
-        # left (more than the `max(bucket, prompt + new tokens)` the call needs, so both sides size caches alike).
-        new_slots = max_cache_length - plan.prompt_length
-        needed = plan.prompt_slots + new_slots if plan.right is not None else max_cache_length
-        generation_config.max_cache_len = static_cache_length(
-            model, plan.settings, needed, prompt_slots=plan.prompt_slots
-        )
+        generation_config.max_cache_len = _bucketed_cache_length(plan, step["max_cache_length"])
     if generation_config.compile_config is not None:
         # An explicit `compile_config` compiles on every device, CPU included (upstream: CUDA/XPU only).
         _compat.compile_on_all_devices(generation_config.compile_config)
@@ -116,29 +108,62 @@ def _prepare_cache_for_generation(plan, step):
         # The cache is made. Unset again, so configs derived from this one (an assistant model's) don't inherit it.
         generation_config.max_cache_len = None
     cache = passed_cache(model_kwargs)
-    cache_length = cache.get_max_length() if hasattr(cache, "get_max_length") else -1
-    plan.static_cache_length = cache_length
-    if cache is not None and open_windows(cache, _compat.attention_implementation(model.config)):
-        plan.windowed_cache = cache
-        plan.reads_windows = has_windows(cache)
-    plan.key_layouts = key_layouts(cache)
+    _learn_cache(plan, cache)
+    rows = step["batch_size"] * max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
+    _learn_compilation(plan, model_kwargs, generation_config)
+    if creates_static and plan.run.compiled and cache is not None:
+        early_initialize(plan.model, cache, rows)
     # What prefill runs on: the padded prompt, or, continuing from a cache, the tokens the cache lacks.
     cached_tokens = (cache_seq_length(cache) or 0) if cache is not None else 0  # `None`: the model keeps no cache
     prefill = plan.right.bucket if plan.right is not None else plan.padded_length - cached_tokens
-    auto_compile = _compat.valid_auto_compile(model, model_kwargs, generation_config)
-    rows = batch_size * max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
-    compiled = auto_compile or compiled_forward(model) is not None
-    plan.auto_compile, plan.compiled = auto_compile, compiled
-    if creates_static and compiled and cache is not None:
-        early_initialize(model, cache, rows)
+    _prefill_through_compiled_call(plan, generation_config, prefill)
+    if plan.run.compiled:
+        _account_graphs(plan, rows, prefill, generation_config.prefill_chunk_size, step["max_cache_length"])
+    plan.run.recompile_limit = _compat.recompile_limit()
+    return result
+
+
+def _bucketed_cache_length(plan, max_cache_length: int) -> int:
+    """
+    The length of the static cache the call makes (`cache.static_cache_length`), from the `max_cache_length` upstream
+    computed for the padded call. On the right the bucket is filled on top of the cached tokens: the new tokens' slots
+    come after it, as on the left (more than the `max(bucket, prompt + new tokens)` the call needs, so both sides size
+    caches alike).
+    """
+    new_slots = max_cache_length - plan.prompt_length
+    needed = plan.prompt_slots + new_slots if plan.right is not None else max_cache_length
+    return static_cache_length(plan.model, plan.settings, needed, prompt_slots=plan.prompt_slots)
+
+
+def _learn_cache(plan, cache) -> None:
+    """What the call's cache is: its length, whether its layers read windows (opened here), how they lay out keys."""
+    plan.run.static_cache_length = cache.get_max_length() if hasattr(cache, "get_max_length") else -1
+    if cache is not None and open_windows(cache, _compat.attention_implementation(plan.model.config)):
+        plan.run.windowed_cache = cache
+        plan.run.reads_windows = has_windows(cache)
+    if plan.settings.output_attentions or getattr(plan.model.config, "output_attentions", False):
+        plan.run.key_layouts = key_layouts(cache)  # read now: the layers' classes change while the call runs
+
+
+def _learn_compilation(plan, model_kwargs: dict, generation_config) -> None:
+    """Whether upstream compiles the forward itself, and whether the call's forwards are compiled at all."""
+    auto_compile = _compat.valid_auto_compile(plan.model, model_kwargs, generation_config)
+    plan.run.auto_compile = auto_compile
+    plan.run.compiled = auto_compile or compiled_forward(plan.model) is not None
+
+
+def _prefill_through_compiled_call(plan, generation_config, prefill: int) -> None:
+    """
+    Upstream compiles decode only and runs prefill eagerly, since prefill shapes are unbounded. Here they are the
+    buckets: one chunk of the whole padded prompt (`prefill` tokens) sends prefill through the same compiled call.
+    Warns when a chunk size the user set does not divide the prefill.
+    """
     if (
-        auto_compile
+        plan.run.auto_compile
         and plan.right is None
         and generation_config.prefill_chunk_size is None
         and (_compat.CHUNKED_PREFILL_RESUMES or prefill == plan.padded_length)
     ):
-        # Upstream compiles decode only and runs prefill eagerly, since prefill shapes are unbounded. Here they
-        # are the buckets: one chunk of the whole padded prompt sends prefill through the same compiled call.
         generation_config.prefill_chunk_size = prefill
     chunk = generation_config.prefill_chunk_size
     if chunk is not None and prefill % chunk:
@@ -147,27 +172,31 @@ def _prepare_cache_for_generation(plan, step):
             f"has its own shape, and its own compiled graph. Set `{PREFILL_PAD_TO_MULTIPLE_OF}` to a multiple of "
             f"{chunk}: then every chunk of every prompt shares one prefill graph."
         )
-    if compiled:
-        # A graph per prefill forward's (length, window): one forward, or the chunks and a shorter last chunk; and a
-        # decode graph per window the new tokens reach.
-        cached = plan.prompt_slots - prefill
-        chunks = [prefill] if chunk is None else [min(chunk, prefill - start) for start in range(0, prefill, chunk)]
-        shapes, filled = set(), cached
-        for length in chunks:
-            filled += length
-            shapes.add((length, _window_of(plan, filled, cache_length)))
-        decode_windows = {None}
-        if plan.reads_windows:  # from the first decode step (at least) to the last
-            first = (plan.prompt_slots if plan.right is None else plan.right.past_length) + 1
-            decode_windows = windows_between(first, max(first, max_cache_length), cache_length)
-        plan.expected_graphs = budget_of(model).account(model, rows, shapes, cache_length, plan.side, decode_windows)
-    plan.recompile_limit = _compat.recompile_limit()
-    return result
+
+
+def _account_graphs(plan, rows: int, prefill: int, chunk: int | None, max_cache_length: int) -> None:
+    """
+    The graphs the compiled call needs, accounted for in the model's budget (`budget.py`): one per prefill forward's
+    (length, window), the chunks and a shorter last chunk, and one per window the decode steps reach.
+    """
+    cache_length = plan.run.static_cache_length
+    cached = plan.prompt_slots - prefill
+    chunks = [prefill] if chunk is None else [min(chunk, prefill - start) for start in range(0, prefill, chunk)]
+    shapes, filled = set(), cached
+    for length in chunks:
+        filled += length
+        shapes.add((length, _window_of(plan, filled, cache_length)))
+    decode_windows = {None}
+    if plan.run.reads_windows:  # from the first decode step (at least) to the last
+        first = (plan.prompt_slots if plan.right is None else plan.right.past_length) + 1
+        decode_windows = windows_between(first, max(first, max_cache_length), cache_length)
+    budget = budget_of(plan.model)
+    plan.run.expected_graphs = budget.account(plan.model, rows, shapes, cache_length, plan.side, decode_windows)
 
 
 def _window_of(plan, tokens: int, cache_length: int) -> int | None:
     """The window a forward reads after which the cache holds `tokens` tokens (`None`: no windowed layers)."""
-    return window_length(tokens, cache_length) if plan.reads_windows else None
+    return window_length(tokens, cache_length) if plan.run.reads_windows else None
 
 
 @hook("prepare_inputs_for_generation", reads=("input_ids", "attention_mask", "inputs_embeds"))
@@ -175,8 +204,8 @@ def _prepare_inputs_for_generation(plan, step):
     input_ids = step["input_ids"]
     tokens = sequence_length(input_ids, step.kwargs)  # what the cache holds after this forward
     if plan.right is not None:  # decode as upstream decodes an unpadded prompt: its graph is shared with those calls
-        if plan.windowed_cache is not None:
-            set_window(plan.windowed_cache, tokens)
+        if plan.run.windowed_cache is not None:
+            set_window(plan.run.windowed_cache, tokens)
         model_inputs = step.call()
         _before_forward(plan, model_inputs, tokens)
         return model_inputs
@@ -185,8 +214,8 @@ def _prepare_inputs_for_generation(plan, step):
         # Upstream dropped an all-ones mask. Put it back, with the length upstream would have carried.
         attention_mask = torch.ones(input_ids.shape[0], tokens, dtype=torch.long, device=input_ids.device)
         step["attention_mask"] = attention_mask
-    if plan.windowed_cache is not None:  # before upstream builds the 4D mask, which reads the window's length
-        set_window(plan.windowed_cache, tokens)
+    if plan.run.windowed_cache is not None:  # before upstream builds the 4D mask, which reads the window's length
+        set_window(plan.run.windowed_cache, tokens)
     token = _MATERIALIZE_SDPA_MASK.set(True)
     try:
         model_inputs = step.call()
@@ -226,11 +255,11 @@ def _before_forward(plan, model_inputs: dict, tokens: int) -> None:
     if new_tokens is None:
         new_tokens = model_inputs.get("inputs_embeds")
     decode = isinstance(new_tokens, torch.Tensor) and new_tokens.ndim >= 2 and new_tokens.shape[1] == 1
-    if not (decode and plan.decoding):
-        restore_recompile_limit(plan.recompile_limit)
-    plan.decoding = decode
+    if not (decode and plan.run.decoding):
+        restore_recompile_limit(plan.run.recompile_limit)
+    plan.run.decoding = decode
     if decode:
-        plan.decode_windows_read.add(_window_of(plan, tokens, plan.static_cache_length))
+        plan.run.decode_windows_read.add(_window_of(plan, tokens, plan.run.static_cache_length))
 
 
 def _materialize_recurrent_masks(model_inputs: dict, attention_mask) -> None:
@@ -358,8 +387,8 @@ def bucketed_call(plan):
     finally:
         if token is not None:
             _ACTIVE_PLAN.reset(token)
-        if plan.windowed_cache is not None:
-            close_windows(plan.windowed_cache)
+        if plan.run.windowed_cache is not None:
+            close_windows(plan.run.windowed_cache)
         if installed:
             with LOCK:
                 _uninstall(model, state)

@@ -42,12 +42,12 @@ def _strip_attentions(layers: tuple, plan: Plan, seen: int) -> tuple:
     """One step's attentions `[B, heads, query, key]` per layer, after which the model has seen `seen` positions."""
     added = plan.added_positions
     layouts = None
-    if plan.key_layouts is not None and plan.right is None and layers:
-        layouts = layouts_for(plan.key_layouts, len(layers))
+    if plan.run.key_layouts is not None and plan.right is None and layers:
+        layouts = layouts_for(plan.run.key_layouts, len(layers))
     if layouts is None:  # a dynamic cache, or none: a key axis that spans the padded sequence loses the padding
         return tuple(
             _strip_keys(
-                _strip_if(attention, -2, seen, added), seen if seen != plan.static_cache_length else None, added
+                _strip_if(attention, -2, seen, added), seen if seen != plan.run.static_cache_length else None, added
             )
             for attention in layers
         )

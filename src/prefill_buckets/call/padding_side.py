@@ -1,4 +1,4 @@
-"""Which side a call's bucket padding goes: the one rule (`choose_side`), from the call's settings and arguments.
+"""Which side a call's bucket padding goes: the one rule (`RULE`, `rule_side`), from the call's settings and arguments.
 
 Right padding puts the pad tokens after the prompt: prefill runs the prompt with no attention mask (causal SDPA, as
 upstream runs an unpadded prompt), the first new token comes from the logits at the prompt's last position, and
@@ -16,8 +16,9 @@ checks it):
 With `"auto"` (the default) the rule picks; an explicit `"right"` where the rule says left logs the reason, once, and
 pads on the left: never silently wrong.
 
-Each side also assumes something of the model (`side_assumptions.SIDE_ASSUMPTIONS`): where the rule says left and the
-model can't take left padding either, the call runs unpadded, exact, and the package logs why, once.
+The rule is one part of the call's one decision (`decision.choose_side`): before it, the calls padding can't serve on
+either side; after it, what left padding needs besides (a model that can take it, `side_assumptions.SIDE_ASSUMPTIONS`,
+and room in the cache). Where neither side is exact the call runs unpadded, exact, and the package logs why, once.
 """
 
 from collections.abc import Callable
@@ -25,17 +26,13 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import torch
-from transformers.utils import logging
 
 from .. import _compat
 from ..config import PREFILL_PADDING_SIDE
 from ..state import state_of
-from .cache import PassedCache
-from .settings import CallSettings, forward_takes, prompt_rows
+from .settings import CallSettings, forward_takes
 from .side_assumptions import side_assumption_broken, window_from_the_cache_end
 
-
-logger = logging.get_logger(__name__)
 
 # Model inputs the right-padded prefill knows: the prompt, its all-ones mask, and the cache.
 _RIGHT_INPUTS = ("input_ids", "inputs_embeds", "attention_mask", "cache", "past_key_values")
@@ -43,73 +40,43 @@ _RIGHT_INPUTS = ("input_ids", "inputs_embeds", "attention_mask", "cache", "past_
 
 @dataclass(frozen=True)
 class PaddingSide:
-    """The side of one call's padding, and why."""
+    """How one call is padded, and why (`decision.choose_side`)."""
 
-    side: str  # "left", "right", or "unpadded" (neither side is exact: the call runs upstream's unpadded path)
+    side: str  # "left", "right", or "unpadded" (the call runs upstream's unpadded path, exact)
     reason: str
     bucket: int | None = None  # right: the bucket of the new tokens (the prompt, less what the cache holds)
     past_length: int = 0  # right: the tokens the cache already holds
+    padded_length: int | None = None  # left: the length the prompt is padded to in front
+    padded_batch: int | None = None  # the rows the batch is padded to with dummy rows (`prefill_batch_buckets`)
+    finished_rows_pad_id: int | None = None  # the id rows that finish early are fed, when not `pad_token_id`
 
 
-def choose_side(
-    model, settings: CallSettings, arguments: dict, model_kwargs: dict, passed: PassedCache | None = None
-) -> PaddingSide:
+def rule_side(call: "RuleFacts") -> PaddingSide:
+    """The side of the first case of `RULE` that applies to the call (see the module docstring for the rule)."""
+    case = next(case for case in RULE if case.condition is None or case.condition(call))
+    reason = case.reason.format(call=call)
+    if case.side == "right":
+        return PaddingSide("right", reason, bucket=call.bucket, past_length=call.past_length)
+    return PaddingSide(case.side, reason)
+
+
+class RuleFacts:
     """
-    The padding side of a bucketed call (see the module docstring for the rule); `passed`: the cache the call passes,
-    as `generate` read it.
+    What the rule reads of one call (a `ResolvedCall`), each derived fact read once, when a case first asks (so only
+    after the cases before it did not apply).
     """
-    call = _Call(model, settings, arguments, model_kwargs, passed if passed is not None else PassedCache(model_kwargs))
-    if call.window_reason is not None:
-        return PaddingSide("unpadded", call.window_reason)
-    side = _rule(call)
-    if side.side == "left":
-        left_broken = side_assumption_broken(model, "left")
-        if left_broken is not None:
-            return PaddingSide("unpadded", f"{left_broken}; and it is not padded on the right: {side.reason}")
-    if side.side == "left" and settings.padding_side == "right":
-        logger.warning_once(
-            f"`{PREFILL_PADDING_SIDE}='right'` is not exact for this call, so it is padded on the left: {side.reason}."
-        )
-    return side
 
-
-class _Call:
-    """What the rule reads of one call, each read once, when a case first asks (so only after the cases before it)."""
-
-    def __init__(self, model, settings: CallSettings, arguments: dict, model_kwargs: dict, passed: PassedCache):
-        self.model, self.settings, self.arguments, self.model_kwargs = model, settings, arguments, model_kwargs
-        self.passed = passed
-        self.cache = passed.cache
-
-    @cached_property
-    def prompt(self):
-        if self.model_kwargs.get("inputs_embeds") is not None:
-            return self.model_kwargs["inputs_embeds"]
-        prompt = self.arguments.get("inputs")
-        return prompt if prompt is not None else self.model_kwargs.get("input_ids")
-
-    @cached_property
-    def prompt_length(self) -> int:
-        return self.prompt.shape[1] if self.prompt is not None else 1  # upstream starts from one BOS token per row
-
-    @cached_property
-    def rows(self) -> int:
-        return self.prompt.shape[0] if self.prompt is not None else prompt_rows(self.model_kwargs)
-
-    @cached_property
-    def past_length(self) -> int:
-        """The tokens the cache passed in already holds."""
-        return self.passed.tokens or 0
+    def __init__(self, call):
+        self.call = call
+        self.model, self.settings, self.passed = call.model, call.settings, call.passed
+        self.arguments, self.model_kwargs = call.arguments, call.model_kwargs
+        self.cache, self.prompt, self.continued = call.cache, call.prompt, call.continued
+        self.prompt_length, self.rows, self.past_length = call.prompt_length, call.rows, call.past_length
 
     @cached_property
     def other_inputs(self) -> list[str]:
         kwargs = self.model_kwargs
         return sorted(k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and k not in _RIGHT_INPUTS)
-
-    @cached_property
-    def continued(self) -> tuple[int, int] | None:
-        """`(padding, rows)` of the bucketed call that filled the cache passed in (`PassedCache.continued`)."""
-        return self.passed.continued
 
     @cached_property
     def bucket(self) -> int:
@@ -196,7 +163,7 @@ class Case:
     why: str  # in words (the table's third column)
     # True when the case applies (read after the cases before it did not); `None` for the last case, which takes every
     # call the others leave.
-    condition: Callable[[_Call], object] | None
+    condition: Callable[["RuleFacts"], object] | None
     reason: str  # what the call says, with its figures: `reason.format(call=call)`
 
 
@@ -378,15 +345,6 @@ def rule_table() -> str:
     """`RULE` as a markdown table, `| case | side | why |`, as the module docstring and the docs show it."""
     rows = [f"| {case.case} | {case.side} | {case.why} |" for case in RULE]
     return "\n".join(["| case | side | why |", "| --- | --- | --- |", *rows])
-
-
-def _rule(call: _Call) -> PaddingSide:
-    """The side of the first case of `RULE` that applies to the call."""
-    case = next(case for case in RULE if case.condition is None or case.condition(call))
-    reason = case.reason.format(call=call)
-    if case.side == "right":
-        return PaddingSide("right", reason, bucket=call.bucket, past_length=call.past_length)
-    return PaddingSide(case.side, reason)
 
 
 def _ragged_reason(

@@ -1,6 +1,7 @@
-"""The plan of one bucketed call (`Plan`): what it adds to the inputs, which the hooks and `output.strip_output` read.
+"""The plan of one bucketed call (`Plan`, frozen): what it adds to the inputs, which the hooks and
+`output.strip_output` read; and what the call learns as it runs (`CallRun`, the hooks write it).
 
-`inputs.plan_call` makes it; the hooks fill in what the call learns as it runs (its cache, its graphs).
+`planning.plan_call` makes the plan from the call's decision (`decision.choose_side`).
 """
 
 from dataclasses import dataclass, field
@@ -14,12 +15,7 @@ from .settings import CallSettings
 PER_TOKEN_KWARGS = {"attention_mask": 0, "position_ids": 0, "token_type_ids": 0, "mm_token_type_ids": 0}
 
 
-class RunsUnpadded(Exception):
-    """Raised while a call is planned when it must run as the user made it: upstream's call, exact, after a warning
-    (once) with the reason. Never leaves `generation.py`."""
-
-
-@dataclass
+@dataclass(frozen=True)
 class RightPadding:
     """What only a right-padded call needs (`padding_side.py` chose the right): the `_prefill` hook pads its prompt."""
 
@@ -29,22 +25,9 @@ class RightPadding:
 
 
 @dataclass
-class Plan:
-    """What one bucketed `generate` call does to its inputs, read by the hooks while the call runs."""
+class CallRun:
+    """What a bucketed call learns as it runs: written by the hooks, read by later hooks and by steps 6 to 8."""
 
-    model: Any
-    settings: CallSettings
-    prompt_length: int  # tokens in the prompt as the user passed it (their own padding included)
-    # Tokens in the prompt upstream `generate` sees: the bucket on the left; on the right the prompt as passed (the
-    # `_prefill` hook pads it to `right.bucket`).
-    padded_length: int
-    added_id_columns: int  # columns added to `input_ids` (0 when the prompt is only `inputs_embeds`, or on the right)
-    batch_size: int = 1  # prompts the user passed
-    padded_batch: int = 1  # prompts generated from, dummy rows of `prefill_batch_buckets` included
-    rows: int = 1  # output rows the user gets: batch * max(num_beams, num_return_sequences)
-    padded_rows: int = 1  # output rows generated, dummy rows of `prefill_batch_buckets` included
-    right: RightPadding | None = None  # `None`: padded on the left (columns in front, masked)
-    # Set by the hooks while the call runs:
     recompile_limit: int | None = None  # torch's limit once the call's graphs are accounted for
     expected_graphs: Any = None  # with a compiled forward: what the call expects to compile (`budget.CallGraphs`)
     static_cache_length: int | None = None  # slots of the call's static cache, once it is made
@@ -60,6 +43,25 @@ class Plan:
     key_layouts: tuple | None = None
     # The windows the call's decode steps (1-token forwards) read (`None`: a cache without windows), for the budget.
     decode_windows_read: set = field(default_factory=set)
+
+
+@dataclass(frozen=True, eq=False)  # one call's plan: compared by identity
+class Plan:
+    """What one bucketed `generate` call does to its inputs, read by the hooks while the call runs."""
+
+    model: Any
+    settings: CallSettings
+    prompt_length: int  # tokens in the prompt as the user passed it (their own padding included)
+    # Tokens in the prompt upstream `generate` sees: the bucket on the left; on the right the prompt as passed (the
+    # `_prefill` hook pads it to `right.bucket`).
+    padded_length: int
+    added_id_columns: int  # columns added to `input_ids` (0 when the prompt is only `inputs_embeds`, or on the right)
+    batch_size: int = 1  # prompts the user passed
+    padded_batch: int = 1  # prompts generated from, dummy rows of `prefill_batch_buckets` included
+    rows: int = 1  # output rows the user gets: batch * max(num_beams, num_return_sequences)
+    padded_rows: int = 1  # output rows generated, dummy rows of `prefill_batch_buckets` included
+    right: RightPadding | None = None  # `None`: padded on the left (columns in front, masked)
+    run: CallRun = field(default_factory=CallRun)  # what the call learns as it runs
 
     @property
     def side(self) -> str:

@@ -31,10 +31,10 @@ from .windows import set_window
 logger = logging.get_logger(__name__)
 
 
-@hook("_prefill", reads=("input_ids", "generation_config", "model_kwargs"), positional=True)
+@hook("_prefill", reads=("input_ids", "generation_config", "model_kwargs"), positional=True, side="right")
 def prefill_right(plan: Plan, step):
     right = plan.right
-    if right is None or right.bucket == 1:  # a 1-token bucket has no padding: upstream's prefill, decode's graph
+    if right.bucket == 1:  # a 1-token bucket has no padding: upstream's prefill, decode's graph
         return step.call()
     model = plan.model
     input_ids, generation_config, model_kwargs = step["input_ids"], step["generation_config"], step["model_kwargs"]
@@ -49,7 +49,7 @@ def prefill_right(plan: Plan, step):
     rows = input_ids.shape[0] if input_ids.shape[1] else model_kwargs["inputs_embeds"].shape[0]
     # Compiled: allocated outside the compiled forward (static addresses), as on the left. Eager: on the first write,
     # as upstream's lazily initialized cache is (`None`: the cache hook did not run, so as if compiled).
-    compiled = plan.compiled is not False or is_aot_forward(model)
+    compiled = plan.run.compiled is not False or is_aot_forward(model)
     if compiled and not all(getattr(layer, "is_initialized", True) for layer in cache.layers):
         early_initialize(model, cache, rows)
     past = cache_seq_length(cache) or 0  # what a continued conversation holds; 0 for a fresh cache
@@ -71,15 +71,15 @@ def prefill_right(plan: Plan, step):
         keep, column = torch.tensor([new_tokens - 1], device=input_ids.device), None  # [1]: an input, not a shape
     device = keep.device
     positions = past + torch.arange(right.bucket, device=device).expand(rows, -1)  # [rows, bucket]
-    auto_compile = plan.auto_compile
+    auto_compile = plan.run.auto_compile
     if auto_compile is None:
         auto_compile = _compat.valid_auto_compile(model, model_kwargs, generation_config)
     if auto_compile:
         forward = model.get_compiled_call(generation_config.compile_config)  # as upstream decodes
     else:
         forward = model.__call__  # compiled in place, through the compiled wrapper, or eager
-    if plan.windowed_cache is not None:
-        set_window(plan.windowed_cache, past + right.bucket)
+    if plan.run.windowed_cache is not None:
+        set_window(plan.run.windowed_cache, past + right.bucket)
     empty = _compat.reports_empty(cache) if past == 0 else contextlib.nullcontext()
     with empty:
         outputs = forward(

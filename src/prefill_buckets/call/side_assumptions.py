@@ -1,7 +1,7 @@
 """What each padding side assumes of the model, whatever the call: `SIDE_ASSUMPTIONS`, one line a case.
 
 Right padding needs causal attention and positions that don't come from the mask; left padding a model that takes
-its positions from `position_ids` or the mask, and passes the mask on. `padding_side.choose_side` asks
+its positions from `position_ids` or the mask, and passes the mask on. `decision.choose_side` asks
 `side_assumption_broken` before its rule (right) and after it (left): where neither side holds, the call runs unpadded.
 """
 

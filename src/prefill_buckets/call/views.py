@@ -121,7 +121,7 @@ def _skips_left_padding(processor, user_processors) -> bool:
     return isinstance(ignore_length, torch.Tensor) and id(processor) not in user_processors
 
 
-@hook("_get_logits_processor", reads=("generation_config", "logits_processor"))
+@hook("_get_logits_processor", reads=("generation_config", "logits_processor"), side="left")
 def _get_logits_processor(plan, step):
     processors = step.call()
     if plan.added_id_columns == 0:
@@ -147,7 +147,7 @@ def _padded_criterion(criterion, added: int):
     return criterion
 
 
-@hook("_get_stopping_criteria", reads=("generation_config", "stopping_criteria"))
+@hook("_get_stopping_criteria", reads=("generation_config", "stopping_criteria"), side="left")
 def _get_stopping_criteria(plan, step):
     criteria = step.call()
     if plan.added_id_columns == 0:
@@ -155,7 +155,7 @@ def _get_stopping_criteria(plan, step):
     return StoppingCriteriaList(_padded_criterion(c, plan.added_id_columns) for c in criteria)
 
 
-@hook("_get_candidate_generator", reads=("generation_config",))
+@hook("_get_candidate_generator", reads=("generation_config",), side="left")
 def _get_candidate_generator(plan, step):
     generator = step.call()
     # Its candidates come from the ids' content: with the padding in front, a match could start in it. An assistant

@@ -1,0 +1,108 @@
+# The one decision of how a call is padded (`call/decision.py`): every reason a call runs unpadded is decided there,
+# before anything is padded, and is the reason the log names; `UNSUPPORTED` is data that the docs show.
+
+import unittest
+from unittest import mock
+
+import torch
+from transformers import GenerationConfig, StaticCache
+from transformers.testing_utils import CaptureLogger
+from transformers.utils import logging
+
+import prefill_buckets
+from prefill_buckets.call import decision, generation
+from prefill_buckets.call.decision import UNSUPPORTED, unsupported_table
+
+from .test_padding_rule import REFERENCE
+from .tiny_models import CACHE, tiny_llama
+
+
+def outcome_rows(text: str) -> list[str]:
+    """The rows of the `| case | outcome |` table in `text`, as lines."""
+    lines = text.splitlines()
+    start = lines.index("| case | outcome |")
+    rows = []
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        rows.append(line)
+    return rows
+
+
+class UnsupportedTableTest(unittest.TestCase):
+    expected = unsupported_table().splitlines()[2:]
+
+    def test_reference_page_shows_the_table(self):
+        self.assertEqual(outcome_rows(REFERENCE.read_text(encoding="utf-8")), self.expected)
+
+    def test_docstring_shows_the_table(self):
+        self.assertEqual(outcome_rows(decision.__doc__), self.expected)
+
+    def test_positive_control(self):
+        text = REFERENCE.read_text(encoding="utf-8")
+        broken = text.replace(self.expected[1] + "\n" + self.expected[2], self.expected[2] + "\n" + self.expected[1])
+        self.assertNotEqual(broken, text)
+        self.assertNotEqual(outcome_rows(broken), self.expected)
+
+    def test_the_table_is_well_formed(self):
+        self.assertEqual(len({case.case for case in UNSUPPORTED}), len(UNSUPPORTED), "each case once")
+        self.assertTrue(UNSUPPORTED[0].error)  # an encoder-decoder model raises before any other case is read
+
+
+class OneDecisionTest(unittest.TestCase):
+    """A call that runs unpadded is decided so in `choose_side`: the reason logged is its reason, nothing is planned."""
+
+    def setUp(self):
+        self.decisions = []
+        original = generation.choose_side
+
+        def spy(*args, **kwargs):
+            self.decisions.append(original(*args, **kwargs))
+            return self.decisions[-1]
+
+        for patcher in (
+            mock.patch.object(generation, "choose_side", spy),
+            mock.patch.object(generation, "plan_call", side_effect=AssertionError("an unpadded call is not planned")),
+        ):
+            patcher.start()
+            self.addCleanup(patcher.stop)
+        logging.get_logger("prefill_buckets").warning_once.cache_clear()  # each test's reason is logged again
+
+    def assert_unpadded(self, model, prompt, expected, **kwargs) -> None:
+        logger = logging.get_logger("prefill_buckets.call.generation")
+        with CaptureLogger(logger) as captured:
+            tokens = prefill_buckets.generate(model, prompt, **kwargs)
+        self.assertEqual(tokens.tolist(), expected.tolist())
+        self.assertEqual(self.decisions[-1].side, "unpadded")
+        self.assertIn(f"are ignored for this call: {self.decisions[-1].reason}.", captured.out)
+
+    def test_left_padding_in_front_of_an_unpadded_calls_tokens(self):
+        model = tiny_llama()
+        config = GenerationConfig(max_new_tokens=3, do_sample=False)
+        prompt = torch.arange(3, 13).unsqueeze(0)
+        expected_cache = StaticCache(config=model.config, max_cache_len=64)
+        first = model.generate(prompt, generation_config=config, **{CACHE: expected_cache})
+        turn = torch.cat([first, torch.arange(20, 25).unsqueeze(0)], dim=1)
+        expected = model.generate(turn, generation_config=config, **{CACHE: expected_cache})
+
+        cache = StaticCache(config=model.config, max_cache_len=64)
+        model.generate(prompt, generation_config=config, **{CACHE: cache})  # unpadded: no bucket fields
+        fields = {"prefill_buckets": [32], "prefill_padding_side": "left"}
+        self.assert_unpadded(model, turn, expected, generation_config=config, **{CACHE: cache}, **fields)
+        self.assertIn("already holds tokens from an unpadded call", self.decisions[-1].reason)
+
+    def test_no_room_in_the_cache_passed_in(self):
+        model = tiny_llama()
+        config = GenerationConfig(max_new_tokens=3, do_sample=False)
+        prompt = torch.arange(3, 13).unsqueeze(0)
+        expected = model.generate(
+            prompt, generation_config=config, **{CACHE: StaticCache(config=model.config, max_cache_len=32)}
+        )
+        cache = StaticCache(config=model.config, max_cache_len=32)  # fewer than a 64-token bucket needs
+        fields = {"prefill_buckets": [64], "prefill_padding_side": "left"}
+        self.assert_unpadded(model, prompt, expected, generation_config=config, **{CACHE: cache}, **fields)
+        self.assertIn("the cache passed in has 32 slots", self.decisions[-1].reason)
+
+
+if __name__ == "__main__":
+    unittest.main()
