@@ -7,8 +7,9 @@ Where things are:
 - the call path, a module per step of one bucketed `generate` call: `call/` (its `__init__` lists them in order);
 - the compile tooling: `compilation.py` (graph counting, eager fallbacks), `warmup.py` (`precompile`),
   `compile_cache.py` (the warm start), `aot_compiled.py` and `aot_key.py` (`aot_forward`);
-- the coupling to upstream: `_compat.py` (every private torch and transformers name), `support.py` (the version gate),
-  `selftest.py`; state kept between calls: `state.py`; tensor parallelism: `distributed.py`;
+- the coupling to upstream, the bottom floor: `upstream/` (every private torch and transformers name, the version
+  gate, the self-test; its `__init__` lists its modules); state kept between calls: `state.py`; tensor parallelism:
+  `distributed.py`;
 - the command line: `cli.py` (`python -m prefill_buckets`), `benchmark/`, `env.py`, `serving.py` (`serve`: transformers
   serve with bucketed generate).
 """

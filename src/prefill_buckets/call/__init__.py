@@ -1,8 +1,8 @@
 """The call path: one bucketed `generate` call, a module per step, in the order it runs (`generation.generate`).
 
 1. Resolve: `settings.py` (the bucket fields and the generation values padding depends on).
-2. Check support: `support.check_upstream` (the package's version gate, above this subpackage) and
-   `generation._check_support`.
+2. Check support: `support.check_upstream` (the version gate, `upstream/gate.py`, given this subpackage's hooks)
+   and `generation._check_support`.
 3. Choose the side: `padding_side.py` (the rule, as data), with `side_assumptions.py` (what a model's code assumes).
 4. Plan: `inputs.plan_call` makes the `Plan` (`plan.py`): the prompt padded in front (`padding.py`, tensor ops), or on
    the right by the `_prefill` hook; the batch padded with dummy rows (`batch_rows.py`).

@@ -28,7 +28,9 @@ from functools import cached_property
 import torch
 from transformers.utils import logging
 
-from .._compat import (
+from ..buckets import BucketPolicy, round_up
+from ..config import PREFILL_BUCKETS
+from ..upstream.transformers_api import (
     is_static_cache,
     lazy_static_cache,
     previous_max_cache_length,
@@ -36,8 +38,6 @@ from .._compat import (
     static_cache_init_shape,
     static_cache_slots,
 )
-from ..buckets import BucketPolicy, round_up
-from ..config import PREFILL_BUCKETS
 from .kv_shapes import held_kv_shapes
 from .settings import CallSettings
 

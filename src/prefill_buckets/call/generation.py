@@ -24,12 +24,14 @@ from collections.abc import Callable
 import torch
 from transformers.utils import ModelOutput, logging
 
-from .. import _compat, support
 from ..buckets import BucketPolicy
 from ..compilation import compiled_forward, compiled_wrapper_forward
 from ..config import BUCKET_FIELDS, FIELDS, PREFILL_BUCKETS, PREFILL_PAD_TO_MULTIPLE_OF
-from ..distributed import generate_call, ranks_agree, tensor_parallel_group
+from ..distributed import generate_call, ranks_agree
 from ..state import state_of
+from ..upstream import torch_api, transformers_api
+from ..upstream.transformers_api import tensor_parallel_group
+from . import support
 from .budget import budget_of, check_compiled
 from .cache import PassedCache, passed_cache, record_call
 from .hook_registry import active_plan
@@ -43,7 +45,7 @@ from .settings import CallSettings, call_sets_fields, forward_takes, resolve_set
 
 logger = logging.get_logger(__name__)
 
-UPSTREAM_GENERATE = _compat.UPSTREAM_GENERATE
+UPSTREAM_GENERATE = transformers_api.UPSTREAM_GENERATE
 
 
 def generate(model, *args, **kwargs):
@@ -88,8 +90,8 @@ def generate(model, *args, **kwargs):
     ```
     """
     # 1. Resolve the call: bound as upstream's `generate` binds it, the bucket fields taken out.
-    wrapper = model if _compat.is_compiled_wrapper(model) else None
-    model = _compat.unwrap(model)  # an `OptimizedModule` hands `generate` to the module it wraps
+    wrapper = model if torch_api.is_compiled_wrapper(model) else None
+    model = torch_api.unwrap(model)  # an `OptimizedModule` hands `generate` to the module it wraps
     arguments, model_kwargs = _bind(model, args, kwargs)
     field_kwargs = {field: model_kwargs.pop(field) for field in FIELDS if field in model_kwargs}
     if active_plan(model) is not None:
@@ -131,7 +133,9 @@ def generate(model, *args, **kwargs):
 
 
 # `generate`'s parameters after `self`, in order, and those that may come by position.
-_PARAMETERS = tuple(p for p in _compat.UPSTREAM_GENERATE_SIGNATURE.parameters.values() if p.kind != p.VAR_KEYWORD)[1:]
+_PARAMETERS = tuple(
+    p for p in transformers_api.UPSTREAM_GENERATE_SIGNATURE.parameters.values() if p.kind != p.VAR_KEYWORD
+)[1:]
 _NAMED = tuple(p.name for p in _PARAMETERS)
 _POSITIONAL = tuple(p.name for p in _PARAMETERS if p.kind == p.POSITIONAL_OR_KEYWORD)
 
@@ -142,7 +146,7 @@ def _bind(model, args: tuple, kwargs: dict) -> tuple[dict, dict]:
     their order; the rest of the keyword arguments)`. What only `inspect` can bind, or must reject, goes through it.
     """
     if len(args) > len(_POSITIONAL) or "self" in kwargs or any(name in kwargs for name in _POSITIONAL[: len(args)]):
-        arguments = dict(_compat.UPSTREAM_GENERATE_SIGNATURE.bind(model, *args, **kwargs).arguments)
+        arguments = dict(transformers_api.UPSTREAM_GENERATE_SIGNATURE.bind(model, *args, **kwargs).arguments)
         arguments.pop("self")
         return arguments, arguments.pop("kwargs", {})
     passed = dict(zip(_POSITIONAL, args))
@@ -265,8 +269,8 @@ def _warn_unbucketed(model, wrapper, settings: CallSettings, arguments: dict, mo
     if compiled is None:
         return None
     cache = passed.cache
-    static = _compat.is_static_cache(cache) or (
-        cache is None and settings.cache_implementation in _compat.ALL_STATIC_CACHE_IMPLEMENTATIONS
+    static = transformers_api.is_static_cache(cache) or (
+        cache is None and settings.cache_implementation in transformers_api.ALL_STATIC_CACHE_IMPLEMENTATIONS
     )
     prompt = arguments.get("inputs")
     prompt = prompt if prompt is not None else model_kwargs.get("input_ids", model_kwargs.get("inputs_embeds"))
@@ -277,7 +281,7 @@ def _warn_unbucketed(model, wrapper, settings: CallSettings, arguments: dict, mo
     if len(state.unbucketed_prompt_lengths) == 2:
         logger.warning_once(
             f"The model's forward is compiled ({compiled}) and generates with a static cache, so each new prompt "
-            f"length recompiles it, and past torch's `torch._dynamo.config.recompile_limit` ({_compat.recompile_limit()} "
+            f"length recompiles it, and past torch's `torch._dynamo.config.recompile_limit` ({torch_api.recompile_limit()} "
             f"graphs of the forward) torch runs the rest eagerly. Set `{PREFILL_BUCKETS}` (for example 'pow2-quarters') "
             f"or `{PREFILL_PAD_TO_MULTIPLE_OF}`, or pad with the tokenizer's `pad_to_multiple_of` and "
             "`padding_side='left'`."
@@ -285,6 +289,8 @@ def _warn_unbucketed(model, wrapper, settings: CallSettings, arguments: dict, mo
     rows = prompt.shape[0] * settings.rows_per_prompt
 
     def record():
-        budget_of(model).account_unbucketed(model, rows, prompt.shape[1], _compat.previous_max_cache_length(model))
+        budget_of(model).account_unbucketed(
+            model, rows, prompt.shape[1], transformers_api.previous_max_cache_length(model)
+        )
 
     return record

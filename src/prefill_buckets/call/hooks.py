@@ -30,11 +30,11 @@ import contextvars
 import torch
 from transformers.utils import logging
 
-from .. import _compat
 from ..aot_compiled import is_aot_forward
 from ..compilation import EagerFallback, compiled_forward
 from ..config import PREFILL_PAD_TO_MULTIPLE_OF, PREFILL_PADDING_SIDE
 from ..state import LOCK, PROCESS, state_of
+from ..upstream import torch_api, transformers_api, versions
 from . import prefill_right, views  # noqa: F401  (they declare the hooks of their own steps)
 from .attention_keys import key_layouts
 from .budget import budget_of, restore_recompile_limit, restore_user_recompile_limits
@@ -94,7 +94,7 @@ def _prepare_cache_for_generation(plan, step):
     batch_size, max_cache_length = step["batch_size"], step["max_cache_length"]
     creates_static = (
         passed_cache(model_kwargs) is None
-        and generation_config.cache_implementation in _compat.ALL_STATIC_CACHE_IMPLEMENTATIONS
+        and generation_config.cache_implementation in transformers_api.ALL_STATIC_CACHE_IMPLEMENTATIONS
     )
     if not (creates_static or getattr(passed_cache(model_kwargs), "is_compileable", False)):
         return step.call()
@@ -110,7 +110,7 @@ def _prepare_cache_for_generation(plan, step):
         )
     if generation_config.compile_config is not None:
         # An explicit `compile_config` compiles on every device, CPU included (upstream: CUDA/XPU only).
-        _compat.compile_on_all_devices(generation_config.compile_config)
+        transformers_api.compile_on_all_devices(generation_config.compile_config)
     result = step.call()
     if sized_here:
         # The cache is made. Unset again, so configs derived from this one (an assistant model's) don't inherit it.
@@ -118,14 +118,14 @@ def _prepare_cache_for_generation(plan, step):
     cache = passed_cache(model_kwargs)
     cache_length = cache.get_max_length() if hasattr(cache, "get_max_length") else -1
     plan.static_cache_length = cache_length
-    if cache is not None and open_windows(cache, _compat.attention_implementation(model.config)):
+    if cache is not None and open_windows(cache, transformers_api.attention_implementation(model.config)):
         plan.windowed_cache = cache
         plan.reads_windows = has_windows(cache)
     plan.key_layouts = key_layouts(cache)
     # What prefill runs on: the padded prompt, or, continuing from a cache, the tokens the cache lacks.
     cached_tokens = (cache_seq_length(cache) or 0) if cache is not None else 0  # `None`: the model keeps no cache
     prefill = plan.right.bucket if plan.right is not None else plan.padded_length - cached_tokens
-    auto_compile = _compat.valid_auto_compile(model, model_kwargs, generation_config)
+    auto_compile = transformers_api.valid_auto_compile(model, model_kwargs, generation_config)
     rows = batch_size * max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
     compiled = auto_compile or compiled_forward(model) is not None
     plan.auto_compile, plan.compiled = auto_compile, compiled
@@ -135,7 +135,7 @@ def _prepare_cache_for_generation(plan, step):
         auto_compile
         and plan.right is None
         and generation_config.prefill_chunk_size is None
-        and (_compat.CHUNKED_PREFILL_RESUMES or prefill == plan.padded_length)
+        and (versions.CHUNKED_PREFILL_RESUMES or prefill == plan.padded_length)
     ):
         # Upstream compiles decode only and runs prefill eagerly, since prefill shapes are unbounded. Here they
         # are the buckets: one chunk of the whole padded prompt sends prefill through the same compiled call.
@@ -161,7 +161,7 @@ def _prepare_cache_for_generation(plan, step):
             first = (plan.prompt_slots if plan.right is None else plan.right.past_length) + 1
             decode_windows = windows_between(first, max(first, max_cache_length), cache_length)
         plan.expected_graphs = budget_of(model).account(model, rows, shapes, cache_length, plan.side, decode_windows)
-    plan.recompile_limit = _compat.recompile_limit()
+    plan.recompile_limit = torch_api.recompile_limit()
     return result
 
 
@@ -248,7 +248,7 @@ def _materialize_recurrent_masks(model_inputs: dict, attention_mask) -> None:
         tokens = model_inputs.get("inputs_embeds")
     if tokens is None or tokens.shape[1] <= 1:  # decode steps never get a recurrent mask
         return
-    for key in _compat.recurrent_mask_keys():
+    for key in transformers_api.recurrent_mask_keys():
         if key in masks and masks[key] is None:
             masks[key] = attention_mask[:, -tokens.shape[1] :].contiguous()
 
@@ -287,12 +287,12 @@ def _install_fallbacks(model) -> dict:
     duration of bucketed calls. Returns what was replaced, for `_remove_fallbacks`.
     """
     replaced = {}
-    impl = _compat.compiled_call_impl(model)
+    impl = torch_api.compiled_call_impl(model)
     if impl is not None and not isinstance(impl, EagerFallback):
         replaced["_compiled_call_impl"] = impl
-        _compat.set_compiled_call_impl(model, EagerFallback(model, impl, _compat.call_impl(model)))
+        torch_api.set_compiled_call_impl(model, EagerFallback(model, impl, torch_api.call_impl(model)))
     forward = model.__dict__.get("forward")
-    eager_forward = _compat.eager_callable(forward)
+    eager_forward = torch_api.eager_callable(forward)
     if eager_forward is not None and not isinstance(forward, EagerFallback):
         replaced["forward"] = forward
         object.__setattr__(model, "forward", EagerFallback(model, forward, eager_forward))
@@ -319,8 +319,8 @@ def _install(model, state) -> None:
             object.__setattr__(model, name, make_hooked(entry, getattr(model, name), model))
         state.replaced = _install_fallbacks(model)
     if PROCESS.calls_in_flight == 0:
-        PROCESS.sdpa_skip_original = _compat.get_sdpa_mask_skip()
-        _compat.set_sdpa_mask_skip(_sdpa_mask_skip(PROCESS.sdpa_skip_original))
+        PROCESS.sdpa_skip_original = transformers_api.get_sdpa_mask_skip()
+        transformers_api.set_sdpa_mask_skip(_sdpa_mask_skip(PROCESS.sdpa_skip_original))
     PROCESS.calls_in_flight += 1
     state.calls_in_flight += 1
 
@@ -335,7 +335,7 @@ def _uninstall(model, state) -> None:
         state.replaced = {}
     PROCESS.calls_in_flight -= 1
     if PROCESS.calls_in_flight == 0:
-        _compat.set_sdpa_mask_skip(PROCESS.sdpa_skip_original)
+        transformers_api.set_sdpa_mask_skip(PROCESS.sdpa_skip_original)
         PROCESS.sdpa_skip_original = None
         restore_user_recompile_limits()  # the graphs compiled stay: the next call raises the limits for what it needs
 
