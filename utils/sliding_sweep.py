@@ -106,8 +106,8 @@ def sweep_one(model_type: str, timeout: float = 120.0) -> SlidingRow | None:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     import prefill_buckets
+    from prefill_buckets import GraphCounter
     from prefill_buckets.call import ring
-    from prefill_buckets.compilation import GraphCounter
 
     row = SlidingRow(model_type, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, "?"))
     try:

@@ -21,7 +21,7 @@ import torch
 
 from . import benchmark, env, generate, serving
 from .buckets import next_power_of_two
-from .compilation import GraphCounter
+from .compile.compiled_calls import GraphCounter
 from .testing_utils import tiny_llama
 from .upstream import torch_api
 

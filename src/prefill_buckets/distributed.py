@@ -28,8 +28,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from .call.cache import cache_seq_length
-from .upstream.transformers_api import tensor_parallel_group
+from .upstream.transformers_api import cache_seq_length, tensor_parallel_group
 
 
 _RANK_FIELD = "{rank}"

@@ -28,14 +28,14 @@ from dataclasses import dataclass
 
 from transformers.utils import logging
 
-from .aot_compiled import aot_forward
 from .buckets import BucketPolicy, validate_buckets
 from .call.settings import max_positions
-from .compile_cache import load_compile_cache, save_compile_cache
+from .compile.aot_forward import aot_forward
+from .compile.archive import load_compile_cache, save_compile_cache
+from .compile.precompile import bucket_lengths, precompile
 from .config import PREFILL_BUCKETS
 from .patch import enable
 from .upstream import torch_api, transformers_api
-from .warmup import bucket_lengths, precompile
 
 
 logger = logging.get_logger(__name__)

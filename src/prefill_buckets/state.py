@@ -11,7 +11,7 @@ Everything that outlives a single `generate` call is named here. Most of it live
   module function upstream looks up by name), and torch's recompile limits, which count graphs per code object,
   shared by every model whose `forward` is that code. And what is decided or kept once per process: the version
   gate's verdicts per model class and the self-test's (`upstream/gate.py`), what `enable()` replaced in transformers
-  (`patch.py`), and `aot_compiled.py`'s graphs read from a file but not yet taken by a model, with the live
+  (`patch.py`), and `compile/aot_forward.py`'s graphs read from a file but not yet taken by a model, with the live
   `AOTForward`s they go to.
 - The locks that guard them: `LOCK` (states, in-flight counters), `PATCH_LOCK` (`enable()` / `disable()`); the
   version gate's own, `upstream.gate.VERDICT_LOCK`, guards a verdict being made.
@@ -121,7 +121,7 @@ class ProcessState:
     self_test_verdict: Any = SELF_TEST_PENDING
     # What `enable()` replaced in transformers, by `(owner, attribute)` (`patch.py`); empty while disabled.
     patched: dict[tuple[type, str], Any] = field(default_factory=dict)
-    # Compiled forwards read from a compile cache file (`aot_compiled.stage`), by model fingerprint, until an
+    # Compiled forwards read from a compile cache file (`aot_forward.stage`), by model fingerprint, until an
     # `AOTForward` of a model with that fingerprint takes them; and the files they were read from, for the warning
     # when none fits.
     staged_forwards: dict[str, list[tuple[dict, bytes]]] = field(default_factory=dict)

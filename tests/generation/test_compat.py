@@ -19,9 +19,8 @@ from transformers.testing_utils import CaptureLogger
 from transformers.utils import logging
 
 import prefill_buckets
-from prefill_buckets import upstream
+from prefill_buckets import GraphCounter, upstream
 from prefill_buckets.call import support
-from prefill_buckets.compilation import GraphCounter
 from prefill_buckets.state import PROCESS, SELF_TEST_PENDING
 from prefill_buckets.testing_utils import as_new_process
 from prefill_buckets.upstream import checks, gate, versions

@@ -14,8 +14,8 @@ from transformers.testing_utils import CaptureLogger
 from transformers.utils import logging as transformers_logging
 
 import prefill_buckets
+from prefill_buckets import GraphCounter
 from prefill_buckets.call import generation
-from prefill_buckets.compilation import GraphCounter
 from prefill_buckets.config import PREFILL_PADDING_SIDE, validate_fields
 from prefill_buckets.upstream import versions
 

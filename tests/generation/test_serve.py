@@ -23,8 +23,7 @@ from transformers import GenerationConfig, PreTrainedTokenizerFast
 from transformers.utils.import_utils import is_serve_available
 
 import prefill_buckets
-from prefill_buckets import serving
-from prefill_buckets.compilation import GraphCounter
+from prefill_buckets import GraphCounter, serving
 from prefill_buckets.upstream import torch_api, transformers_api
 
 from .tiny_models import tiny_llama

@@ -42,9 +42,9 @@ from transformers.testing_utils import CaptureLogger, slow
 from transformers.utils import logging as transformers_logging
 
 import prefill_buckets
+from prefill_buckets import GraphCounter
 from prefill_buckets.call import windows
 from prefill_buckets.call.ring import SlidingWindowRing
-from prefill_buckets.compilation import GraphCounter
 from prefill_buckets.state import state_of
 from prefill_buckets.upstream import checks
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 import prefill_buckets
-from prefill_buckets import aot_compiled
+from prefill_buckets.compile import aot_forward
 from prefill_buckets.state import PROCESS, SELF_TEST_PENDING
 from prefill_buckets.testing_utils import as_new_process
 from prefill_buckets.upstream import checks
@@ -70,7 +70,7 @@ class StateInOnePlaceTest(unittest.TestCase):
             self.assertEqual(PROCESS.upstream_verdicts, {})
             self.assertIs(PROCESS.self_test_verdict, SELF_TEST_PENDING)
             self.assertEqual(checks.sliding_layer_problem.cache_info().currsize, 0)
-            aot_compiled.stage([({"fingerprint": "f", "key": "k"}, b"")], "a file")
+            aot_forward.stage([({"fingerprint": "f", "key": "k"}, b"")], "a file")
             self.assertEqual(PROCESS.staged_from, ["a file"])
             PROCESS.raised_recompile_limit = (8, 64)
         self.assertIs(PROCESS.upstream_verdicts, verdicts)

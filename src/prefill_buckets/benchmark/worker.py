@@ -17,10 +17,9 @@ import time
 
 import torch
 
-from .. import aot_forward, load_compile_cache, precompile, save_compile_cache
+from .. import GraphCounter, aot_forward, load_compile_cache, precompile, save_compile_cache
 from .. import generate as bucketed_generate
 from ..buckets import round_up
-from ..compilation import GraphCounter
 from ..testing_utils import TokenClock
 from ..upstream import torch_api
 from .batched import run_batched

@@ -14,6 +14,7 @@
 7. Mark the cache: `cache.record_call`.
 8. Strip: `output.py`, with `attention_keys.py` (a static cache's attentions laid out as upstream's layers lay them).
 
-The compile tooling (`compilation.py`, `warmup.py`, `compile_cache.py`, `aot_compiled.py`, `aot_key.py`), the command
-line (`cli.py`, `benchmark/`) and the user's API (`config.py`, `buckets.py`, `patch.py`) sit beside this subpackage.
+The compile tooling (`compile/`: `compiled_calls.py` below this subpackage, `precompile.py`, `archive.py`,
+`aot_forward.py`, `aot_key.py` above it), the command line (`cli.py`, `benchmark/`) and the user's API (`config.py`,
+`buckets.py`, `patch.py`) sit beside this subpackage.
 """

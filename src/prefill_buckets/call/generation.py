@@ -25,7 +25,7 @@ import torch
 from transformers.utils import ModelOutput, logging
 
 from ..buckets import BucketPolicy
-from ..compilation import compiled_forward, compiled_wrapper_forward
+from ..compile.compiled_calls import compiled_forward, compiled_wrapper_forward
 from ..config import BUCKET_FIELDS, FIELDS, PREFILL_BUCKETS, PREFILL_PAD_TO_MULTIPLE_OF
 from ..distributed import generate_call, ranks_agree
 from ..state import state_of

@@ -30,15 +30,15 @@ import contextvars
 import torch
 from transformers.utils import logging
 
-from ..aot_compiled import is_aot_forward
-from ..compilation import EagerFallback, compiled_forward
+from ..compile.compiled_calls import EagerFallback, compiled_forward, is_aot_forward
 from ..config import PREFILL_PAD_TO_MULTIPLE_OF, PREFILL_PADDING_SIDE
 from ..state import LOCK, PROCESS, state_of
 from ..upstream import torch_api, transformers_api, versions
+from ..upstream.transformers_api import cache_seq_length
 from . import prefill_right, views  # noqa: F401  (they declare the hooks of their own steps)
 from .attention_keys import key_layouts
 from .budget import budget_of, restore_recompile_limit, restore_user_recompile_limits
-from .cache import cache_seq_length, early_initialize, passed_cache, sequence_length, static_cache_length
+from .cache import early_initialize, passed_cache, sequence_length, static_cache_length
 from .hook_registry import _ACTIVE_PLAN, HOOKS, hook, hook_targets, make_hooked, wraps
 from .padding import strip_left
 from .plan import PER_TOKEN_KWARGS

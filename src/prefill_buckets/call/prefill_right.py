@@ -19,9 +19,10 @@ import contextlib
 import torch
 from transformers.utils import logging
 
-from ..aot_compiled import is_aot_forward
+from ..compile.compiled_calls import is_aot_forward
 from ..upstream import transformers_api
-from .cache import cache_argument, cache_seq_length, early_initialize
+from ..upstream.transformers_api import cache_argument, cache_seq_length
+from .cache import early_initialize
 from .hook_registry import hook
 from .padding import fill_embedding
 from .plan import Plan

@@ -111,6 +111,27 @@ def tensor_parallel_group(model) -> "dist.ProcessGroup | None":
     return mesh.get_group() if mesh.ndim == 1 else dist.group.WORLD
 
 
+# Where `generate` and the forward take the cache: `cache` from transformers 5.24 on; before, `past_key_values`, or
+# `cache_params` for a model whose class name contains "mamba" (upstream's `_prepare_cache_for_generation`).
+CACHE_KWARGS = ("cache", "past_key_values", "cache_params")
+
+
+def cache_argument(kwargs: dict) -> tuple[str | None, object]:
+    """
+    `(name, value)` of the cache a call's keyword arguments pass (to `generate` or a forward, or in what `generate`
+    returns): the first of `CACHE_KWARGS` that is set, whatever it holds. `(None, None)` when none is.
+    """
+    return next(((key, kwargs[key]) for key in CACHE_KWARGS if kwargs.get(key) is not None), (None, None))
+
+
+def cache_seq_length(cache) -> int | None:
+    """The tokens a cache holds, or `None` when it can't tell (only recurrent layers, as in Mamba's cache)."""
+    try:
+        return int(cache.get_seq_length())  # a 0-d tensor for a static cache
+    except ValueError:
+        return None
+
+
 def is_static_cache(cache) -> bool:
     return type(cache).__name__ == "StaticCache"
 

@@ -1,4 +1,14 @@
-"""Compiled-forward bookkeeping: counting graphs and the compiled calls that run them."""
+"""Compiled-forward bookkeeping: counting graphs and the compiled calls that run them.
+
+- `GraphCounter`: a `torch.compile` backend that counts the graphs it compiles and the calls that run them;
+- `compiled_forward`: how the user compiled a model's forward; `is_aot_forward`: whether it is an `aot_forward`'s;
+- `compiled_wrapper_forward`: a `torch.compile(model)` wrapper's compiler around the wrapped module's call;
+- `EagerFallback`: a compiled forward that runs eagerly for the input shapes its backend fails on.
+
+The call path (`call/`) runs the user's compiled forward through this module, so, unlike the rest of `compile/`, it sits
+below `call/` and imports nothing of it. `aot_forward.AOTForward` derives from `AheadOfTimeForward`, defined here, so
+that the call path tells one apart without importing the tooling above it.
+"""
 
 import contextlib
 from collections.abc import Callable
@@ -6,9 +16,9 @@ from collections.abc import Callable
 import torch
 from transformers.utils import logging
 
-from .call.cache import cache_argument
-from .state import LOCK, state_of
-from .upstream import torch_api
+from ..state import LOCK, state_of
+from ..upstream import torch_api
+from ..upstream.transformers_api import cache_argument
 
 
 logger = logging.get_logger(__name__)
@@ -64,6 +74,19 @@ class GraphCounter:
         self.graphs = 0
         self.calls = 0
         self.shapes.clear()
+
+
+class AheadOfTimeForward:
+    """What `aot_forward` returns derives from this (`aot_forward.AOTForward`): a forward compiled already."""
+
+
+def is_aot_forward(model) -> bool:
+    """Whether `model`'s forward is an [`aot_forward`]: graphs compiled already, that no outer compile should wrap."""
+    forward = model.__dict__.get("forward")
+    # During a bucketed call it is wrapped (`EagerFallback`), as every compiled forward is.
+    return isinstance(forward, AheadOfTimeForward) or isinstance(
+        getattr(forward, "__wrapped__", None), AheadOfTimeForward
+    )
 
 
 def compiled_forward(model) -> str | None:

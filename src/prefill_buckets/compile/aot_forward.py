@@ -11,10 +11,11 @@ import types
 import torch
 from transformers.utils import logging
 
+from ..forgotten_enable import generation_configs, warn_if_enable_forgotten
+from ..state import PROCESS
+from ..upstream import checks, torch_api, transformers_api
 from .aot_key import dispatch_key, is_on_code, module_functions, uncovered
-from .forgotten_enable import generation_configs, warn_if_enable_forgotten
-from .state import PROCESS
-from .upstream import checks, torch_api, transformers_api
+from .compiled_calls import AheadOfTimeForward
 
 
 logger = logging.get_logger(__name__)
@@ -65,7 +66,7 @@ def aot_forward(model, backend: str = "inductor", options: dict | None = None) -
     return AOTForward(model, backend, options)
 
 
-class AOTForward:
+class AOTForward(AheadOfTimeForward):
     """A model's forward as a set of ahead-of-time compiled graphs, dispatched by their guards. See [`aot_forward`]."""
 
     def __init__(self, model, backend: str = "inductor", options: dict | None = None):
@@ -146,9 +147,8 @@ class AOTForward:
         compiled = torch_api.compile_for_aot(
             self.eager, backend=self.backend, fullgraph=True, dynamic=False, options=options
         )
-        transformers_api.line_up_output_capture_registry(
-            self.model
-        )  # the graph reads it by position: the same in a replica
+        # The graph reads the registry by position: lined up, it is the same in a replica.
+        transformers_api.line_up_output_capture_registry(self.model)
         return torch_api.aot_compile(compiled, args, kwargs), state_guards
 
     def _keep_guard(self, entries, state_guards: list[str]) -> list[bool]:
@@ -238,13 +238,6 @@ class AOTForward:
                 forward = f"{model_class.__module__}:{model_class.__qualname__}"
                 saved.append(({**meta, "fingerprint": self.fingerprint, "forward": forward, "modules": modules}, data))
         return saved
-
-
-def is_aot_forward(model) -> bool:
-    """Whether `model`'s forward is an [`aot_forward`]: graphs compiled already, that no outer compile should wrap."""
-    forward = model.__dict__.get("forward")
-    # During a bucketed call it is wrapped (`EagerFallback`), as every compiled forward is.
-    return isinstance(forward, AOTForward) or isinstance(getattr(forward, "__wrapped__", None), AOTForward)
 
 
 def _warn_if_other_thread_count(entries: list[tuple[dict, bytes]]) -> None:

@@ -16,10 +16,10 @@ import torch
 import transformers
 from transformers.utils import logging
 
-from . import aot_compiled
-from .buckets import check_positive_int
-from .forgotten_enable import generation_configs, warn_if_enable_forgotten
-from .upstream import torch_api
+from ..buckets import check_positive_int
+from ..forgotten_enable import generation_configs, warn_if_enable_forgotten
+from ..upstream import torch_api
+from . import aot_forward
 
 
 logger = logging.get_logger(__name__)
@@ -88,9 +88,9 @@ def save_compile_cache(path: str | os.PathLike) -> CompileCacheFile | None:
         [`CompileCacheFile`] or `None`: the file written, with its size and SHA-256; `None` (and no file) when nothing
         was compiled with inductor in this process. (Before, it returned the size, 0 when nothing was saved.)
     """
-    warn_if_enable_forgotten("save_compile_cache", generation_configs(*aot_compiled.live_models()))
+    warn_if_enable_forgotten("save_compile_cache", generation_configs(*aot_forward.live_models()))
     saved = torch.compiler.save_cache_artifacts()
-    forwards = aot_compiled.compiled_functions()
+    forwards = aot_forward.compiled_functions()
     if saved is None and not forwards:
         logger.warning("Nothing compiled in this process can be saved (no inductor artifacts).")
         return None
@@ -183,7 +183,7 @@ def load_compile_cache(path: str | os.PathLike, sha256: str | None = None, max_b
         )
         return False
     restored = _restore_kernels(kernels, torch_api.inductor_cache_dir())
-    aot_compiled.stage(forwards, os.fspath(path))
+    aot_forward.stage(forwards, os.fspath(path))
     logger.info(
         f"load_compile_cache: torch's artifacts loaded, C++ kernels copied: {restored} of {len(kernels)}, compiled "
         f"forwards: {len(forwards)} (loaded by `aot_forward`)"

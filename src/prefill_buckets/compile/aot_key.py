@@ -46,7 +46,7 @@ import types
 
 import torch
 
-from .call.windows import has_windows, windows_read
+from ..call.windows import has_windows, windows_read
 
 
 # Where a name of a guard is on the code, not on the state of an input (torch's guard names are Python expressions):
