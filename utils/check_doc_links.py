@@ -18,7 +18,7 @@ Checks the cross-references of the documentation source, which `doc-builder buil
   `[text](api/config.md)`) must name a page of the docs, and its `#anchor`, if any, a heading of that page (or an
   object documented there with `[[autodoc]]`);
 - `[[autodoc]] name` must name an object that imports from `prefill_buckets` (`precompile`,
-  `compilation.GraphCounter`);
+  `compile.compiled_calls.GraphCounter`);
 - a doc-builder object reference, [`precompile`], [`~prefill_buckets.precompile`] or [`precompile#batch_sizes`], must
   resolve to a public object defined in `prefill_buckets`. References into transformers (`transformers.`,
   `~transformers.`, `~generation.`) are left to doc-builder, which links them to the transformers docs;
@@ -117,8 +117,9 @@ def import_package(name: str = PACKAGE):
 
 def resolve(name: str, package):
     """
-    The object `name` names inside `package` (`precompile`, `prefill_buckets.precompile`, `compilation.GraphCounter`,
-    `BucketPolicy.bucket`), importing submodules as needed, as doc-builder does; `None` when it does not resolve.
+    The object `name` names inside `package` (`precompile`, `prefill_buckets.precompile`,
+    `compile.compiled_calls.GraphCounter`, `BucketPolicy.bucket`), importing submodules as needed, as doc-builder
+    does; `None` when it does not resolve.
     """
     parts = name.split(".")
     if parts[0] == package.__name__:

@@ -28,7 +28,7 @@ from torch._dynamo.backends.registry import register_backend
 from transformers import CompileConfig, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 import prefill_buckets
-from prefill_buckets.compilation import GraphCounter
+from prefill_buckets import GraphCounter
 from prefill_buckets.testing_utils import tiny_llama
 
 

@@ -36,7 +36,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     import prefill_buckets
-    from prefill_buckets.compilation import GraphCounter
+    from prefill_buckets import GraphCounter
     from prefill_buckets.testing_utils import TokenClock, smollm2_folder
 
     model = AutoModelForCausalLM.from_pretrained(smollm2_folder(), dtype=torch.float32).eval()

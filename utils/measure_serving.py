@@ -38,12 +38,12 @@ ROWS = ("upstream-eager", "upstream-compile", "ours-cold", "ours-warm")
 def server_main(argv: list[str]) -> None:
     """In the server process: count dynamo's graphs into a file, then run the server command until killed."""
     count_file, kind, *rest = argv
-    from prefill_buckets import _compat
+    from prefill_buckets.upstream import torch_api
 
     def write_counts():
         while True:
             with open(count_file + ".tmp", "w") as f:
-                f.write(str(_compat.graphs_compiled()))
+                f.write(str(torch_api.graphs_compiled()))
             os.replace(count_file + ".tmp", count_file)
             time.sleep(0.2)
 

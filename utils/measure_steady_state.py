@@ -34,7 +34,7 @@ def run_strategy(strategy: str, calls: int, new_tokens: int) -> dict:
     from transformers import GenerationConfig
 
     import prefill_buckets
-    from prefill_buckets.compilation import GraphCounter
+    from prefill_buckets import GraphCounter
     from prefill_buckets.testing_utils import tiny_llama
 
     torch.set_num_threads(1)

@@ -57,13 +57,13 @@ def sliding_kinds(config) -> str:
     """
     from transformers import StaticCache
 
-    from prefill_buckets import _compat
+    from prefill_buckets.upstream import transformers_api
 
     layers = StaticCache(config=config, max_cache_len=64).layers
-    sliding = [layer for layer in layers if _compat.sliding_window_slots(layer) is not None]
+    sliding = [layer for layer in layers if transformers_api.sliding_window_slots(layer) is not None]
     if not sliding:
         return ""
-    if not any(type(layer) is _compat.StaticSlidingWindowLayer for layer in sliding):
+    if not any(type(layer) is transformers_api.StaticSlidingWindowLayer for layer in sliding):
         return "linear and sliding"  # hybrid layers: not rings (`windows.py`)
     text_config = config.get_text_config(decoder=True)
     types = set(getattr(text_config, "layer_types", None) or ())
@@ -106,8 +106,8 @@ def sweep_one(model_type: str, timeout: float = 120.0) -> SlidingRow | None:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     import prefill_buckets
+    from prefill_buckets import GraphCounter
     from prefill_buckets.call import ring
-    from prefill_buckets.compilation import GraphCounter
 
     row = SlidingRow(model_type, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, "?"))
     try:

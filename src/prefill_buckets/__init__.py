@@ -1,27 +1,31 @@
 """Bucketed prefill for 🤗 Transformers `generate`: a bounded number of compiled graphs for any prompt length.
 
-Where things are:
+Where things are, from the bottom floor up: a module imports from its own floor and those below
+(`tests/generation/test_imports.py` checks it for `upstream/`).
 
-- the user's API: `config.py` (the `GenerationConfig` fields), `buckets.py` (bucketing as data), `patch.py`
-  (`enable()`), `custom_generate.py`;
+- the coupling to upstream: `upstream/` (every private torch and transformers name, the version gate, the self-test;
+  its `__init__` lists its modules), which imports nothing of the package above it;
+- what the call path stands on: `config.py` (the `GenerationConfig` fields), `buckets.py` (bucketing as data),
+  `state.py` (what is kept between calls), `distributed.py` (tensor parallelism), `forgotten_enable.py`, and
+  `compile/compiled_calls.py` (the user's compiled forward as a call runs it, and `GraphCounter`);
 - the call path, a module per step of one bucketed `generate` call: `call/` (its `__init__` lists them in order);
-- the compile tooling: `compilation.py` (graph counting, eager fallbacks), `warmup.py` (`precompile`),
-  `compile_cache.py` (the warm start), `aot_compiled.py` and `aot_key.py` (`aot_forward`);
-- the coupling to upstream: `_compat.py` (every private torch and transformers name), `support.py` (the version gate),
-  `selftest.py`; state kept between calls: `state.py`; tensor parallelism: `distributed.py`;
-- the command line: `cli.py` (`python -m prefill_buckets`), `benchmark/`, `env.py`, `serving.py` (`serve`: transformers
-  serve with bucketed generate).
+- the compile tooling, which runs or reads the call path: `compile/` (`precompile`, `aot_forward`, the compile cache;
+  its `__init__` lists its modules);
+- the user's API and the command line: `patch.py` (`enable()`), `custom_generate.py`, `cli.py`
+  (`python -m prefill_buckets`), `benchmark/`, `env.py`, `serving.py` (`serve`: transformers serve with bucketed
+  generate), `testing_utils.py`.
 """
 
-from .aot_compiled import aot_forward
 from .buckets import BucketPolicy, WasteReport, padding_waste, suggest_buckets
 from .call.generation import generate
-from .compile_cache import CompileCacheFile, load_compile_cache, save_compile_cache
+from .compile.aot_forward import aot_forward
+from .compile.archive import CompileCacheFile, load_compile_cache, save_compile_cache
+from .compile.compiled_calls import GraphCounter
+from .compile.precompile import CompiledShape, precompile
 from .config import FIELDS, PREFILL_BATCH_BUCKETS, PREFILL_BUCKETS, PREFILL_PAD_TO_MULTIPLE_OF, PREFILL_PADDING_SIDE
 from .custom_generate import save_custom_generate
 from .patch import disable, enable, is_enabled
 from .version import __version__  # noqa: F401
-from .warmup import CompiledShape, precompile
 
 
 __all__ = [
@@ -33,6 +37,7 @@ __all__ = [
     "BucketPolicy",
     "CompileCacheFile",
     "CompiledShape",
+    "GraphCounter",
     "WasteReport",
     "aot_forward",
     "disable",

@@ -19,10 +19,11 @@ import sys
 
 import torch
 
-from . import _compat, benchmark, env, generate, serving
+from . import benchmark, env, generate, serving
 from .buckets import next_power_of_two
-from .compilation import GraphCounter
+from .compile.compiled_calls import GraphCounter
 from .testing_utils import tiny_llama
+from .upstream import torch_api
 
 
 DEMO_LENGTHS = (5, 11, 23, 40, 57, 64, 90, 130, 200, 250, 17, 33)
@@ -56,7 +57,7 @@ def demo_rows(lengths=DEMO_LENGTHS, new_tokens: int = 4, backend: str = "eager")
     }
     rows = []
     for name, fields in strategies.items():
-        _compat.reset_compiled()  # each strategy from no graphs (bucketed calls put torch's limit back when they end)
+        torch_api.reset_compiled()  # each strategy from no graphs (bucketed calls put torch's limit back when they end)
         model = tiny_llama()
         counter = GraphCounter(backend)
         model.compile(backend=counter, dynamic=False)
@@ -80,7 +81,7 @@ def demo(args) -> int:
         print(f"{name:<48} {graphs:>6} {calls:>15} {fallbacks:>16} {str(equal):>16}")
     print(
         "\nEach forward is one compiled call when it runs compiled; past torch's recompile limit "
-        f"({_compat.recompile_limit()} graphs per function) the rest run eagerly: the 'eager fallbacks'. "
+        f"({torch_api.recompile_limit()} graphs per function) the rest run eagerly: the 'eager fallbacks'. "
         "With buckets set, the graphs are bounded, and when they need more than the limit it is raised (with a "
         "warning), so they never fall back."
     )

@@ -28,8 +28,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from . import _compat
-from .call.cache import cache_seq_length
+from .upstream.transformers_api import cache_seq_length, tensor_parallel_group
 
 
 _RANK_FIELD = "{rank}"
@@ -47,25 +46,6 @@ _SAME_CALL_ADVICE = (
     "`torch.distributed.broadcast_object_list` it). Different buckets or settings break or hang the collectives; "
     "different prompts in one bucket give every rank the same wrong tokens."
 )
-
-
-def tensor_parallel_group(model) -> "dist.ProcessGroup | None":
-    """
-    The process group of `model`'s tensor-parallel ranks, or `None` when `model` is not sharded with tensor parallelism
-    (`tp_size` of 1 or unset) or no process group is initialized.
-    """
-    module = _compat.unwrap(model)  # the `torch.compile(model)` wrapper
-    if _compat.tensor_parallel_size(module) <= 1:
-        return None
-    if not dist.is_available() or not dist.is_initialized():
-        return None
-    mesh = _compat.device_mesh(module)
-    if mesh is None:
-        return dist.group.WORLD
-    names = mesh.mesh_dim_names or ()
-    if "tp" in names:
-        return mesh["tp"].get_group()
-    return mesh.get_group() if mesh.ndim == 1 else dist.group.WORLD
 
 
 @contextlib.contextmanager
@@ -127,7 +107,7 @@ def generate_call(model, arguments: dict, model_kwargs: dict, field_kwargs: dict
 def check_same_inputs_across_ranks(model, **inputs: torch.Tensor | None) -> None:
     r"""
     Raises the same `ValueError` on every tensor-parallel rank of `model` when the ranks were not given the same
-    `inputs`; does nothing when `model` is not tensor-parallel (see `tensor_parallel_group`).
+    `inputs`; does nothing when `model` is not tensor-parallel (see `transformers_api.tensor_parallel_group`).
 
     Every rank must call it at the same point, with the same input names (the shapes and values are what is checked):
     it runs one all-gather of a summary per input over the tensor-parallel group: its shape, and a position-weighted

@@ -24,10 +24,10 @@ def environment() -> dict[str, str]:
     import transformers
 
     from . import __file__ as package_file
-    from . import _compat, support
+    from .upstream import gate, versions
     from .version import __version__
 
-    tested, tested_torch = _compat.TESTED_TRANSFORMERS, _compat.TESTED_TORCH
+    tested, tested_torch = versions.TESTED_TRANSFORMERS, versions.TESTED_TORCH
     outside = "NO: outside the tested range (the self-test runs first)"
     if torch.cuda.is_available():
         names = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
@@ -42,11 +42,11 @@ def environment() -> dict[str, str]:
         "prefill_buckets": f"{__version__} (distribution {_distribution_version(DISTRIBUTION)}, at {package_file})",
         "transformers": transformers.__version__,
         f"transformers in the tested range ({tested[0]} to {tested[-1]})": (
-            "yes" if support.is_tested_transformers() else outside
+            "yes" if gate.is_tested_transformers() else outside
         ),
         "torch": torch.__version__,
         f"torch in the tested range ({tested_torch[0]} to {tested_torch[-1]})": (
-            "yes" if support.is_tested_torch() else outside
+            "yes" if gate.is_tested_torch() else outside
         ),
         "device": device,
         "python": f"{platform.python_version()} ({platform.platform()})",

@@ -14,8 +14,8 @@ too. `load_compile_cache` is given no model: it warns whenever `generate` is ups
 from transformers.generation.utils import GenerationMixin
 from transformers.utils import logging
 
-from . import _compat
 from .config import BUCKET_FIELDS, FIELDS, validate_fields
+from .upstream import torch_api, transformers_api
 
 
 logger = logging.get_logger(__name__)
@@ -23,7 +23,7 @@ logger = logging.get_logger(__name__)
 
 def generate_is_upstreams() -> bool:
     """Whether `model.generate` is transformers' own: `enable()` is not in effect."""
-    return GenerationMixin.__dict__.get("generate") is _compat.UPSTREAM_GENERATE
+    return GenerationMixin.__dict__.get("generate") is transformers_api.UPSTREAM_GENERATE
 
 
 def bucket_fields_set(generation_config) -> dict:
@@ -37,7 +37,7 @@ def bucket_fields_set(generation_config) -> dict:
 
 def generation_configs(*models) -> list:
     """The generation configs of `models` (a `torch.compile` wrapper's module's own)."""
-    return [getattr(_compat.unwrap(model), "generation_config", None) for model in models]
+    return [getattr(torch_api.unwrap(model), "generation_config", None) for model in models]
 
 
 def warn_if_enable_forgotten(entry_point: str, configs=(), model_known: bool = True) -> None:

@@ -18,10 +18,10 @@ import functools
 from transformers import GenerationConfig
 from transformers.generation.utils import GenerationMixin
 
-from . import _compat, support
-from .call import generation
+from .call import generation, support
 from .config import FIELD_DOCS, FIELDS, validate_fields
 from .state import PATCH_LOCK, PROCESS
+from .upstream import torch_api
 
 
 def is_enabled() -> bool:
@@ -72,7 +72,7 @@ def enable() -> None:
             return generation.generate(self, *args, **kwargs)
 
         def compiled_generate(self):
-            module_generate = getattr(_compat.unwrap(self), "generate")  # AttributeError when the module has none
+            module_generate = getattr(torch_api.unwrap(self), "generate")  # AttributeError when the module has none
 
             @functools.wraps(module_generate)
             def generate(*args, **kwargs):
@@ -88,7 +88,7 @@ def enable() -> None:
         GenerationConfig.validate = validate
         GenerationConfig.__doc__ = (GenerationConfig.__doc__ or "") + FIELD_DOCS
         GenerationMixin.generate = generate
-        _compat.OptimizedModule.generate = property(compiled_generate)
+        torch_api.OptimizedModule.generate = property(compiled_generate)
 
 
 def disable() -> None:
@@ -99,5 +99,5 @@ def disable() -> None:
             setattr(owner, name, original)
         if originals:
             # Upstream has none: attribute lookup falls back to the wrapped module.
-            del _compat.OptimizedModule.generate
+            del torch_api.OptimizedModule.generate
         originals.clear()

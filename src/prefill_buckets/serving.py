@@ -28,14 +28,14 @@ from dataclasses import dataclass
 
 from transformers.utils import logging
 
-from . import _compat
-from .aot_compiled import aot_forward
 from .buckets import BucketPolicy, validate_buckets
 from .call.settings import max_positions
-from .compile_cache import load_compile_cache, save_compile_cache
+from .compile.aot_forward import aot_forward
+from .compile.archive import load_compile_cache, save_compile_cache
+from .compile.precompile import bucket_lengths, precompile
 from .config import PREFILL_BUCKETS
 from .patch import enable
-from .warmup import bucket_lengths, precompile
+from .upstream import torch_api, transformers_api
 
 
 logger = logging.get_logger(__name__)
@@ -212,7 +212,7 @@ def prepare_model(model, options: ServeOptions, processor=None) -> WarmUp:
     """
     enable()
     start = time.perf_counter()
-    graphs_before = _compat.graphs_compiled()
+    graphs_before = torch_api.graphs_compiled()
     config = model.generation_config
     buckets = served_buckets(model, options)
     setattr(config, PREFILL_BUCKETS, buckets)
@@ -236,7 +236,7 @@ def prepare_model(model, options: ServeOptions, processor=None) -> WarmUp:
         if path is not None and not warm.cache_loaded:
             saved = save_compile_cache(path)
             warm.cache_saved = None if saved is None else f"{saved.path} (sha256 {saved.sha256})"
-    warm.graphs = _compat.graphs_compiled() - graphs_before
+    warm.graphs = torch_api.graphs_compiled() - graphs_before
     warm.seconds = time.perf_counter() - start
     return warm
 
@@ -248,7 +248,7 @@ def prepared_loads(options: ServeOptions, report=None):
     `ModelManager.load_model_and_processor` returns it (for the served MODEL, while upstream's `Serve` is built, before
     the server listens).
     """
-    manager = _compat.serve_model_manager()
+    manager = transformers_api.serve_model_manager()
     load = manager.load_model_and_processor
     prepared = weakref.WeakSet()
     lock = threading.Lock()
@@ -287,9 +287,9 @@ def serve(model: str, options: ServeOptions, serve_args: list[str] = (), report=
     stops, unless `serve_args` hold `--non-blocking` (upstream's option for tests): then it returns upstream's `Serve`,
     running (stop it with `kill_server()`).
     """
-    if _compat.serve_unavailable() is not None:
-        raise ImportError(_compat.serve_unavailable())
-    command = _compat.serve_command()
+    if transformers_api.serve_unavailable() is not None:
+        raise ImportError(transformers_api.serve_unavailable())
+    command = transformers_api.serve_command()
     with prepared_loads(options, report if report is not None else _print_ready):
         return command.main(args=[model, *serve_args], prog_name="prefill-buckets serve", standalone_mode=False)
 
@@ -297,7 +297,7 @@ def serve(model: str, options: ServeOptions, serve_args: list[str] = (), report=
 def main(args: argparse.Namespace, parser: argparse.ArgumentParser, serve_args: list[str]) -> int:
     """`prefill-buckets serve`: the options parsed by `cli.py`, the rest passed to transformers serve."""
     options = options_from_args(args, parser)
-    problem = _compat.serve_unavailable()
+    problem = transformers_api.serve_unavailable()
     if problem is not None:
         parser.error(problem)
     serve(args.model, options, serve_args)

@@ -10,11 +10,11 @@ Everything that outlives a single `generate` call is named here. Most of it live
   counts is process-wide: the calls in flight, the one global patch (`masking_utils._ignore_causal_mask_sdpa`, a
   module function upstream looks up by name), and torch's recompile limits, which count graphs per code object,
   shared by every model whose `forward` is that code. And what is decided or kept once per process: the version
-  gate's verdicts per model class and the self-test's (`support.py`), what `enable()` replaced in transformers
-  (`patch.py`), and `aot_compiled.py`'s graphs read from a file but not yet taken by a model, with the live
+  gate's verdicts per model class and the self-test's (`upstream/gate.py`), what `enable()` replaced in transformers
+  (`patch.py`), and `compile/aot_forward.py`'s graphs read from a file but not yet taken by a model, with the live
   `AOTForward`s they go to.
-- The locks that guard them: `LOCK` (states, in-flight counters), `PATCH_LOCK` (`enable()` / `disable()`),
-  `VERDICT_LOCK` (a verdict being made).
+- The locks that guard them: `LOCK` (states, in-flight counters), `PATCH_LOCK` (`enable()` / `disable()`); the
+  version gate's own, `upstream.gate.VERDICT_LOCK`, guards a verdict being made.
 
 `testing_utils.as_new_process` gives a test a fresh `PROCESS` (and clears the verdicts below), and restores it after:
 the one reset, so no test touches a module's private state.
@@ -32,13 +32,13 @@ The rest must live where it is, each for its reason:
   classes again when it returns); and a `CacheRecord` in the cache's `__dict__` (`call/cache.py`): it describes that
   cache's layout, and a later call finds it on the cache the user passes;
 - what `aot_forward` changes in transformers: the order of its registry of what each model class records (the
-  model's classes first, `_compat.line_up_output_capture_registry`), so its graphs load in a replica;
+  model's classes first, `transformers_api.line_up_output_capture_registry`), so its graphs load in a replica;
 - the active plan and the mask flag, in context variables (`call/hook_registry.py`, `call/hooks.py`): they belong to
   one call, and concurrent calls on one model (threads, tasks) must not see each other's;
 - torch's `recompile_limit` itself (raised by `call.budget.make_room` while calls need it, restored when none is in
   flight);
 - `call.hook_registry.HOOKS`: declarations, fixed at import, not state;
-- checks of the installed torch and transformers, cached with `functools.cache` in `_compat.py`
+- checks of the installed torch and transformers, cached with `functools.cache` in `upstream/checks.py`
   (`torch_problems`, `aot_compile_problem`, `sliding_layer_problem`): facts of the code installed, which can't
   change in a process (`as_new_process` clears them too).
 """
@@ -48,6 +48,8 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
+from .upstream.gate import SELF_TEST_PENDING
+
 
 _STATE = "_prefill_buckets_state"
 # Guards creating a state, the in-flight counters and `PROCESS` (no lock is stored on a state: models must stay
@@ -55,11 +57,6 @@ _STATE = "_prefill_buckets_state"
 LOCK = threading.RLock()
 # Guards `enable()` and `disable()` (`PROCESS.patched`).
 PATCH_LOCK = threading.Lock()
-# Held while a verdict of the version gate is made (`support.py`), so a concurrent first call waits for it. Reentrant:
-# the self-test's own bucketed calls re-enter.
-VERDICT_LOCK = threading.RLock()
-# The self-test's verdict before it has run, and while it runs (its own bucketed calls come back to the gate).
-SELF_TEST_PENDING, SELF_TEST_RUNNING = object(), object()
 
 
 @dataclass
@@ -115,16 +112,16 @@ class ProcessState:
     # The highest the package raised torch's `accumulated_recompile_limit` to.
     raised_accumulated_limit: int = 0
 
-    # The version gate's verdict per model class (`support.check_upstream`): `None` (passed) or the message it raises,
-    # every time it is asked.
+    # The version gate's verdict per model class (`upstream.gate.check_upstream`): `None` (passed) or the message it
+    # raises, every time it is asked.
     upstream_verdicts: dict[type, str | None] = field(default_factory=dict)
     # The self-test's verdict for this process (it tests the installed versions, not a class): `SELF_TEST_PENDING`
-    # until it has run, `SELF_TEST_RUNNING` while it runs, then `None` (passed) or the message every bucketed call
-    # raises.
+    # until it has run, `SELF_TEST_RUNNING` while it runs (the gate's sentinels), then `None` (passed) or the message
+    # every bucketed call raises.
     self_test_verdict: Any = SELF_TEST_PENDING
     # What `enable()` replaced in transformers, by `(owner, attribute)` (`patch.py`); empty while disabled.
     patched: dict[tuple[type, str], Any] = field(default_factory=dict)
-    # Compiled forwards read from a compile cache file (`aot_compiled.stage`), by model fingerprint, until an
+    # Compiled forwards read from a compile cache file (`aot_forward.stage`), by model fingerprint, until an
     # `AOTForward` of a model with that fingerprint takes them; and the files they were read from, for the warning
     # when none fits.
     staged_forwards: dict[str, list[tuple[dict, bytes]]] = field(default_factory=dict)

@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from . import _compat
 from .state import LOCK, PROCESS, ProcessState
+from .upstream import checks, transformers_api
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -121,7 +121,7 @@ def smollm2_folder() -> Path:
     # drops the quantizer, `config.quantization_config` and the quantized flags.
     if getattr(model, "hf_quantizer", None) is not None:
         model.hf_quantizer.remove_quantization_config(model)
-    _compat.mark_dequantized(model.config)
+    transformers_api.mark_dequantized(model.config)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{SMOLLM2_CACHE_NAME}-", dir=target.parent))
     try:
@@ -188,7 +188,7 @@ def as_new_process():
     """
     Inside, the package remembers nothing of this process's earlier calls, as in a new process: `state.PROCESS` is
     fresh (the version gate's verdicts, the raised recompile limits, the staged and live compiled forwards), and the
-    once-per-process checks of the installed torch and transformers (`_compat.CACHED_CHECKS`) run again. What `enable()`
+    once-per-process checks of the installed torch and transformers (`checks.CACHED_CHECKS`) run again. What `enable()`
     replaced stays as it is: enabling is the test's to do or undo. Once it exits, everything is as it was before. The
     one reset the tests use: none touches a module's private state.
     """
@@ -211,5 +211,5 @@ def as_new_process():
 
 
 def _clear_cached_checks() -> None:
-    for check in _compat.CACHED_CHECKS:
+    for check in checks.CACHED_CHECKS:
         check.cache_clear()

@@ -21,17 +21,18 @@ from transformers.testing_utils import CaptureLogger, slow
 from transformers.utils import logging
 
 import prefill_buckets
-from prefill_buckets import _compat, aot_compiled
-from prefill_buckets.aot_key import UNNAMED, dispatch_key
+from prefill_buckets.compile import aot_forward
+from prefill_buckets.compile.aot_key import UNNAMED, dispatch_key
 from prefill_buckets.state import PROCESS
 from prefill_buckets.testing_utils import as_new_process
+from prefill_buckets.upstream import checks, transformers_api
 
 from .tiny_models import CACHE, tiny_llama, tiny_llama_config
 
 
-logger = logging.get_logger("prefill_buckets.aot_compiled")
+logger = logging.get_logger("prefill_buckets.compile.aot_forward")
 # `aot_forward` raises a clear error on a torch older than 2.13 (tests/generation/test_compat.py tests it there).
-AOT_FORWARD_SKIP = unittest.skipIf(_compat.aot_compile_problem() is not None, "`aot_forward` raises on this torch")
+AOT_FORWARD_SKIP = unittest.skipIf(checks.aot_compile_problem() is not None, "`aot_forward` raises on this torch")
 CONFIG = {"cache_implementation": "static", "max_new_tokens": 3, "min_new_tokens": 3, "prefill_buckets": [4, 8]}
 PROMPTS = [torch.tensor([[5, 6, 7]]), torch.tensor([[9, 8, 7, 6, 5, 4, 3]])]
 
@@ -193,11 +194,11 @@ class AOTForwardTest(unittest.TestCase):
             prefill_buckets.aot_forward(model)
 
     def test_fingerprint(self):
-        base = aot_compiled.model_fingerprint(tiny_llama())
-        self.assertEqual(aot_compiled.model_fingerprint(tiny_llama(seed=1)), base)  # weights are inputs, not part
-        self.assertNotEqual(aot_compiled.model_fingerprint(tiny_llama(rope_theta=500.0)), base)
-        self.assertNotEqual(aot_compiled.model_fingerprint(tiny_llama().to(torch.bfloat16)), base)
-        self.assertNotEqual(aot_compiled.model_fingerprint(tiny_llama(hidden_size=64)), base)
+        base = aot_forward.model_fingerprint(tiny_llama())
+        self.assertEqual(aot_forward.model_fingerprint(tiny_llama(seed=1)), base)  # weights are inputs, not part
+        self.assertNotEqual(aot_forward.model_fingerprint(tiny_llama(rope_theta=500.0)), base)
+        self.assertNotEqual(aot_forward.model_fingerprint(tiny_llama().to(torch.bfloat16)), base)
+        self.assertNotEqual(aot_forward.model_fingerprint(tiny_llama(hidden_size=64)), base)
 
     def test_two_right_padded_turns_match_upstream(self):
         # The second turn's prefill is a bucket of 32 like the first, on a cache that holds the first turn: a graph of
@@ -216,7 +217,7 @@ class AOTForwardTest(unittest.TestCase):
         with zipfile.ZipFile(self.path) as archive:
             keys = [json.loads(meta["key"]) for meta in json.loads(archive.read("manifest.json"))["aot_forwards"]]
         self.assertEqual(len(keys), 3)
-        self.assertIn([[CACHE, "get_query_offset", "prefill_buckets._compat:_empty_query_offset"]],
+        self.assertIn([[CACHE, "get_query_offset", "prefill_buckets.upstream.transformers_api:_empty_query_offset"]],
                       [key["instance_functions"] for key in keys])  # fmt: skip
         self.new_process()
         self.assertTrue(prefill_buckets.load_compile_cache(self.path))
@@ -262,7 +263,7 @@ class AOTForwardTest(unittest.TestCase):
             # The prefill calls it (decode gets its 4D mask from `generate`): it runs eagerly, decode compiled.
             forward = model.forward
             self.assertEqual((forward.eager_calls, forward.calls, forward.graphs_compiled), (1, 2, 1))
-            self.assertEqual(len(aot_compiled.compiled_functions()), 1)  # the prefill's graph is not saved
+            self.assertEqual(len(aot_forward.compiled_functions()), 1)  # the prefill's graph is not saved
             # Another cache with another closure: the same key, eager at once, nothing compiled again.
             tokens = prefill_buckets.generate(
                 model, PROMPTS[0], generation_config=config, **{CACHE: cache_with_closure()}
@@ -283,7 +284,7 @@ class AOTForwardTest(unittest.TestCase):
             return original(*args, **kwargs)
 
         mlp.forward = forward
-        self.assertNotEqual(aot_compiled.model_fingerprint(model), aot_compiled.model_fingerprint(tiny_llama()))
+        self.assertNotEqual(aot_forward.model_fingerprint(model), aot_forward.model_fingerprint(tiny_llama()))
         model.forward = prefill_buckets.aot_forward(model, backend="aot_eager")
         self.assertEqual(self.run_prompts(model), self.expected())
         self.assertEqual((model.forward.graphs_compiled, model.forward.eager_calls, model.forward.unkeyed), (3, 0, {}))
@@ -292,7 +293,7 @@ class AOTForwardTest(unittest.TestCase):
         cache = StaticCache(config=tiny_llama_config(), max_cache_len=64)
         ids = torch.ones(1, 8, dtype=torch.long)
         continued = dispatch_key((), {"input_ids": ids, "cache": cache})
-        with _compat.reports_empty(cache):
+        with transformers_api.reports_empty(cache):
             fresh = dispatch_key((), {"input_ids": ids, "cache": cache})
         self.assertNotEqual(fresh.text(), continued.text())
         self.assertEqual(continued.instance_functions, ())

@@ -32,8 +32,8 @@ from transformers.testing_utils import CaptureLogger
 from transformers.utils import logging as transformers_logging
 
 import prefill_buckets
+from prefill_buckets import GraphCounter
 from prefill_buckets.call import attention_keys, windows
-from prefill_buckets.compilation import GraphCounter
 
 from .test_all_outputs import assert_same, hide_user_pads
 from .test_sliding import MODELS as SLIDING_MODELS

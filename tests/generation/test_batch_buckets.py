@@ -8,7 +8,7 @@ from transformers import GenerationConfig
 from transformers.generation.streamers import BaseStreamer
 
 import prefill_buckets
-from prefill_buckets.compilation import GraphCounter
+from prefill_buckets import GraphCounter
 
 from .tiny_models import tiny_llama
 

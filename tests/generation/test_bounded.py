@@ -14,8 +14,8 @@ from parameterized import parameterized
 from transformers import GenerationConfig
 
 import prefill_buckets
+from prefill_buckets import GraphCounter
 from prefill_buckets.call.windows import window_length
-from prefill_buckets.compilation import GraphCounter
 
 from .tiny_models import tiny_llama
 

@@ -10,9 +10,9 @@ import torch
 from transformers import StaticCache
 
 import prefill_buckets
-from prefill_buckets import _compat
 from prefill_buckets.call import cache as cache_module
 from prefill_buckets.call import hooks, prefill_right
+from prefill_buckets.upstream import transformers_api
 
 from .tiny_models import CACHE, single_thread_module, static_config, tiny_llama
 
@@ -94,7 +94,7 @@ class CallWorkTest(unittest.TestCase):
 
     def test_auto_compile_is_decided_once_per_call(self):
         # The cache hook decides it; the right-padded prefill reads the plan instead of asking upstream again.
-        with Counter(_compat, "valid_auto_compile") as verdicts:
+        with Counter(transformers_api, "valid_auto_compile") as verdicts:
             prefill_buckets.generate(
                 self.model, prompt(5), generation_config=static_config(3), prefill_buckets=[16],
                 prefill_padding_side="right",

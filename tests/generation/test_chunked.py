@@ -7,7 +7,7 @@ from parameterized import parameterized
 from transformers import GenerationConfig
 
 import prefill_buckets
-from prefill_buckets.compilation import GraphCounter
+from prefill_buckets import GraphCounter
 
 from .tiny_models import tiny_llama
 

@@ -1,4 +1,4 @@
-# The coupling to private upstream API (`_compat.py`): a missing or reshaped hook target raises a clear error instead
+# The coupling to private upstream API (`upstream/`): a missing or reshaped hook target raises a clear error instead
 # of being skipped, and a `torch.compile(model)` wrapper shared by threads keeps every forward compiled.
 
 import ast
@@ -19,11 +19,12 @@ from transformers.testing_utils import CaptureLogger
 from transformers.utils import logging
 
 import prefill_buckets
-from prefill_buckets import _compat, support
-from prefill_buckets.compilation import GraphCounter
-from prefill_buckets.selftest import self_test
+from prefill_buckets import GraphCounter, upstream
+from prefill_buckets.call import support
 from prefill_buckets.state import PROCESS, SELF_TEST_PENDING
 from prefill_buckets.testing_utils import as_new_process
+from prefill_buckets.upstream import checks, gate, versions
+from prefill_buckets.upstream.selftest import self_test
 
 from .tiny_models import tiny_llama, tiny_llama_config
 
@@ -212,7 +213,7 @@ class UntestedVersionTest(unittest.TestCase):
     def setUp(self):
         # As on a transformers release outside the tested range, in a fresh process: nothing checked yet.
         self.enterContext(as_new_process())
-        patcher = mock.patch.object(support, "is_tested_range", return_value=False)
+        patcher = mock.patch.object(gate, "is_tested_range", return_value=False)
         patcher.start()
         self.addCleanup(patcher.stop)
 
@@ -221,7 +222,7 @@ class UntestedVersionTest(unittest.TestCase):
 
     def test_first_bucketed_call_warns_and_self_tests(self):
         model = tiny_llama()
-        with mock.patch("prefill_buckets.selftest.self_test", wraps=self_test) as spy:
+        with mock.patch("prefill_buckets.upstream.selftest.self_test", wraps=self_test) as spy:
             with CaptureLogger(logging.get_logger("prefill_buckets")) as logs:
                 out = prefill_buckets.generate(model, random_ids(5), max_new_tokens=2, prefill_buckets=[8])
                 prefill_buckets.generate(model, random_ids(6), max_new_tokens=2, prefill_buckets=[8])
@@ -239,7 +240,7 @@ class UntestedVersionTest(unittest.TestCase):
         # The verdict sticks: the second call (the step still broken, or not) raises too, instead of running bucketed
         # on a version the self-test has shown to be broken. The self-test runs once.
         model = tiny_llama()
-        with mock.patch("prefill_buckets.selftest.self_test", wraps=self_test) as spy:
+        with mock.patch("prefill_buckets.upstream.selftest.self_test", wraps=self_test) as spy:
             with mock.patch("prefill_buckets.call.generation.strip_output", lambda output, plan: output):
                 with self.assertRaisesRegex(RuntimeError, "self-test failed on transformers"):
                     prefill_buckets.generate(model, random_ids(5), max_new_tokens=2, prefill_buckets=[8])
@@ -266,7 +267,7 @@ class UntestedVersionTest(unittest.TestCase):
             except RuntimeError as error:
                 results[name] = str(error)
 
-        with mock.patch("prefill_buckets.selftest.self_test", failing_self_test):
+        with mock.patch("prefill_buckets.upstream.selftest.self_test", failing_self_test):
             first = threading.Thread(target=call, args=("first",))
             first.start()
             self.assertTrue(started.wait(timeout=60))
@@ -292,10 +293,16 @@ def removed(owner, name: str):
 
 def private_torch_paths() -> set[str]:
     """
-    Every private torch name `_compat.py` reads, as a dotted path from `torch`: attribute chains from `torch` and from
-    names imported from torch modules (function-level imports too), read from its source with `ast`.
+    Every private torch name the modules of `upstream/` read, as a dotted path from `torch`: attribute chains from
+    `torch` and from names imported from torch modules (function-level imports too), read from their source with `ast`.
     """
-    tree = ast.parse(Path(_compat.__file__).read_text(encoding="utf-8"))
+    paths = set()
+    for source in sorted(Path(upstream.__file__).parent.glob("*.py")):
+        paths |= _private_torch_paths(ast.parse(source.read_text(encoding="utf-8")))
+    return paths
+
+
+def _private_torch_paths(tree: ast.AST) -> set[str]:
     aliases = {"torch": "torch"}
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch"):
@@ -323,9 +330,9 @@ class TorchVersionTest(unittest.TestCase):
         self.enterContext(as_new_process())  # nothing checked yet, and checked again after
 
     def test_every_private_torch_name_is_checked(self):
-        # Each private torch name `_compat` reads is one `upstream_problems` (or, for `aot_forward`, the AOT check)
+        # Each private torch name `upstream/` reads is one `upstream_problems` (or, for `aot_forward`, the AOT check)
         # looks up: listed whole, or a module or object on the way to one that is.
-        listed = (*_compat.PRIVATE_TORCH_NAMES, *_compat.OPTIONAL_TORCH_NAMES, *_compat.AOT_TORCH_NAMES)
+        listed = (*checks.PRIVATE_TORCH_NAMES, *checks.OPTIONAL_TORCH_NAMES, *checks.AOT_TORCH_NAMES)
         read = private_torch_paths()
         self.assertIn("torch._dynamo.config.recompile_limit", read)  # the positive control of the scan
         self.assertIn("torch._inductor.runtime.cache_dir_utils.cache_dir", read)
@@ -333,13 +340,13 @@ class TorchVersionTest(unittest.TestCase):
             path for path in read if not any(name == path or name.startswith(path + ".") for name in listed)
         )
         self.assertEqual(unchecked, [])
-        self.assertEqual(_compat.torch_problems(), ())
-        if _compat.TORCH_VERSION.release[:2] >= _compat.AOT_FORWARD_TORCH:
-            self.assertIsNone(_compat.aot_compile_problem())
+        self.assertEqual(checks.torch_problems(), ())
+        if versions.TORCH_VERSION.release[:2] >= versions.AOT_FORWARD_TORCH:
+            self.assertIsNone(checks.aot_compile_problem())
 
     def test_missing_private_torch_name_raises_naming_it(self):
         with removed(torch._dynamo, "lookup_backend"):
-            _compat.torch_problems.cache_clear()
+            checks.torch_problems.cache_clear()
             with self.assertRaisesRegex(
                 RuntimeError,
                 rf"can't bucket `generate` on transformers .* with torch {re.escape(torch.__version__)}: "
@@ -350,11 +357,11 @@ class TorchVersionTest(unittest.TestCase):
     def test_reshaped_compile_wrapper_raises(self):
         # A torch whose `torch.compile(module)` wrapper keeps the module under another name.
         with mock.patch.object(torch, "compile", lambda target, **kwargs: types.SimpleNamespace(dynamo_ctx=print)):
-            problems = _compat.torch_problems()
+            problems = checks.torch_problems()
         self.assertIn("`torch.compile(module)._orig_mod` is not the module", problems)
         self.assertIn("`torch.compile(function)._torchdynamo_orig_callable` is not the function", problems)
 
-    @unittest.skipIf(_compat.aot_compile_problem() is not None, "aot_forward raises on this torch")
+    @unittest.skipIf(checks.aot_compile_problem() is not None, "aot_forward raises on this torch")
     def test_aot_forward_raises_where_torch_cannot_save(self):
         with removed(torch._dynamo.aot_compile.AOTCompiledFunction, "disable_guard_check"):
             with self.assertRaisesRegex(
@@ -367,15 +374,15 @@ class TorchVersionTest(unittest.TestCase):
     def test_aot_forward_refuses_before_torch_2_13(self):
         # On torch 2.11 (the oldest tested, and the GPU machine's), `aot_forward`'s graphs don't compile or save: a
         # clear error when it is made, never a crash inside a call. Real on 2.11; simulated on a newer torch.
-        with mock.patch.object(_compat, "TORCH_VERSION", Version("2.11.0")):
-            _compat.aot_compile_problem.cache_clear()
+        with mock.patch.object(versions, "TORCH_VERSION", Version("2.11.0")):
+            checks.aot_compile_problem.cache_clear()
             with self.assertRaisesRegex(
                 RuntimeError,
                 r"`prefill_buckets\.aot_forward` can't compile ahead of time on torch .*: it needs torch 2\.13 or newer",
             ):
                 prefill_buckets.aot_forward(tiny_llama())
 
-    @unittest.skipIf(_compat.aot_compile_problem() is not None, "aot_forward raises on this torch")
+    @unittest.skipIf(checks.aot_compile_problem() is not None, "aot_forward raises on this torch")
     def test_aot_forward_where_aot_compile_is_off_by_default(self):
         # torch gives `torch.compile(function)` its `aot_compile` only under `torch._dynamo.config.enable_aot_compile`,
         # off by default before 2.13: set, or not, the package's graphs compile ahead of time.
@@ -397,24 +404,24 @@ class TorchVersionTest(unittest.TestCase):
         for installed in ("2.10.0", "2.15.0"):
             with self.subTest(installed=installed):
                 PROCESS.self_test_verdict = SELF_TEST_PENDING
-                with mock.patch.object(_compat, "TORCH_VERSION", Version(installed)):
-                    self.assertTrue(support.is_tested_transformers())
-                    self.assertFalse(support.is_tested_range())
-                    with mock.patch("prefill_buckets.selftest.self_test", wraps=self_test) as spy:
+                with mock.patch.object(versions, "TORCH_VERSION", Version(installed)):
+                    self.assertTrue(gate.is_tested_transformers())
+                    self.assertFalse(gate.is_tested_range())
+                    with mock.patch("prefill_buckets.upstream.selftest.self_test", wraps=self_test) as spy:
                         with CaptureLogger(logging.get_logger("prefill_buckets")) as logs:
                             prefill_buckets.generate(model, random_ids(5), max_new_tokens=2, prefill_buckets=[8])
                             prefill_buckets.generate(model, random_ids(6), max_new_tokens=2, prefill_buckets=[8])
                 self.assertEqual(spy.call_count, 1)
                 self.assertIn(f"torch 2.11.0 to 2.14.1, and this is torch {torch.__version__}", logs.out)
         PROCESS.self_test_verdict = SELF_TEST_PENDING
-        with mock.patch.object(_compat, "TORCH_VERSION", Version("2.15.0")):
+        with mock.patch.object(versions, "TORCH_VERSION", Version("2.15.0")):
             with mock.patch("prefill_buckets.call.generation.strip_output", lambda output, plan: output):
                 with self.assertRaisesRegex(RuntimeError, r"self-test failed on transformers .* \(torch "):
                     prefill_buckets.generate(model, random_ids(5), max_new_tokens=2, prefill_buckets=[8])
 
     def test_tested_torch_runs_no_self_test(self):
         for installed in ("2.11.0+cu130", "2.13.0+cpu", "2.14.1"):
-            with mock.patch.object(_compat, "TORCH_VERSION", Version(installed)):
-                self.assertTrue(support.is_tested_torch(), installed)
-        with mock.patch.object(_compat, "TORCH_VERSION", Version("2.14.0.dev20260101")):
-            self.assertFalse(support.is_tested_torch())  # a nightly is not the release CI tested
+            with mock.patch.object(versions, "TORCH_VERSION", Version(installed)):
+                self.assertTrue(gate.is_tested_torch(), installed)
+        with mock.patch.object(versions, "TORCH_VERSION", Version("2.14.0.dev20260101")):
+            self.assertFalse(gate.is_tested_torch())  # a nightly is not the release CI tested

@@ -19,9 +19,9 @@ from transformers.testing_utils import CaptureLogger, slow
 from transformers.utils import logging
 
 import prefill_buckets
+from prefill_buckets import GraphCounter
 from prefill_buckets.buckets import BucketPolicy
-from prefill_buckets.compilation import GraphCounter
-from prefill_buckets.warmup import bucket_lengths
+from prefill_buckets.compile.precompile import bucket_lengths
 
 
 PAD, EOS, BOS = 0, 1, 2

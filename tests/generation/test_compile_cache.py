@@ -21,13 +21,13 @@ from transformers.testing_utils import CaptureLogger
 from transformers.utils import logging
 
 import prefill_buckets
-from prefill_buckets import aot_compiled, compile_cache
+from prefill_buckets.compile import aot_forward, archive
 from prefill_buckets.testing_utils import as_new_process
 
 
 ARTIFACTS = b"\x95bu\xf6 torch cache artifacts"
 KERNEL = os.path.join("ab", "cabkernel.main.so")
-logger = logging.get_logger("prefill_buckets.compile_cache")
+logger = logging.get_logger("prefill_buckets.compile.archive")
 
 
 class CompileCacheTest(unittest.TestCase):
@@ -295,7 +295,7 @@ class BadFileTest(unittest.TestCase):
         self.assert_refused("its manifest.json is not a JSON object")
 
     def test_unknown_format_version(self):
-        current = compile_cache._ARCHIVE_FORMAT
+        current = archive._ARCHIVE_FORMAT
         for version in (*range(1, current), current + 1, None):  # every earlier format, the next one, none
             with self.subTest(version=version):
                 self.rewrite(manifest={"format": version})
@@ -370,8 +370,8 @@ class CompiledForwardsTest(unittest.TestCase):
         mock.patch.dict(os.environ, {"TORCHINDUCTOR_CACHE_DIR": os.path.join(self.tmp, "cold")}).start()
         mock.patch.object(torch.compiler, "save_cache_artifacts", return_value=None).start()  # another backend
         self.load = mock.patch.object(torch.compiler, "load_cache_artifacts", return_value=object()).start()
-        mock.patch.object(aot_compiled, "compiled_functions", return_value=[self.FORWARD]).start()
-        self.stage = mock.patch.object(aot_compiled, "stage").start()
+        mock.patch.object(aot_forward, "compiled_functions", return_value=[self.FORWARD]).start()
+        self.stage = mock.patch.object(aot_forward, "stage").start()
         self.addCleanup(mock.patch.stopall)
         self.saved = prefill_buckets.save_compile_cache(self.path)
 

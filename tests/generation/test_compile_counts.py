@@ -14,7 +14,7 @@ from parameterized import parameterized
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 import prefill_buckets
-from prefill_buckets.compilation import GraphCounter
+from prefill_buckets import GraphCounter
 
 
 MAX_NEW_TOKENS = 5

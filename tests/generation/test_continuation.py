@@ -10,7 +10,7 @@ from transformers.testing_utils import CaptureLogger
 from transformers.utils import logging
 
 import prefill_buckets
-from prefill_buckets.compilation import GraphCounter
+from prefill_buckets import GraphCounter
 from prefill_buckets.state import state_of
 
 from .test_compile_counts import make_model, make_prompt

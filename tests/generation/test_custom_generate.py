@@ -15,7 +15,7 @@ from transformers.testing_utils import CaptureLogger
 from transformers.utils import logging
 
 import prefill_buckets
-from prefill_buckets.compilation import GraphCounter
+from prefill_buckets import GraphCounter
 
 from .tiny_models import tiny_llama
 

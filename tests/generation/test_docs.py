@@ -471,8 +471,8 @@ class CheckDocLinksTest(unittest.TestCase):
             {
                 "index": "# Home\n\nSee [the guide](./guide), [again](guide.md#usage) and [api](api/ref).\n",
                 "guide": "# Guide\n\n## Usage\n\n[`precompile`], [`~prefill_buckets.BucketPolicy`], "
-                "[`compilation.GraphCounter`], [`~transformers.GenerationConfig`], [home](./index#home).\n",
-                "api/ref": "# Ref\n\n[[autodoc]] precompile\n\n[[autodoc]] compilation.GraphCounter\n\n"
+                "[`compile.compiled_calls.GraphCounter`], [`~transformers.GenerationConfig`], [home](./index#home).\n",
+                "api/ref": "# Ref\n\n[[autodoc]] precompile\n\n[[autodoc]] compile.compiled_calls.GraphCounter\n\n"
                 "Back to [the guide](../guide#usage) or [`precompile`](../api/ref#prefill_buckets.precompile).\n",
             }
         )

@@ -12,8 +12,8 @@ import transformers
 from packaging.version import Version
 
 import prefill_buckets
-from prefill_buckets import _compat, support
 from prefill_buckets.cli import main
+from prefill_buckets.upstream import gate, versions
 
 
 def run_env() -> str:
@@ -31,28 +31,26 @@ class EnvCommandTest(unittest.TestCase):
         self.assertEqual(lines["transformers"], transformers.__version__)
         self.assertTrue(lines["prefill_buckets"].startswith(prefill_buckets.__version__ + " "))
         self.assertIn("cpu" if not torch.cuda.is_available() else "cuda", lines["device"])
-        tested = (
-            f"transformers in the tested range ({_compat.TESTED_TRANSFORMERS[0]} to {_compat.TESTED_TRANSFORMERS[-1]})"
-        )
-        self.assertEqual(lines[tested], "yes" if support.is_tested_transformers() else lines[tested])
-        tested_torch = f"torch in the tested range ({_compat.TESTED_TORCH[0]} to {_compat.TESTED_TORCH[-1]})"
-        self.assertEqual(lines[tested_torch], "yes" if support.is_tested_torch() else lines[tested_torch])
+        tested = f"transformers in the tested range ({versions.TESTED_TRANSFORMERS[0]} to {versions.TESTED_TRANSFORMERS[-1]})"
+        self.assertEqual(lines[tested], "yes" if gate.is_tested_transformers() else lines[tested])
+        tested_torch = f"torch in the tested range ({versions.TESTED_TORCH[0]} to {versions.TESTED_TORCH[-1]})"
+        self.assertEqual(lines[tested_torch], "yes" if gate.is_tested_torch() else lines[tested_torch])
         self.assertIn("python", lines)
 
     def test_says_when_transformers_is_outside_the_tested_range(self):
         # The positive control of the range line: a version outside it is reported as such.
-        with mock.patch.object(support, "is_tested_transformers", return_value=False):
+        with mock.patch.object(gate, "is_tested_transformers", return_value=False):
             output = run_env()
         self.assertRegex(output, r"transformers in the tested range \([^)]*\): NO: outside the tested range")
         self.assertNotRegex(output, r"torch in the tested range \([^)]*\): NO")
-        with mock.patch.object(support, "is_tested_transformers", return_value=True):
+        with mock.patch.object(gate, "is_tested_transformers", return_value=True):
             self.assertRegex(run_env(), r"transformers in the tested range \([^)]*\): yes\n")
 
     def test_says_when_torch_is_outside_the_tested_range(self):
         # A real version, not a mocked verdict: the line reads the installed torch's version against TESTED_TORCH.
         for installed, expected in (("2.10.0", "NO: outside"), ("2.15.0", "NO: outside"), ("2.11.0+cu130", "yes")):
             with self.subTest(installed=installed):
-                with mock.patch.object(_compat, "TORCH_VERSION", Version(installed)):
+                with mock.patch.object(versions, "TORCH_VERSION", Version(installed)):
                     output = run_env()
                 self.assertRegex(output, rf"torch in the tested range \([^)]*\): {expected}")
                 self.assertNotRegex(output, r"transformers in the tested range \([^)]*\): NO")

@@ -71,9 +71,9 @@ class ForgottenEnableTest(unittest.TestCase):
     def test_importing_changes_nothing_in_transformers(self):
         from transformers.generation.utils import GenerationMixin
 
-        from prefill_buckets import _compat
+        from prefill_buckets.upstream import transformers_api
 
-        self.assertIs(GenerationMixin.__dict__["generate"], _compat.UPSTREAM_GENERATE)
+        self.assertIs(GenerationMixin.__dict__["generate"], transformers_api.UPSTREAM_GENERATE)
         self.assertFalse(hasattr(GenerationConfig(), "prefill_buckets"))
 
 

@@ -93,7 +93,7 @@ from transformers import (
 from transformers.testing_utils import require_torch_gpu, slow
 
 import prefill_buckets
-from prefill_buckets.compilation import GraphCounter
+from prefill_buckets import GraphCounter
 
 
 PAD, EOS, BOS = 0, 1, 2

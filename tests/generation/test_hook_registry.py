@@ -9,8 +9,7 @@ import torch
 from transformers import GenerationConfig, LlamaForCausalLM, StaticCache
 
 import prefill_buckets
-from prefill_buckets import support
-from prefill_buckets.call import hooks
+from prefill_buckets.call import hooks, support
 from prefill_buckets.call.hook_registry import _ACTIVE_PLAN, HOOKS, hook_targets, make_hooked
 from prefill_buckets.state import state_of
 

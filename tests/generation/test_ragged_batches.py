@@ -14,7 +14,7 @@ from transformers.testing_utils import CaptureLogger
 from transformers.utils import logging as transformers_logging
 
 import prefill_buckets
-from prefill_buckets.compilation import GraphCounter
+from prefill_buckets import GraphCounter
 
 from .test_all_outputs import assert_same
 from .test_equivalence import MODEL_SPECS, PAD, get_model, left_padded_batch, random_ids

@@ -14,10 +14,10 @@ from transformers.testing_utils import CaptureLogger
 from transformers.utils import logging as transformers_logging
 
 import prefill_buckets
-from prefill_buckets import _compat
+from prefill_buckets import GraphCounter
 from prefill_buckets.call import generation
-from prefill_buckets.compilation import GraphCounter
 from prefill_buckets.config import PREFILL_PADDING_SIDE, validate_fields
+from prefill_buckets.upstream import versions
 
 from .test_all_outputs import assert_same
 from .test_equivalence import EOS, MODEL_SPECS, PAD, get_model, left_padded_batch, random_ids
@@ -99,7 +99,7 @@ def run_bucketed(model, input_ids, generation_config, seed=11, **kwargs):
 
 # The mask-free prefill tests: on transformers < 5.24 upstream's own exact prefill is masked while compiling.
 skip_unless_sdpa_skips_while_compiling = unittest.skipIf(
-    _compat.TRANSFORMERS_VERSION.release < (5, 24),
+    versions.TRANSFORMERS_VERSION.release < (5, 24),
     "transformers 5.17 never skips the SDPA mask while compiling (`is_tracing`): upstream's exact prefill is masked too",
 )
 

@@ -18,8 +18,8 @@ from transformers.utils import logging
 import prefill_buckets
 from prefill_buckets.call.generation import UPSTREAM_GENERATE
 from prefill_buckets.call.hooks import HOOKS
-from prefill_buckets.compilation import EagerFallback, GraphCounter
-from prefill_buckets.compilation import logger as compilation_logger
+from prefill_buckets.compile.compiled_calls import EagerFallback, GraphCounter
+from prefill_buckets.compile.compiled_calls import logger as compilation_logger
 
 from .test_equivalence import _LLAMA_LIKE, _SPECIAL_TOKENS
 from .tiny_models import CACHE, tiny_llama

@@ -23,8 +23,8 @@ from transformers import GenerationConfig, PreTrainedTokenizerFast
 from transformers.utils.import_utils import is_serve_available
 
 import prefill_buckets
-from prefill_buckets import _compat, serving
-from prefill_buckets.compilation import GraphCounter
+from prefill_buckets import GraphCounter, serving
+from prefill_buckets.upstream import torch_api, transformers_api
 
 from .tiny_models import tiny_llama
 
@@ -157,7 +157,7 @@ class ServeTest(unittest.TestCase):
         """A server on a free loopback port, and an `openai` client for it (no retries: each request is sent once)."""
         port = free_port()
         if options is None:
-            server = _compat.serve_command().main(
+            server = transformers_api.serve_command().main(
                 args=[cls.folder, *serve_args(port)], prog_name="transformers serve", standalone_mode=False
             )
         else:
@@ -288,11 +288,11 @@ class ServeTest(unittest.TestCase):
             warm = warmups[1]
             self.assertTrue(warm.cache_loaded)
             self.assertEqual(warm.graphs, 0)  # aot_forward's graphs come from the file: nothing traced
-            before = _compat.graphs_compiled()
+            before = torch_api.graphs_compiled()
             short = [request for request in REQUESTS if request[2] < 16]
             answers = [ask(client, self.folder, *request) for request in short]
             self.assertEqual(answers, [self.expected[REQUESTS.index(request)] for request in short])
-            self.assertEqual(_compat.graphs_compiled() - before, 0)
+            self.assertEqual(torch_api.graphs_compiled() - before, 0)
         finally:
             server.kill_server()
 

@@ -42,11 +42,11 @@ from transformers.testing_utils import CaptureLogger, slow
 from transformers.utils import logging as transformers_logging
 
 import prefill_buckets
-from prefill_buckets import _compat
+from prefill_buckets import GraphCounter
 from prefill_buckets.call import windows
 from prefill_buckets.call.ring import SlidingWindowRing
-from prefill_buckets.compilation import GraphCounter
 from prefill_buckets.state import state_of
+from prefill_buckets.upstream import checks
 
 from .tiny_models import CACHE, assert_same_generation, single_thread_module, static_config
 
@@ -339,7 +339,7 @@ class RingGraphTest(unittest.TestCase):
         model, counter = make("gemma3"), GraphCounter()
         model.compile(backend=counter, dynamic=False)
         logger = transformers_logging.get_logger("prefill_buckets")
-        with mock.patch.object(_compat, "sliding_layer_problem", return_value="a test"), CaptureLogger(logger) as log:
+        with mock.patch.object(checks, "sliding_layer_problem", return_value="a test"), CaptureLogger(logger) as log:
             generation_config = GenerationConfig(
                 cache_implementation="static", max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False
             )

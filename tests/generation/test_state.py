@@ -9,9 +9,10 @@ from pathlib import Path
 import torch
 
 import prefill_buckets
-from prefill_buckets import _compat, aot_compiled
+from prefill_buckets.compile import aot_forward
 from prefill_buckets.state import PROCESS, SELF_TEST_PENDING
 from prefill_buckets.testing_utils import as_new_process
+from prefill_buckets.upstream import checks
 
 from .tiny_models import tiny_llama
 
@@ -68,8 +69,8 @@ class StateInOnePlaceTest(unittest.TestCase):
             self.assertIs(process, PROCESS)
             self.assertEqual(PROCESS.upstream_verdicts, {})
             self.assertIs(PROCESS.self_test_verdict, SELF_TEST_PENDING)
-            self.assertEqual(_compat.sliding_layer_problem.cache_info().currsize, 0)
-            aot_compiled.stage([({"fingerprint": "f", "key": "k"}, b"")], "a file")
+            self.assertEqual(checks.sliding_layer_problem.cache_info().currsize, 0)
+            aot_forward.stage([({"fingerprint": "f", "key": "k"}, b"")], "a file")
             self.assertEqual(PROCESS.staged_from, ["a file"])
             PROCESS.raised_recompile_limit = (8, 64)
         self.assertIs(PROCESS.upstream_verdicts, verdicts)

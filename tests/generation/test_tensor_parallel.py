@@ -27,7 +27,7 @@ from transformers.generation.streamers import BaseStreamer
 from transformers.utils import is_accelerate_available
 
 import prefill_buckets
-from prefill_buckets.compilation import GraphCounter
+from prefill_buckets import GraphCounter
 from prefill_buckets.distributed import check_same_inputs_across_ranks, rank_path, tensor_parallel_group
 
 from .tiny_models import tiny_llama

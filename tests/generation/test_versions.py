@@ -83,11 +83,11 @@ class TestedVersionsTest(unittest.TestCase):
         self.assertEqual(pinned("newest.txt", "transformers"), pinned("dev.txt", "transformers"))
 
     def test_tested_torch_is_the_pins(self):
-        # The torch range `support.check_upstream` and `env` call tested is the range CI tests.
-        from prefill_buckets import _compat
+        # The torch range `gate.check_upstream` and `env` call tested is the range CI tests.
+        from prefill_buckets.upstream import versions
 
         self.assertEqual(
-            tuple(Version(v) for v in _compat.TESTED_TORCH),
+            tuple(Version(v) for v in versions.TESTED_TORCH),
             (pinned("oldest.txt", "torch"), pinned("newest.txt", "torch")),
         )
 
@@ -142,11 +142,11 @@ class TestedVersionsTest(unittest.TestCase):
             self.assertIn(f",{constraints},", makefile_recipe(stamp))
 
     def test_tested_versions_are_the_pins(self):
-        # The range `support.check_upstream` calls tested (and warns outside of) is the range CI tests.
-        from prefill_buckets import _compat
+        # The range `gate.check_upstream` calls tested (and warns outside of) is the range CI tests.
+        from prefill_buckets.upstream import versions
 
         self.assertEqual(
-            tuple(Version(v) for v in _compat.TESTED_TRANSFORMERS),
+            tuple(Version(v) for v in versions.TESTED_TRANSFORMERS),
             (pinned("oldest.txt", "transformers"), pinned("dev.txt", "transformers")),
         )
 

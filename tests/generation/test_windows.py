@@ -32,10 +32,10 @@ from transformers.testing_utils import CaptureLogger
 from transformers.utils import logging as transformers_logging
 
 import prefill_buckets
-from prefill_buckets import _compat
+from prefill_buckets import GraphCounter
 from prefill_buckets.call import windows
 from prefill_buckets.call.cache import DEFAULT_CACHE_SLOTS, MAX_UNASKED_SLOTS
-from prefill_buckets.compilation import GraphCounter
+from prefill_buckets.upstream import checks
 
 from .tiny_models import CACHE, assert_same_generation, static_config, tiny_llama
 
@@ -385,7 +385,7 @@ class PrecompileWindowsTest(unittest.TestCase):
         self.assertEqual(counter.graphs, graphs, f"later calls compiled {counter.graphs - graphs} more graphs")
 
 
-@unittest.skipIf(_compat.aot_compile_problem() is not None, "`aot_forward` raises on this torch (test_compat.py)")
+@unittest.skipIf(checks.aot_compile_problem() is not None, "`aot_forward` raises on this torch (test_compat.py)")
 class AOTForwardWindowsTest(unittest.TestCase):
     def setUp(self):
         torch._dynamo.reset()

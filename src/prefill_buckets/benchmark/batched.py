@@ -18,9 +18,10 @@ import time
 
 import torch
 
-from .. import BucketPolicy, _compat, precompile
+from .. import BucketPolicy, precompile
 from ..buckets import round_up
 from ..testing_utils import TokenClock
+from ..upstream import torch_api
 
 
 MAX_WARM_PASSES = 2
@@ -122,7 +123,7 @@ def run_continuous_pass(workload, model, config, cb_config) -> tuple[float, list
 def dynamo_graphs() -> int:
     """Graphs dynamo handed to a backend in this process, whichever backend: `default_compile_level` compiles with
     inductor itself, not through a `GraphCounter`."""
-    return int(_compat.graphs_compiled())
+    return int(torch_api.graphs_compiled())
 
 
 def run_batched(strategy, spec, model, workload, config, counter, run, synchronize, progress) -> dict:

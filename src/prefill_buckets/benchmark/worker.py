@@ -17,18 +17,18 @@ import time
 
 import torch
 
-from .. import _compat, aot_forward, load_compile_cache, precompile, save_compile_cache
+from .. import GraphCounter, aot_forward, load_compile_cache, precompile, save_compile_cache
 from .. import generate as bucketed_generate
 from ..buckets import round_up
-from ..compilation import GraphCounter
 from ..testing_utils import TokenClock
+from ..upstream import torch_api
 from .batched import run_batched
 from .strategies import CHUNK, SHUFFLE_SEED, STRATEGIES, bucket_policy
 from .workload import shuffled
 
 
 def inductor_counter(name: str) -> int:
-    return int(_compat.compile_counters()["inductor"][name])
+    return int(torch_api.compile_counters()["inductor"][name])
 
 
 def load_model(spec: dict):
@@ -78,7 +78,7 @@ class AOTCounter:
 
 def run_counters(counter: GraphCounter | AOTCounter, forwards: int) -> dict:
     """What the process compiled and ran, for the record."""
-    graph_breaks = _compat.compile_counters()["graph_break"]
+    graph_breaks = torch_api.compile_counters()["graph_break"]
     return {
         "graphs": counter.graphs,
         "graphs_loaded": getattr(counter, "graphs_loaded", None),  # from a compile cache file (`AOTCounter` only)
@@ -86,10 +86,10 @@ def run_counters(counter: GraphCounter | AOTCounter, forwards: int) -> dict:
         "forwards": forwards,
         "graph_breaks": int(sum(graph_breaks.values())),
         "graph_break_reasons": sorted(graph_breaks)[:10],
-        "unique_graphs": int(_compat.graphs_compiled()),
+        "unique_graphs": int(torch_api.graphs_compiled()),
         "fxgraph_cache_hits": inductor_counter("fxgraph_cache_hit"),
         "fxgraph_cache_misses": inductor_counter("fxgraph_cache_miss"),
-        "recompile_limit": _compat.recompile_limit(),
+        "recompile_limit": torch_api.recompile_limit(),
         "recompile_limit_hits": RECOMPILE_LIMIT_HITS.count,
     }
 
@@ -116,8 +116,8 @@ def start_process(spec: dict) -> None:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
-    _compat.reset_compiled()
-    _compat.compile_counters().clear()
+    torch_api.reset_compiled()
+    torch_api.compile_counters().clear()
 
 
 def load_artifacts(path: str) -> dict:

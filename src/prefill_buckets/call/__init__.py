@@ -2,7 +2,7 @@
 
 1. Resolve: `resolved.py` (the call's inputs, read once into a frozen `ResolvedCall`), with `settings.py` (the bucket
    fields and the generation values padding depends on) and `cache.PassedCache` (the cache the call passes).
-2. Check support: `support.check_upstream` (the package's version gate, above this subpackage).
+2. Check support: `support.check_upstream` (the version gate, `upstream/gate.py`, given this subpackage's hooks).
 3. Decide: `decision.py`, the one decision of how the call is padded (left, right, or unpadded with its reason), with
    the rule of `padding_side.py` (as data) and `side_assumptions.py` (what a model's code assumes).
 4. Plan: `planning.plan_call` makes the frozen `Plan` (`plan.py`): the prompt padded in front (`padding.py`, tensor
@@ -16,6 +16,7 @@
 7. Mark the cache: `cache.record_call`.
 8. Strip: `output.py`, with `attention_keys.py` (a static cache's attentions laid out as upstream's layers lay them).
 
-The compile tooling (`compilation.py`, `warmup.py`, `compile_cache.py`, `aot_compiled.py`, `aot_key.py`), the command
-line (`cli.py`, `benchmark/`) and the user's API (`config.py`, `buckets.py`, `patch.py`) sit beside this subpackage.
+The compile tooling (`compile/`: `compiled_calls.py` below this subpackage, `precompile.py`, `archive.py`,
+`aot_forward.py`, `aot_key.py` above it), the command line (`cli.py`, `benchmark/`) and the user's API (`config.py`,
+`buckets.py`, `patch.py`) sit beside this subpackage.
 """

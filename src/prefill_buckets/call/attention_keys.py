@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from transformers.utils import logging
 
-from .. import _compat
+from ..upstream import transformers_api
 from .ring import SlidingWindowRing
 from .windows import WindowedStaticLayer, window_length
 
@@ -70,16 +70,16 @@ class KeyLayout:
 
 def key_layouts(cache) -> tuple | None:
     """The `KeyLayout` of each layer of a static `cache` (`None` for a layer of another kind), or `None`."""
-    if cache is None or not _compat.is_static_cache(cache):
+    if cache is None or not transformers_api.is_static_cache(cache):
         return None
     layouts = []
     for layer in cache.layers:
         kind = None
-        if type(layer) in (_compat.StaticLayer, WindowedStaticLayer):
+        if type(layer) in (transformers_api.StaticLayer, WindowedStaticLayer):
             kind = FULL
         elif type(layer) is SlidingWindowRing:
             kind = RING
-        elif type(layer) is _compat.StaticSlidingWindowLayer:
+        elif type(layer) is transformers_api.StaticSlidingWindowLayer:
             kind = SLIDING
         layouts.append(None if kind is None else KeyLayout(kind, layer.max_cache_len))
     return tuple(layouts)

@@ -4,7 +4,7 @@ Torch keeps at most `torch._dynamo.config.recompile_limit` graphs per compiled c
 the rest eagerly, without an error. The limit counts every graph on the code object, whichever model compiled it, and
 models share code objects: transformers' decorators wrap the `forward` of most model classes in one function. So two
 compiled models in one process share one limit. Bucketed calls need a known, bounded set of graphs; this module counts
-what torch counts (the graphs on the forward's code objects, `_compat.forward_graphs`), adds what a call will compile,
+what torch counts (the graphs on the forward's code objects, `torch_api.forward_graphs`), adds what a call will compile,
 and, when that passes the limit, raises it, with a warning, never below what the process needs. When no bucketed call
 is in flight the limits are the user's again (`restore_user_recompile_limits`): each call raises them for itself.
 After a call, a code object at the limit with other graphs than the call should have made means torch refused some:
@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 from transformers.utils import logging
 
-from .. import _compat
 from ..state import PROCESS, state_of
+from ..upstream import torch_api
 
 
 logger = logging.get_logger(__name__)
@@ -28,7 +28,7 @@ _LIMIT_LOCK = threading.RLock()
 
 
 def recompile_limit() -> int:
-    return _compat.recompile_limit()
+    return torch_api.recompile_limit()
 
 
 @dataclass
@@ -100,7 +100,7 @@ class GraphBudget:
         none it can tell of, the shapes the model has needed (more than torch compiled with dynamic shapes: a limit
         raised too far, never too little).
         """
-        return _compat.forward_graphs(model) or self.graphs
+        return torch_api.forward_graphs(model) or self.graphs
 
     def account(
         self, model, rows: int, prefill_shapes, cache_length: int, side: str = "left", decode_windows=(None,)
@@ -169,8 +169,8 @@ def make_room(model, held: int, graphs: int, who: str) -> None:
         if raised > limit:
             _save_user_recompile_limits()
             PROCESS.recompile_limit_set = raised
-            _compat.set_recompile_limit(raised)
-        accumulated = _compat.accumulated_recompile_limit()
+            torch_api.set_recompile_limit(raised)
+        accumulated = torch_api.accumulated_recompile_limit()
         if accumulated is not None and max(needed, PROCESS.raised_accumulated_limit) > accumulated:
             # The cap on any one code object's graphs (256), raised alike.
             _save_user_recompile_limits()
@@ -181,7 +181,7 @@ def make_room(model, held: int, graphs: int, who: str) -> None:
                 )
             PROCESS.raised_accumulated_limit = max(needed, PROCESS.raised_accumulated_limit)
             PROCESS.accumulated_recompile_limit_set = PROCESS.raised_accumulated_limit
-            _compat.set_accumulated_recompile_limit(PROCESS.raised_accumulated_limit)
+            torch_api.set_accumulated_recompile_limit(PROCESS.raised_accumulated_limit)
 
 
 def check_compiled(model, expected: CallGraphs | None, limit: int | None = None, decode_windows_read=()) -> None:
@@ -196,7 +196,7 @@ def check_compiled(model, expected: CallGraphs | None, limit: int | None = None,
     with _LIMIT_LOCK:
         PROCESS.graphs_in_flight -= len(expected.new_shapes)
         budget_of(model).reached(expected.rows, expected.cache_length, decode_windows_read)
-    held = _compat.forward_graphs(model)
+    held = torch_api.forward_graphs(model)
     limit = recompile_limit() if limit is None else limit  # the call's own, once it has put the user's back
     if held >= limit and held != expected.held_before + len(expected.new_shapes):
         shapes = "; ".join(expected.new_shapes) or "shapes the package did not predict"
@@ -220,14 +220,14 @@ def restore_recompile_limit(at_least: int | None) -> None:
     every chunked prefill, which a bucketed call with `compile_config` runs.
     """
     if at_least is not None and recompile_limit() < at_least:
-        _compat.set_recompile_limit(at_least)
+        torch_api.set_recompile_limit(at_least)
 
 
 def _save_user_recompile_limits() -> None:
     if PROCESS.saved_recompile_limits is None:
         PROCESS.saved_recompile_limits = (
             recompile_limit(),
-            _compat.accumulated_recompile_limit(),
+            torch_api.accumulated_recompile_limit(),
         )
 
 
@@ -243,8 +243,8 @@ def restore_user_recompile_limits() -> None:
             return
         limit, accumulated = saved
         if recompile_limit() == PROCESS.recompile_limit_set:
-            _compat.set_recompile_limit(limit)
-        current = _compat.accumulated_recompile_limit()
+            torch_api.set_recompile_limit(limit)
+        current = torch_api.accumulated_recompile_limit()
         if accumulated is not None and current == PROCESS.accumulated_recompile_limit_set:
-            _compat.set_accumulated_recompile_limit(accumulated)
+            torch_api.set_accumulated_recompile_limit(accumulated)
         PROCESS.recompile_limit_set = PROCESS.accumulated_recompile_limit_set = None

@@ -28,7 +28,11 @@ from functools import cached_property
 import torch
 from transformers.utils import logging
 
-from .._compat import (
+from ..buckets import BucketPolicy, round_up
+from ..config import PREFILL_BUCKETS
+from ..upstream.transformers_api import (
+    cache_argument,
+    cache_seq_length,
     is_static_cache,
     lazy_static_cache,
     previous_max_cache_length,
@@ -36,17 +40,12 @@ from .._compat import (
     static_cache_init_shape,
     static_cache_slots,
 )
-from ..buckets import BucketPolicy, round_up
-from ..config import PREFILL_BUCKETS
 from .kv_shapes import held_kv_shapes
 from .settings import CallSettings
 
 
 logger = logging.get_logger(__name__)
 
-# Where `generate` and the forward take the cache: `cache` from transformers 5.24 on; before, `past_key_values`, or
-# `cache_params` for a model whose class name contains "mamba" (upstream's `_prepare_cache_for_generation`).
-CACHE_KWARGS = ("cache", "past_key_values", "cache_params")
 # A static cache's length is a multiple of this (or of `prefill_pad_to_multiple_of`): sizes kernels like.
 CACHE_ALIGNMENT = 64
 # The first cache of a policy without a largest bucket: prompts of up to 4k tokens with as many new tokens fit it
@@ -178,26 +177,10 @@ def room_reason(
     return None
 
 
-def cache_argument(kwargs: dict) -> tuple[str | None, object]:
-    """
-    `(name, value)` of the cache a call's keyword arguments pass (to `generate` or a forward, or in what `generate`
-    returns): the first of `CACHE_KWARGS` that is set, whatever it holds. `(None, None)` when none is.
-    """
-    return next(((key, kwargs[key]) for key in CACHE_KWARGS if kwargs.get(key) is not None), (None, None))
-
-
 def passed_cache(model_kwargs: dict):
     """The cache passed to (or returned by) `generate`, or to a forward, when it is a cache object."""
     _, cache = cache_argument(model_kwargs)
     return cache if hasattr(cache, "get_seq_length") else None
-
-
-def cache_seq_length(cache) -> int | None:
-    """The tokens a cache holds, or `None` when it can't tell (only recurrent layers, as in Mamba's cache)."""
-    try:
-        return int(cache.get_seq_length())  # a 0-d tensor for a static cache
-    except ValueError:
-        return None
 
 
 @dataclass(frozen=True)

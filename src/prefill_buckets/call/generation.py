@@ -27,11 +27,13 @@ from collections.abc import Callable
 import torch
 from transformers.utils import ModelOutput, logging
 
-from .. import _compat, support
-from ..compilation import compiled_forward, compiled_wrapper_forward
+from ..compile.compiled_calls import compiled_forward, compiled_wrapper_forward
 from ..config import BUCKET_FIELDS, PREFILL_BUCKETS, PREFILL_PAD_TO_MULTIPLE_OF
-from ..distributed import generate_call, ranks_agree, tensor_parallel_group
+from ..distributed import generate_call, ranks_agree
 from ..state import state_of
+from ..upstream import torch_api, transformers_api
+from ..upstream.transformers_api import tensor_parallel_group
+from . import support
 from .budget import budget_of, check_compiled
 from .cache import passed_cache, record_call
 from .decision import choose_side
@@ -45,7 +47,7 @@ from .resolved import ResolvedCall, bind_call, resolve_call
 
 logger = logging.get_logger(__name__)
 
-UPSTREAM_GENERATE = _compat.UPSTREAM_GENERATE
+UPSTREAM_GENERATE = transformers_api.UPSTREAM_GENERATE
 
 
 def generate(model, *args, **kwargs):
@@ -90,15 +92,15 @@ def generate(model, *args, **kwargs):
     ```
     """
     # 1. Resolve the call: bound as upstream's `generate` binds it, the bucket fields taken out.
-    wrapper = model if _compat.is_compiled_wrapper(model) else None
-    model = _compat.unwrap(model)  # an `OptimizedModule` hands `generate` to the module it wraps
+    wrapper = model if torch_api.is_compiled_wrapper(model) else None
+    model = torch_api.unwrap(model)  # an `OptimizedModule` hands `generate` to the module it wraps
     arguments, model_kwargs, field_kwargs = bind_call(model, args, kwargs)
     if active_plan(model) is not None:
         # Re-entered from inside a bucketed call (a model whose own `generate` calls ours): already padded.
         return UPSTREAM_GENERATE(model, **arguments, **model_kwargs)
 
     # 5. Agree across ranks: steps 1 to 4 run inside it, and any error they raise is raised on every rank.
-    if _compat.tensor_parallel_size(model) > 1 and tensor_parallel_group(model) is not None:
+    if tensor_parallel_group(model) is not None:
         agreed = ranks_agree(model, *generate_call(model, arguments, model_kwargs, field_kwargs))
     else:
         agreed = contextlib.nullcontext()  # one process: nothing to agree on, nothing to summarize
@@ -180,8 +182,8 @@ def _warn_unbucketed(call: ResolvedCall):
     if compiled is None:
         return None
     cache = call.cache
-    static = _compat.is_static_cache(cache) or (
-        cache is None and settings.cache_implementation in _compat.ALL_STATIC_CACHE_IMPLEMENTATIONS
+    static = transformers_api.is_static_cache(cache) or (
+        cache is None and settings.cache_implementation in transformers_api.ALL_STATIC_CACHE_IMPLEMENTATIONS
     )
     prompt = call.prompt
     if not static or not isinstance(prompt, torch.Tensor) or prompt.ndim < 2:
@@ -191,7 +193,7 @@ def _warn_unbucketed(call: ResolvedCall):
     if len(state.unbucketed_prompt_lengths) == 2:
         logger.warning_once(
             f"The model's forward is compiled ({compiled}) and generates with a static cache, so each new prompt "
-            f"length recompiles it, and past torch's `torch._dynamo.config.recompile_limit` ({_compat.recompile_limit()} "
+            f"length recompiles it, and past torch's `torch._dynamo.config.recompile_limit` ({torch_api.recompile_limit()} "
             f"graphs of the forward) torch runs the rest eagerly. Set `{PREFILL_BUCKETS}` (for example 'pow2-quarters') "
             f"or `{PREFILL_PAD_TO_MULTIPLE_OF}`, or pad with the tokenizer's `pad_to_multiple_of` and "
             "`padding_side='left'`."
@@ -199,6 +201,8 @@ def _warn_unbucketed(call: ResolvedCall):
     rows = prompt.shape[0] * settings.rows_per_prompt
 
     def record():
-        budget_of(model).account_unbucketed(model, rows, prompt.shape[1], _compat.previous_max_cache_length(model))
+        budget_of(model).account_unbucketed(
+            model, rows, prompt.shape[1], transformers_api.previous_max_cache_length(model)
+        )
 
     return record

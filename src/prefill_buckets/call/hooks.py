@@ -30,15 +30,15 @@ import contextvars
 import torch
 from transformers.utils import logging
 
-from .. import _compat
-from ..aot_compiled import is_aot_forward
-from ..compilation import EagerFallback, compiled_forward
+from ..compile.compiled_calls import EagerFallback, compiled_forward, is_aot_forward
 from ..config import PREFILL_PAD_TO_MULTIPLE_OF, PREFILL_PADDING_SIDE
 from ..state import LOCK, PROCESS, state_of
+from ..upstream import torch_api, transformers_api, versions
+from ..upstream.transformers_api import cache_seq_length
 from . import prefill_right, views  # noqa: F401  (they declare the hooks of their own steps)
 from .attention_keys import key_layouts
 from .budget import budget_of, restore_recompile_limit, restore_user_recompile_limits
-from .cache import cache_seq_length, early_initialize, passed_cache, sequence_length, static_cache_length
+from .cache import early_initialize, passed_cache, sequence_length, static_cache_length
 from .hook_registry import _ACTIVE_PLAN, HOOKS, hook, hook_targets, make_hooked, wraps
 from .padding import strip_left
 from .plan import PER_TOKEN_KWARGS
@@ -92,7 +92,7 @@ def _prepare_cache_for_generation(plan, step):
     generation_config, model_kwargs = step["generation_config"], step["model_kwargs"]
     creates_static = (
         passed_cache(model_kwargs) is None
-        and generation_config.cache_implementation in _compat.ALL_STATIC_CACHE_IMPLEMENTATIONS
+        and generation_config.cache_implementation in transformers_api.ALL_STATIC_CACHE_IMPLEMENTATIONS
     )
     if not (creates_static or getattr(passed_cache(model_kwargs), "is_compileable", False)):
         return step.call()
@@ -102,7 +102,7 @@ def _prepare_cache_for_generation(plan, step):
         generation_config.max_cache_len = _bucketed_cache_length(plan, step["max_cache_length"])
     if generation_config.compile_config is not None:
         # An explicit `compile_config` compiles on every device, CPU included (upstream: CUDA/XPU only).
-        _compat.compile_on_all_devices(generation_config.compile_config)
+        transformers_api.compile_on_all_devices(generation_config.compile_config)
     result = step.call()
     if sized_here:
         # The cache is made. Unset again, so configs derived from this one (an assistant model's) don't inherit it.
@@ -119,7 +119,7 @@ def _prepare_cache_for_generation(plan, step):
     _prefill_through_compiled_call(plan, generation_config, prefill)
     if plan.run.compiled:
         _account_graphs(plan, rows, prefill, generation_config.prefill_chunk_size, step["max_cache_length"])
-    plan.run.recompile_limit = _compat.recompile_limit()
+    plan.run.recompile_limit = torch_api.recompile_limit()
     return result
 
 
@@ -138,7 +138,7 @@ def _bucketed_cache_length(plan, max_cache_length: int) -> int:
 def _learn_cache(plan, cache) -> None:
     """What the call's cache is: its length, whether its layers read windows (opened here), how they lay out keys."""
     plan.run.static_cache_length = cache.get_max_length() if hasattr(cache, "get_max_length") else -1
-    if cache is not None and open_windows(cache, _compat.attention_implementation(plan.model.config)):
+    if cache is not None and open_windows(cache, transformers_api.attention_implementation(plan.model.config)):
         plan.run.windowed_cache = cache
         plan.run.reads_windows = has_windows(cache)
     if plan.settings.output_attentions or getattr(plan.model.config, "output_attentions", False):
@@ -147,7 +147,7 @@ def _learn_cache(plan, cache) -> None:
 
 def _learn_compilation(plan, model_kwargs: dict, generation_config) -> None:
     """Whether upstream compiles the forward itself, and whether the call's forwards are compiled at all."""
-    auto_compile = _compat.valid_auto_compile(plan.model, model_kwargs, generation_config)
+    auto_compile = transformers_api.valid_auto_compile(plan.model, model_kwargs, generation_config)
     plan.run.auto_compile = auto_compile
     plan.run.compiled = auto_compile or compiled_forward(plan.model) is not None
 
@@ -162,7 +162,7 @@ def _prefill_through_compiled_call(plan, generation_config, prefill: int) -> Non
         plan.run.auto_compile
         and plan.right is None
         and generation_config.prefill_chunk_size is None
-        and (_compat.CHUNKED_PREFILL_RESUMES or prefill == plan.padded_length)
+        and (versions.CHUNKED_PREFILL_RESUMES or prefill == plan.padded_length)
     ):
         generation_config.prefill_chunk_size = prefill
     chunk = generation_config.prefill_chunk_size
@@ -277,7 +277,7 @@ def _materialize_recurrent_masks(model_inputs: dict, attention_mask) -> None:
         tokens = model_inputs.get("inputs_embeds")
     if tokens is None or tokens.shape[1] <= 1:  # decode steps never get a recurrent mask
         return
-    for key in _compat.recurrent_mask_keys():
+    for key in transformers_api.recurrent_mask_keys():
         if key in masks and masks[key] is None:
             masks[key] = attention_mask[:, -tokens.shape[1] :].contiguous()
 
@@ -316,12 +316,12 @@ def _install_fallbacks(model) -> dict:
     duration of bucketed calls. Returns what was replaced, for `_remove_fallbacks`.
     """
     replaced = {}
-    impl = _compat.compiled_call_impl(model)
+    impl = torch_api.compiled_call_impl(model)
     if impl is not None and not isinstance(impl, EagerFallback):
         replaced["_compiled_call_impl"] = impl
-        _compat.set_compiled_call_impl(model, EagerFallback(model, impl, _compat.call_impl(model)))
+        torch_api.set_compiled_call_impl(model, EagerFallback(model, impl, torch_api.call_impl(model)))
     forward = model.__dict__.get("forward")
-    eager_forward = _compat.eager_callable(forward)
+    eager_forward = torch_api.eager_callable(forward)
     if eager_forward is not None and not isinstance(forward, EagerFallback):
         replaced["forward"] = forward
         object.__setattr__(model, "forward", EagerFallback(model, forward, eager_forward))
@@ -348,8 +348,8 @@ def _install(model, state) -> None:
             object.__setattr__(model, name, make_hooked(entry, getattr(model, name), model))
         state.replaced = _install_fallbacks(model)
     if PROCESS.calls_in_flight == 0:
-        PROCESS.sdpa_skip_original = _compat.get_sdpa_mask_skip()
-        _compat.set_sdpa_mask_skip(_sdpa_mask_skip(PROCESS.sdpa_skip_original))
+        PROCESS.sdpa_skip_original = transformers_api.get_sdpa_mask_skip()
+        transformers_api.set_sdpa_mask_skip(_sdpa_mask_skip(PROCESS.sdpa_skip_original))
     PROCESS.calls_in_flight += 1
     state.calls_in_flight += 1
 
@@ -364,7 +364,7 @@ def _uninstall(model, state) -> None:
         state.replaced = {}
     PROCESS.calls_in_flight -= 1
     if PROCESS.calls_in_flight == 0:
-        _compat.set_sdpa_mask_skip(PROCESS.sdpa_skip_original)
+        transformers_api.set_sdpa_mask_skip(PROCESS.sdpa_skip_original)
         PROCESS.sdpa_skip_original = None
         restore_user_recompile_limits()  # the graphs compiled stay: the next call raises the limits for what it needs
 

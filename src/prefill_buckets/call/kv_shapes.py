@@ -7,9 +7,9 @@ upstream predicts from the config.
 
 import torch
 
-from .._compat import submodule
 from ..buckets import is_positive_int
 from ..state import state_of
+from ..upstream.torch_api import submodule
 
 
 # Where an attention module keeps its head size, its key projection (or its fused query/key/value projection), and,

@@ -27,9 +27,9 @@ from functools import cached_property
 
 import torch
 
-from .. import _compat
 from ..config import PREFILL_PADDING_SIDE
 from ..state import state_of
+from ..upstream import transformers_api
 from .settings import CallSettings, forward_takes
 from .side_assumptions import side_assumption_broken, window_from_the_cache_end
 
@@ -94,11 +94,11 @@ class RuleFacts:
 
     @cached_property
     def attention(self) -> str | None:
-        return _compat.attention_implementation(self.model.config)
+        return transformers_api.attention_implementation(self.model.config)
 
     @cached_property
     def cache_slots(self) -> int:
-        return _compat.static_cache_slots(self.cache)
+        return transformers_api.static_cache_slots(self.cache)
 
     @cached_property
     def right_broken(self) -> str | None:
@@ -120,7 +120,7 @@ class RuleFacts:
         if window is None or not self.settings.use_cache:
             return None
         if self.cache is not None:
-            if not _compat.is_static_cache(self.cache):
+            if not transformers_api.is_static_cache(self.cache):
                 return None
             slots, whose = self.cache_slots, "the cache passed in has"
         elif _is_dynamic(self.settings.cache_implementation):
@@ -131,7 +131,7 @@ class RuleFacts:
             # Sized by the package: the model's cache when the call fits it, else at most the model's positions (or
             # what the call needs, when that is more).
             needed = self.bucket + self.settings.new_tokens(self.prompt_length)
-            previous = _compat.previous_max_cache_length(self.model)
+            previous = transformers_api.previous_max_cache_length(self.model)
             slots = previous if previous >= needed else max(needed, self.settings.max_positions or needed + window)
             whose = "a bucketed call's static cache can have"
         if slots <= window:
@@ -151,7 +151,9 @@ class RuleFacts:
 
 
 def _is_dynamic(implementation) -> bool:
-    return implementation not in _compat.ALL_STATIC_CACHE_IMPLEMENTATIONS or "offloaded" in str(implementation)
+    return implementation not in transformers_api.ALL_STATIC_CACHE_IMPLEMENTATIONS or "offloaded" in str(
+        implementation
+    )
 
 
 @dataclass(frozen=True)
@@ -253,7 +255,7 @@ RULE = (
         "a cache passed in that is not a `StaticCache`",
         "left",
         "not compiled: there is no graph to share",
-        lambda call: call.cache is not None and not _compat.is_static_cache(call.cache),
+        lambda call: call.cache is not None and not transformers_api.is_static_cache(call.cache),
         "the cache passed in is a `{call.cache.__class__.__name__}`, not a `StaticCache`",
     ),
     Case(
@@ -386,11 +388,12 @@ def _ragged_reason(
 def _has_sliding_layers(model, cache, slots: int) -> bool:
     """Whether the cache (passed in, or the one `generate` will make) has sliding-window layers."""
     if cache is not None:
-        return any(_compat.sliding_window_slots(layer) is not None for layer in cache.layers)
+        return any(transformers_api.sliding_window_slots(layer) is not None for layer in cache.layers)
     known = state_of(model).ragged_sliding_layers
     if slots not in known:  # `_layers_reason` built the lazy cache already when it could: this one can't fail
         known[slots] = any(
-            _compat.sliding_window_slots(layer) is not None for layer in _compat.lazy_static_cache(model, slots).layers
+            transformers_api.sliding_window_slots(layer) is not None
+            for layer in transformers_api.lazy_static_cache(model, slots).layers
         )
     return known[slots]
 
@@ -404,7 +407,7 @@ def _layers_reason(model, cache, slots: int) -> str | None:
     known = state_of(model).right_padding_layers
     if slots not in known:
         try:
-            known[slots] = _reason_for(_compat.lazy_static_cache(model, slots).layers, slots)
+            known[slots] = _reason_for(transformers_api.lazy_static_cache(model, slots).layers, slots)
         except Exception as error:  # a model whose config a static cache can't be built from
             known[slots] = f"a static cache for this model can't be checked ({type(error).__name__})"
     return known[slots]
@@ -413,9 +416,9 @@ def _layers_reason(model, cache, slots: int) -> str | None:
 def _reason_for(layers, slots: int) -> str | None:
     for layer in layers:
         kind = type(layer).__name__
-        if kind not in _compat.RIGHT_PADDED_LAYERS or getattr(layer, "is_linear", False):
+        if kind not in transformers_api.RIGHT_PADDED_LAYERS or getattr(layer, "is_linear", False):
             return f"the cache has `{kind}` layers (recurrent, convolutional or chunked), which can't forget the pads"
-        window = _compat.sliding_window_slots(layer)
+        window = transformers_api.sliding_window_slots(layer)
         if window is not None and window < slots:
             return f"a sliding window of {window} slots is shorter than the {slots} the padded prompt fills"
     return None

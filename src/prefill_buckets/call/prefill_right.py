@@ -19,9 +19,10 @@ import contextlib
 import torch
 from transformers.utils import logging
 
-from .. import _compat
-from ..aot_compiled import is_aot_forward
-from .cache import cache_argument, cache_seq_length, early_initialize
+from ..compile.compiled_calls import is_aot_forward
+from ..upstream import transformers_api
+from ..upstream.transformers_api import cache_argument, cache_seq_length
+from .cache import early_initialize
 from .hook_registry import hook
 from .padding import fill_embedding
 from .plan import Plan
@@ -39,7 +40,7 @@ def prefill_right(plan: Plan, step):
     model = plan.model
     input_ids, generation_config, model_kwargs = step["input_ids"], step["generation_config"], step["model_kwargs"]
     cache_key, cache = cache_argument(model_kwargs)
-    if cache_key is None or not _compat.is_static_cache(cache):
+    if cache_key is None or not transformers_api.is_static_cache(cache):
         # Upstream made no static cache for this model (it keeps its own, or none): nothing to rewind after the pads.
         logger.warning_once(
             f"The prompt is not padded: `generate` made no static cache for `{type(model).__name__}` to pad on the "
@@ -73,14 +74,14 @@ def prefill_right(plan: Plan, step):
     positions = past + torch.arange(right.bucket, device=device).expand(rows, -1)  # [rows, bucket]
     auto_compile = plan.run.auto_compile
     if auto_compile is None:
-        auto_compile = _compat.valid_auto_compile(model, model_kwargs, generation_config)
+        auto_compile = transformers_api.valid_auto_compile(model, model_kwargs, generation_config)
     if auto_compile:
         forward = model.get_compiled_call(generation_config.compile_config)  # as upstream decodes
     else:
         forward = model.__call__  # compiled in place, through the compiled wrapper, or eager
     if plan.run.windowed_cache is not None:
         set_window(plan.run.windowed_cache, past + right.bucket)
-    empty = _compat.reports_empty(cache) if past == 0 else contextlib.nullcontext()
+    empty = transformers_api.reports_empty(cache) if past == 0 else contextlib.nullcontext()
     with empty:
         outputs = forward(
             **prompt,
@@ -104,7 +105,7 @@ def prefill_right(plan: Plan, step):
             "sequence again, as upstream's does (a new shape every step)."
         )
         return outputs
-    _compat.set_static_cache_length(cache, past + new_tokens)
+    transformers_api.set_static_cache_length(cache, past + new_tokens)
     if past == 0 and model_kwargs.get("attention_mask") is not None:
         # The cache's layout: row i's tokens in slots 0..L_i-1, the decode steps from slot S on. [rows, S]
         mask = model_kwargs["attention_mask"]

@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from .. import _compat
 from ..buckets import BucketPolicy
 from ..config import FIELDS
+from ..upstream import transformers_api
 from .cache import PassedCache
 from .settings import CallSettings, call_sets_fields, prompt_rows, resolve_settings
 
@@ -100,7 +100,9 @@ def resolve_call(model, wrapper, arguments: dict, model_kwargs: dict, field_kwar
 
 
 # `generate`'s parameters after `self`, in order, and those that may come by position.
-_PARAMETERS = tuple(p for p in _compat.UPSTREAM_GENERATE_SIGNATURE.parameters.values() if p.kind != p.VAR_KEYWORD)[1:]
+_PARAMETERS = tuple(
+    p for p in transformers_api.UPSTREAM_GENERATE_SIGNATURE.parameters.values() if p.kind != p.VAR_KEYWORD
+)[1:]
 _NAMED = tuple(p.name for p in _PARAMETERS)
 _POSITIONAL = tuple(p.name for p in _PARAMETERS if p.kind == p.POSITIONAL_OR_KEYWORD)
 
@@ -111,7 +113,7 @@ def _bind(model, args: tuple, kwargs: dict) -> tuple[dict, dict]:
     their order; the rest of the keyword arguments)`. What only `inspect` can bind, or must reject, goes through it.
     """
     if len(args) > len(_POSITIONAL) or "self" in kwargs or any(name in kwargs for name in _POSITIONAL[: len(args)]):
-        arguments = dict(_compat.UPSTREAM_GENERATE_SIGNATURE.bind(model, *args, **kwargs).arguments)
+        arguments = dict(transformers_api.UPSTREAM_GENERATE_SIGNATURE.bind(model, *args, **kwargs).arguments)
         arguments.pop("self")
         return arguments, arguments.pop("kwargs", {})
     passed = dict(zip(_POSITIONAL, args))

@@ -31,10 +31,10 @@ the window (`padding_side.py`), where the offset is 0 whatever the count.
 
 import torch
 
-from .. import _compat
+from ..upstream import transformers_api
 
 
-class SlidingWindowRing(_compat.StaticSlidingWindowLayer):
+class SlidingWindowRing(transformers_api.StaticSlidingWindowLayer):
     """
     A `StaticSlidingWindowLayer` whose `update` reads no Python count (see the module docstring). A bucketed call gives
     a `StaticCache`'s sliding-window and chunked-attention layers this class for its duration (`windows.open_windows`);
@@ -98,4 +98,4 @@ class SlidingWindowRing(_compat.StaticSlidingWindowLayer):
         """Makes a ring upstream's `StaticSlidingWindowLayer` again, with the count upstream reads."""
         layer.__dict__.pop("overflow", None)
         layer.cumulative_length_int = int(layer.cumulative_length)
-        layer.__class__ = _compat.StaticSlidingWindowLayer
+        layer.__class__ = transformers_api.StaticSlidingWindowLayer

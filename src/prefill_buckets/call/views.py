@@ -16,7 +16,7 @@ from transformers.generation.logits_process import LogitsProcessor, LogitsProces
 from transformers.generation.stopping_criteria import MaxLengthCriteria, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
-from .. import _compat
+from ..upstream import transformers_api
 from .hook_registry import hook
 from .padding import strip_left
 from .settings import parameters_of
@@ -160,6 +160,6 @@ def _get_candidate_generator(plan, step):
     generator = step.call()
     # Its candidates come from the ids' content: with the padding in front, a match could start in it. An assistant
     # model's candidates come from a forward with the attention mask, which hides the padding.
-    if plan.added_id_columns and _compat.is_prompt_lookup(generator):
+    if plan.added_id_columns and transformers_api.is_prompt_lookup(generator):
         return UnpaddedPromptLookup(generator, plan.added_id_columns)
     return generator

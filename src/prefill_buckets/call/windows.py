@@ -16,7 +16,7 @@ cost of a step becomes the tokens held, rounded up to a window, not the slots al
   (`ring.py`): upstream's storage of the window and its layout, written at tensor offsets, so their graphs depend on
   the forward's length, the window and the batch size only, never on the tokens seen. Only with sdpa or eager
   attention, whose masks read the slots' positions (flash attention reads its keys from the right); elsewhere, and
-  where `_compat.sliding_layer_problem` finds upstream's layer changed, they stay upstream's, and a compiled forward
+  where `checks.sliding_layer_problem` finds upstream's layer changed, they stay upstream's, and a compiled forward
   retraces at every decode step past the window, as upstream's does. Recurrent, hybrid and cross-attention layers are
   untouched.
 - `output_attentions=True` leaves the windows on: `attention_keys.py` puts each layer's weights back at the slots
@@ -32,8 +32,8 @@ it holds past 1,024, and a 131,072-slot cache has 32 of them.
 
 from transformers.utils import logging
 
-from .. import _compat
 from ..buckets import round_up
+from ..upstream import checks, transformers_api
 from .ring import SlidingWindowRing
 
 
@@ -79,7 +79,7 @@ def decode_warmups(bucket: int, shortest: int, new_tokens: int, slots: int) -> l
     return calls
 
 
-class WindowedStaticLayer(_compat.StaticLayer):
+class WindowedStaticLayer(transformers_api.StaticLayer):
     """
     A `StaticLayer` whose reads and mask cover its first `window` slots (every slot while `window` is `None`). A
     bucketed call gives a `StaticCache`'s full-attention layers this class for its duration (`open_windows`).
@@ -99,9 +99,9 @@ class WindowedStaticLayer(_compat.StaticLayer):
 
 
 def _windowable(cache) -> list:
-    if not _compat.is_static_cache(cache):  # an encoder-decoder's cross-attention must read its whole input
+    if not transformers_api.is_static_cache(cache):  # an encoder-decoder's cross-attention must read its whole input
         return []
-    return [layer for layer in cache.layers if type(layer) in (_compat.StaticLayer, WindowedStaticLayer)]
+    return [layer for layer in cache.layers if type(layer) in (transformers_api.StaticLayer, WindowedStaticLayer)]
 
 
 # The attention implementations whose masks place each slot at `kv_offset + its index`, as rings need.
@@ -110,17 +110,17 @@ RING_ATTENTION = ("sdpa", "eager")
 
 def _ring_layers(cache, attention: str | None) -> list:
     """The sliding-window and chunked-attention layers of a static `cache` that become rings for a call."""
-    if not _compat.is_static_cache(cache):
+    if not transformers_api.is_static_cache(cache):
         return []
-    layers = [layer for layer in cache.layers if type(layer) is _compat.StaticSlidingWindowLayer]
-    if any(_compat.sliding_window_slots(layer) is not None and layer not in layers for layer in cache.layers):
+    layers = [layer for layer in cache.layers if type(layer) is transformers_api.StaticSlidingWindowLayer]
+    if any(transformers_api.sliding_window_slots(layer) is not None and layer not in layers for layer in cache.layers):
         logger.warning_once(
             "Hybrid layers (linear attention with a sliding window) stay upstream's: a compiled forward traces a new "
             "graph at every decode step past their window (upstream's own behaviour); outputs are exact."
         )
     if not layers:
         return []
-    problem = _compat.sliding_layer_problem()
+    problem = checks.sliding_layer_problem()
     if problem is None and attention not in RING_ATTENTION:
         problem = f"`{attention}` attention reads a sliding window's keys from the right (rings: sdpa and eager)"
     if problem is not None:
@@ -175,6 +175,6 @@ def close_windows(cache) -> None:
     for layer in cache.layers:
         if type(layer) is WindowedStaticLayer:
             layer.__dict__.pop("window", None)
-            layer.__class__ = _compat.StaticLayer
+            layer.__class__ = transformers_api.StaticLayer
         elif type(layer) is SlidingWindowRing:
             SlidingWindowRing.close(layer)

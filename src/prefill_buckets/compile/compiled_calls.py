@@ -1,4 +1,14 @@
-"""Compiled-forward bookkeeping: counting graphs and the compiled calls that run them."""
+"""Compiled-forward bookkeeping: counting graphs and the compiled calls that run them.
+
+- `GraphCounter`: a `torch.compile` backend that counts the graphs it compiles and the calls that run them;
+- `compiled_forward`: how the user compiled a model's forward; `is_aot_forward`: whether it is an `aot_forward`'s;
+- `compiled_wrapper_forward`: a `torch.compile(model)` wrapper's compiler around the wrapped module's call;
+- `EagerFallback`: a compiled forward that runs eagerly for the input shapes its backend fails on.
+
+The call path (`call/`) runs the user's compiled forward through this module, so, unlike the rest of `compile/`, it sits
+below `call/` and imports nothing of it. `aot_forward.AOTForward` derives from `AheadOfTimeForward`, defined here, so
+that the call path tells one apart without importing the tooling above it.
+"""
 
 import contextlib
 from collections.abc import Callable
@@ -6,9 +16,9 @@ from collections.abc import Callable
 import torch
 from transformers.utils import logging
 
-from . import _compat
-from .call.cache import cache_argument
-from .state import LOCK, state_of
+from ..state import LOCK, state_of
+from ..upstream import torch_api
+from ..upstream.transformers_api import cache_argument
 
 
 logger = logging.get_logger(__name__)
@@ -44,10 +54,10 @@ class GraphCounter:
             compiled = gm.forward
         elif self.backend == "inductor" and kwargs:
             # `torch.compile(mode=..., options=...)` hands these to a custom backend; inductor takes them this way.
-            inductor = _compat.inductor_backend(kwargs.get("mode"), kwargs.get("options"))
+            inductor = torch_api.inductor_backend(kwargs.get("mode"), kwargs.get("options"))
             compiled = inductor(gm, example_inputs)
         else:
-            compiled = _compat.lookup_backend(self.backend)(gm, example_inputs, **kwargs)
+            compiled = torch_api.lookup_backend(self.backend)(gm, example_inputs, **kwargs)
 
         def run(*args):
             self.calls += 1
@@ -66,15 +76,28 @@ class GraphCounter:
         self.shapes.clear()
 
 
+class AheadOfTimeForward:
+    """What `aot_forward` returns derives from this (`aot_forward.AOTForward`): a forward compiled already."""
+
+
+def is_aot_forward(model) -> bool:
+    """Whether `model`'s forward is an [`aot_forward`]: graphs compiled already, that no outer compile should wrap."""
+    forward = model.__dict__.get("forward")
+    # During a bucketed call it is wrapped (`EagerFallback`), as every compiled forward is.
+    return isinstance(forward, AheadOfTimeForward) or isinstance(
+        getattr(forward, "__wrapped__", None), AheadOfTimeForward
+    )
+
+
 def compiled_forward(model) -> str | None:
     """
     How `model`'s forward is compiled by the user: `"model.compile()"`, `"torch.compile(model.forward)"`, or `None`.
     With `None`, `generate` may still compile on its own: upstream compiles decode with a static cache on CUDA/XPU or
     with `compile_config`, and with bucket fields set prefill goes through that compiled call too.
     """
-    if _compat.compiled_call_impl(model) is not None:
+    if torch_api.compiled_call_impl(model) is not None:
         return "model.compile()"
-    if _compat.eager_callable(model.__dict__.get("forward")) is not None:
+    if torch_api.eager_callable(model.__dict__.get("forward")) is not None:
         return "torch.compile(model.forward)"
     return None
 
@@ -90,17 +113,17 @@ def compiled_wrapper_forward(wrapper):
     wrapper, so its graphs are reused by later calls. Calls may overlap (threads sharing one wrapper): the module's
     compiled call is set by the first to enter and removed by the last to leave.
     """
-    module = _compat.unwrap(wrapper)
+    module = torch_api.unwrap(wrapper)
     state = state_of(wrapper)
     with LOCK:
-        if state.wrapper_users == 0 and _compat.compiled_call_impl(module) is not None:
+        if state.wrapper_users == 0 and torch_api.compiled_call_impl(module) is not None:
             own = False  # the module is compiled in place (`model.compile()`): its own compiled call runs
         else:
             own = True
             if state.wrapper_compiled_call is None:
-                state.wrapper_compiled_call = _compat.compile_with_wrapper(wrapper, _compat.call_impl(module))
+                state.wrapper_compiled_call = torch_api.compile_with_wrapper(wrapper, torch_api.call_impl(module))
             if state.wrapper_users == 0:
-                _compat.set_compiled_call_impl(module, state.wrapper_compiled_call)
+                torch_api.set_compiled_call_impl(module, state.wrapper_compiled_call)
             state.wrapper_users += 1
     try:
         yield
@@ -109,7 +132,7 @@ def compiled_wrapper_forward(wrapper):
             with LOCK:
                 state.wrapper_users -= 1
                 if state.wrapper_users == 0:
-                    _compat.set_compiled_call_impl(module, None)
+                    torch_api.set_compiled_call_impl(module, None)
 
 
 class EagerFallback:
@@ -131,7 +154,7 @@ class EagerFallback:
         self.compiled = compiled
         self.eager = eager
         self.__wrapped__ = compiled
-        orig = _compat.eager_callable(compiled)
+        orig = torch_api.eager_callable(compiled)
         if orig is not None:  # still reads as a compiled forward (`compiled_forward`)
             self._torchdynamo_orig_callable = orig
         self.state = _fallback_shapes(model, compiled)
@@ -147,7 +170,7 @@ class EagerFallback:
             before = _cache_counters(cache)
         try:
             output = self.compiled(*args, **kwargs)
-        except _compat.BackendCompilerFailed as error:
+        except torch_api.BackendCompilerFailed as error:
             if before is None or not _same_counters(before, _cache_counters(cache)):
                 error.add_note(
                     "prefill_buckets could not fall back to eager for this forward: it can't show that the failed "

@@ -1,16 +1,16 @@
 """`self_test`: bucketed `generate` against upstream's unpadded `generate` on the installed transformers, in a second.
 
-`support.check_upstream` runs it once per process on a transformers or torch version outside the tested range, so that a
-release which changed what a hooked step means fails loudly at the first bucketed call instead of running wrong. The
-verdict is kept: after a failure every bucketed call of the process raises it. Run it yourself with
-`prefill_buckets.selftest.self_test(prefill_buckets.generate)`.
+The version gate (`gate.check_upstream`) runs it once per process on a transformers or torch version outside the
+tested range, so that a release which changed what a hooked step means fails loudly at the first bucketed call instead
+of running wrong. The verdict is kept: after a failure every bucketed call of the process raises it. Run it yourself
+with `prefill_buckets.upstream.selftest.self_test(prefill_buckets.generate)`.
 """
 
 import torch
 import transformers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-from . import _compat
+from . import transformers_api, versions
 
 
 # Prompts of one row and of two rows (the second left-padded by its user), through the padding of a bucket.
@@ -30,7 +30,7 @@ def self_test(generate) -> None:
     Args:
         generate (`Callable`):
             The bucketed `generate` to test: [`generate`] (`prefill_buckets.generate`). Passed in, because the
-            version gate that runs the self-test (`support.check_upstream`) is called from it.
+            version gate that runs the self-test (`gate.check_upstream`) is called from it.
     """
     config = LlamaConfig(
         vocab_size=64,
@@ -65,7 +65,7 @@ def self_test(generate) -> None:
                     eos_token_id=config.eos_token_id,
                 )
                 kwargs = {"attention_mask": attention_mask, "generation_config": generation_config}
-                expected = _compat.UPSTREAM_GENERATE(model, input_ids, **kwargs)
+                expected = transformers_api.UPSTREAM_GENERATE(model, input_ids, **kwargs)
                 got = generate(model, input_ids, prefill_buckets=_BUCKETS, **kwargs)
                 if got.shape != expected.shape or not torch.equal(got, expected):
                     raise RuntimeError(
@@ -74,6 +74,6 @@ def self_test(generate) -> None:
                         f"`generate` (prompt lengths {list(lengths)}, cache {cache_implementation or 'dynamic'}) "
                         f"returned {got.tolist()} where upstream returned {expected.tolist()}. This version changed "
                         f"a step the package hooks. Install tested versions (transformers "
-                        f"{' to '.join(_compat.TESTED_TRANSFORMERS)}, torch {' to '.join(_compat.TESTED_TORCH)}), or "
-                        "unset the prefill bucket fields."
+                        f"{' to '.join(versions.TESTED_TRANSFORMERS)}, torch "
+                        f"{' to '.join(versions.TESTED_TORCH)}), or unset the prefill bucket fields."
                     )

@@ -11,10 +11,11 @@ import types
 import torch
 from transformers.utils import logging
 
-from . import _compat
+from ..forgotten_enable import generation_configs, warn_if_enable_forgotten
+from ..state import PROCESS
+from ..upstream import checks, torch_api, transformers_api
 from .aot_key import dispatch_key, is_on_code, module_functions, uncovered
-from .forgotten_enable import generation_configs, warn_if_enable_forgotten
-from .state import PROCESS
+from .compiled_calls import AheadOfTimeForward
 
 
 logger = logging.get_logger(__name__)
@@ -65,16 +66,16 @@ def aot_forward(model, backend: str = "inductor", options: dict | None = None) -
     return AOTForward(model, backend, options)
 
 
-class AOTForward:
+class AOTForward(AheadOfTimeForward):
     """A model's forward as a set of ahead-of-time compiled graphs, dispatched by their guards. See [`aot_forward`]."""
 
     def __init__(self, model, backend: str = "inductor", options: dict | None = None):
-        problem = _compat.aot_compile_problem()
+        problem = checks.aot_compile_problem()
         if problem is not None:
             raise RuntimeError(problem)
-        if _compat.is_compiled_wrapper(model):
+        if torch_api.is_compiled_wrapper(model):
             raise ValueError("`aot_forward` takes the model itself, not the `torch.compile(model)` wrapper.")
-        if _compat.compiled_call_impl(model) is not None:
+        if torch_api.compiled_call_impl(model) is not None:
             raise ValueError(
                 "`aot_forward` compiles the model's forward itself, but the model is compiled with `model.compile()`, "
                 "whose compiled call would trace it. Call `aot_forward` on a model that is not compiled."
@@ -143,11 +144,12 @@ class AOTForward:
         state_guards = []
         keep = functools.partial(self._keep_guard, state_guards=state_guards)
         options = {**self.options, "guard_filter_fn": keep}  # a new dict: `torch.compile` pops from it
-        compiled = _compat.compile_for_aot(
+        compiled = torch_api.compile_for_aot(
             self.eager, backend=self.backend, fullgraph=True, dynamic=False, options=options
         )
-        _compat.line_up_output_capture_registry(self.model)  # the graph reads it by position: the same in a replica
-        return _compat.aot_compile(compiled, args, kwargs), state_guards
+        # The graph reads the registry by position: lined up, it is the same in a replica.
+        transformers_api.line_up_output_capture_registry(self.model)
+        return torch_api.aot_compile(compiled, args, kwargs), state_guards
 
     def _keep_guard(self, entries, state_guards: list[str]) -> list[bool]:
         """
@@ -155,7 +157,7 @@ class AOTForward:
         functions can't be pickled by name), or of the kinds torch can't serialize (object identity and the like).
         The dropped ones on the state of the inputs, not on the code, go to `state_guards` (see `aot_key.py`).
         """
-        unsupported = _compat.unserializable_guard_types()
+        unsupported = torch_api.unserializable_guard_types()
         freevars = set(type(self.model).forward.__code__.co_freevars)
         keep = []
         for entry in entries:
@@ -188,7 +190,7 @@ class AOTForward:
         reading state that only exists inside a forward call, and each graph costs only the shape that needs it.
         """
         model_class = type(self.model)
-        _compat.line_up_output_capture_registry(self.model)  # as the process that compiled them did
+        transformers_api.line_up_output_capture_registry(self.model)  # as the process that compiled them did
         for meta, data in entries:
             try:
                 aliases = {alias: importlib.import_module(name) for alias, name in meta["modules"].items()}
@@ -203,7 +205,7 @@ class AOTForward:
                     f"({type(error).__name__}: {error}); its input shape compiles again."
                 )
                 continue
-            _compat.skip_guard_check(function)
+            torch_api.skip_guard_check(function)
             self.graphs_loaded += 1
             self.functions.setdefault(meta["key"], []).append((function, {"loaded": (meta, data)}))
 
@@ -222,7 +224,7 @@ class AOTForward:
                     saved.append(_as_read(*meta["loaded"]))
                     continue
                 try:
-                    data = _compat.serialize_compiled(function, external)
+                    data = torch_api.serialize_compiled(function, external)
                 except Exception as error:  # an object in the graph's state that can't be pickled
                     logger.warning(
                         f"A compiled forward can't be saved ({type(error).__name__}: {error}); a process that loads "
@@ -231,18 +233,11 @@ class AOTForward:
                     continue
                 # Dynamo's bytecode can load a module it installed in the forward's globals under a generated name,
                 # which torch doesn't save (it asks for `f_globals` at load): save the module names.
-                refs = _compat.external_refs(function)
+                refs = torch_api.external_refs(function)
                 modules = {ref: globals_[ref].__name__ for ref in refs if inspect.ismodule(globals_.get(ref))}
                 forward = f"{model_class.__module__}:{model_class.__qualname__}"
                 saved.append(({**meta, "fingerprint": self.fingerprint, "forward": forward, "modules": modules}, data))
         return saved
-
-
-def is_aot_forward(model) -> bool:
-    """Whether `model`'s forward is an [`aot_forward`]: graphs compiled already, that no outer compile should wrap."""
-    forward = model.__dict__.get("forward")
-    # During a bucketed call it is wrapped (`EagerFallback`), as every compiled forward is.
-    return isinstance(forward, AOTForward) or isinstance(getattr(forward, "__wrapped__", None), AOTForward)
 
 
 def _warn_if_other_thread_count(entries: list[tuple[dict, bytes]]) -> None:

@@ -16,9 +16,10 @@ import torch
 import transformers
 from transformers.utils import logging
 
-from . import _compat, aot_compiled
-from .buckets import check_positive_int
-from .forgotten_enable import generation_configs, warn_if_enable_forgotten
+from ..buckets import check_positive_int
+from ..forgotten_enable import generation_configs, warn_if_enable_forgotten
+from ..upstream import torch_api
+from . import aot_forward
 
 
 logger = logging.get_logger(__name__)
@@ -87,14 +88,14 @@ def save_compile_cache(path: str | os.PathLike) -> CompileCacheFile | None:
         [`CompileCacheFile`] or `None`: the file written, with its size and SHA-256; `None` (and no file) when nothing
         was compiled with inductor in this process. (Before, it returned the size, 0 when nothing was saved.)
     """
-    warn_if_enable_forgotten("save_compile_cache", generation_configs(*aot_compiled.live_models()))
+    warn_if_enable_forgotten("save_compile_cache", generation_configs(*aot_forward.live_models()))
     saved = torch.compiler.save_cache_artifacts()
-    forwards = aot_compiled.compiled_functions()
+    forwards = aot_forward.compiled_functions()
     if saved is None and not forwards:
         logger.warning("Nothing compiled in this process can be saved (no inductor artifacts).")
         return None
     artifacts = saved[0] if saved is not None else b""  # none with a backend other than inductor
-    root = _compat.inductor_cache_dir()
+    root = torch_api.inductor_cache_dir()
     kernels = _kernels(root)
     manifest = _environment() | {"format": _ARCHIVE_FORMAT, "aot_forwards": []}
     for index, (meta, _) in enumerate(forwards):
@@ -181,8 +182,8 @@ def load_compile_cache(path: str | os.PathLike, sha256: str | None = None, max_b
             "compiles from scratch."
         )
         return False
-    restored = _restore_kernels(kernels, _compat.inductor_cache_dir())
-    aot_compiled.stage(forwards, os.fspath(path))
+    restored = _restore_kernels(kernels, torch_api.inductor_cache_dir())
+    aot_forward.stage(forwards, os.fspath(path))
     logger.info(
         f"load_compile_cache: torch's artifacts loaded, C++ kernels copied: {restored} of {len(kernels)}, compiled "
         f"forwards: {len(forwards)} (loaded by `aot_forward`)"
@@ -346,7 +347,7 @@ def _isa_probes(root: str) -> list[str]:
     sets (AVX2, AVX-512, ...) the compiler and CPU support, one small C++ program per set (the `*_code` sources of
     `torch._inductor.cpu_vec_isa`). A subprocess loads them, so `_kernels` doesn't see them as loaded.
     """
-    cpu_vec_isa = _compat.inductor_cpu_vec_isa()
+    cpu_vec_isa = torch_api.inductor_cpu_vec_isa()
     if cpu_vec_isa is None:
         return []
     sources = {

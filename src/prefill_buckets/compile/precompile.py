@@ -10,17 +10,17 @@ from transformers import GenerationConfig
 from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS
 from transformers.utils import logging
 
-from . import _compat
-from ._compat import graphs_compiled
-from .buckets import BucketPolicy, check_positive_int, is_positive_int
-from .call.budget import budget_of, make_room
-from .call.cache import pinned_cache_length
-from .call.decision import capped_bucket
-from .call.generation import generate
-from .call.settings import resolve_fields, resolve_settings
-from .call.windows import decode_warmups
-from .config import PREFILL_BUCKETS, PREFILL_PAD_TO_MULTIPLE_OF
-from .forgotten_enable import generation_configs, warn_if_enable_forgotten
+from ..buckets import BucketPolicy, check_positive_int, is_positive_int
+from ..call.budget import budget_of, make_room
+from ..call.cache import pinned_cache_length
+from ..call.decision import capped_bucket
+from ..call.generation import generate
+from ..call.settings import resolve_fields, resolve_settings
+from ..call.windows import decode_warmups
+from ..config import PREFILL_BUCKETS, PREFILL_PAD_TO_MULTIPLE_OF
+from ..forgotten_enable import generation_configs, warn_if_enable_forgotten
+from ..upstream import torch_api, transformers_api
+from ..upstream.torch_api import graphs_compiled
 
 
 logger = logging.get_logger(__name__)
@@ -154,7 +154,7 @@ def precompile(
             f"`generate_kwargs` must not hold {taken}: every warm-up call sets its own prompt, mask and config."
         )
     wrapper = model
-    module = _compat.unwrap(model)
+    module = torch_api.unwrap(model)
     generation_config = copy.deepcopy(generation_config if generation_config is not None else module.generation_config)
     warn_if_enable_forgotten("precompile", [generation_config, *generation_configs(module)])
     fields = resolve_fields(module, generation_config, {})
@@ -257,7 +257,7 @@ def precompile(
                 generation_config=generation_config,
                 **generate_kwargs,
             )
-        cache_length = _compat.previous_max_cache_length(module)
+        cache_length = transformers_api.previous_max_cache_length(module)
         compiled.append(
             CompiledShape(
                 batch_size=batch_size,

@@ -9,7 +9,7 @@ two kinds:
   cache file's environment (torch, transformers and Python versions) stand for them.
 - on the state of a call's inputs: an object set on an instance, which torch checks by identity. Such a state changes
   the traced graph, and no saved guard tells it apart. The package sets one: the right-padded prefill of a fresh cache
-  sets `get_query_offset` on the cache instance (`_compat.reports_empty`), and the graph traced with it takes the query
+  sets `get_query_offset` on the cache instance (`transformers_api.reports_empty`), and the graph traced with it takes the query
   offset to be 0, where a continued conversation's graph reads it from the cache.
 
 `DispatchKey` holds that state: the functions set on each object argument's instance (the cache), by qualified name,
@@ -46,7 +46,7 @@ import types
 
 import torch
 
-from .call.windows import has_windows, windows_read
+from ..call.windows import has_windows, windows_read
 
 
 # Where a name of a guard is on the code, not on the state of an input (torch's guard names are Python expressions):
@@ -82,7 +82,7 @@ class DispatchKey:
     # Per argument, by position then name: `(name, shape, dtype)` of a tensor, `(name, type)` of another value.
     inputs: tuple
     # Per object argument (the cache): `(name, attribute, qualified name)` of each function set on its instance. A
-    # fresh cache of a right-padded prefill has one (`_compat.reports_empty`), a continued one none.
+    # fresh cache of a right-padded prefill has one (`transformers_api.reports_empty`), a continued one none.
     instance_functions: tuple
     # Per cache argument whose layers read attention windows (`call/windows.py`): `(name, window of each layer)`. Two
     # decode steps of one shape in different windows are two graphs; their saved guards tell them apart too, but the

@@ -1,0 +1,213 @@
+"""Every private torch name the package reads, behind an accessor each: dynamo's configuration and caches, the objects
+`torch.compile` makes, inductor, and the ahead-of-time compile `aot_forward` uses (experimental in torch 2.11 to 2.14).
+
+Every name here is listed in `checks.PRIVATE_TORCH_NAMES` (or probed by `checks.torch_problems`, or for `aot_forward`
+listed in `checks.AOT_TORCH_NAMES`): a torch release that renamed one fails the version gate with its name, instead of
+an AttributeError in the middle of a call (`tests/generation/test_compat.py` checks that the lists hold every name
+read here).
+"""
+
+import contextlib
+import importlib
+
+import torch
+
+
+def resolve_torch_name(path: str):
+    """The object a dotted path from `torch` names, importing its modules; `AttributeError` when it does not exist."""
+    parts = path.split(".")
+    target = importlib.import_module(parts[0])
+    for index, part in enumerate(parts[1:], start=1):
+        if hasattr(target, part):
+            target = getattr(target, part)
+            continue
+        try:  # a submodule not imported yet
+            target = importlib.import_module(".".join(parts[: index + 1]))
+        except ImportError:
+            raise AttributeError(f"`{path}` does not exist") from None
+    return target
+
+
+class _Missing(Exception):
+    """A torch class this version lacks (`checks.torch_problems` names it): nothing is one, nothing raises it."""
+
+
+def _torch_class(path: str) -> type:
+    try:
+        return resolve_torch_name(path)
+    except AttributeError:
+        return _Missing
+
+
+OptimizedModule = _torch_class("torch._dynamo.eval_frame.OptimizedModule")  # what `torch.compile(model)` returns
+# A compiler backend raised while compiling a graph.
+BackendCompilerFailed = _torch_class("torch._dynamo.exc.BackendCompilerFailed")
+
+
+def recompile_limit() -> int:
+    """`torch._dynamo.config.recompile_limit`: the graphs dynamo compiles per code object before it runs it eagerly."""
+    return torch._dynamo.config.recompile_limit
+
+
+def set_recompile_limit(limit: int) -> None:
+    torch._dynamo.config.recompile_limit = limit
+
+
+def accumulated_recompile_limit() -> int | None:
+    """The cap on any one code object's graphs, whatever the recompile limit (`None` where torch has none)."""
+    return getattr(torch._dynamo.config, "accumulated_recompile_limit", None)
+
+
+def set_accumulated_recompile_limit(limit: int) -> None:
+    torch._dynamo.config.accumulated_recompile_limit = limit
+
+
+def reset_compiled() -> None:
+    """`torch._dynamo.reset()`: forgets every compiled graph of the process (the next call compiles again)."""
+    torch._dynamo.reset()
+
+
+def lookup_backend(name: str):
+    """The compiler backend `torch.compile(backend=name)` would use."""
+    return torch._dynamo.lookup_backend(name)
+
+
+def inductor_backend(mode: str | None, options: dict | None):
+    """Inductor as `torch.compile(mode=mode, options=options)` configures it: a backend taking `(gm, example_inputs)`."""
+    return torch._TorchCompileInductorWrapper(mode, options, False)
+
+
+def inductor_cache_dir() -> str:
+    """The folder inductor writes its compiled kernels to."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return cache_dir()
+
+
+def inductor_cpu_vec_isa():
+    """Inductor's module of CPU vector instruction sets (`torch._inductor.cpu_vec_isa`), or `None` where absent."""
+    try:
+        from torch._inductor import cpu_vec_isa
+    except ImportError:
+        return None
+    return cpu_vec_isa
+
+
+def call_impl(module):
+    """What `module(...)` runs when the module is not compiled: `nn.Module._call_impl`, bound to it."""
+    return module._call_impl
+
+
+def submodule(module, name: str):
+    """The child module registered on `module` as `name`, or `None`."""
+    return module._modules.get(name)
+
+
+def is_compiled_wrapper(model) -> bool:
+    """Whether `model` is the `OptimizedModule` that `torch.compile(model)` returns."""
+    return isinstance(model, OptimizedModule)
+
+
+def unwrap(model):
+    """The module a `torch.compile(model)` wrapper wraps, or `model` itself."""
+    return model._orig_mod if is_compiled_wrapper(model) else model
+
+
+def compile_with_wrapper(wrapper, function):
+    """`function` compiled by the wrapper's own dynamo context: same backend, mode and options."""
+    return wrapper.dynamo_ctx(function)
+
+
+def compiled_call_impl(module):
+    """What `module.compile()` installed as the module's compiled call, or `None`."""
+    return module.__dict__.get("_compiled_call_impl")
+
+
+def set_compiled_call_impl(module, function) -> None:
+    object.__setattr__(module, "_compiled_call_impl", function)
+
+
+def forward_graphs(model) -> int:
+    """
+    The graphs dynamo holds for `model`'s forward, as its recompile limit counts them: the cache entries on the code
+    objects a compiled forward starts in (the forward, and the decorators' wrappers around it), the largest count. They
+    are shared by every model whose forward is the same code. 0 where torch can't tell.
+    """
+    entries = getattr(torch._dynamo.eval_frame, "_debug_get_cache_entry_list", None)
+    if entries is None:
+        return 0
+    instance_forward = model.__dict__.get("forward")
+    candidates = (eager_callable(instance_forward), instance_forward, getattr(type(model), "forward", None))
+    codes = set()
+    for function in candidates:
+        function = getattr(function, "__func__", function)
+        while function is not None and len(codes) < 64:
+            code = getattr(function, "__code__", None)
+            if code is not None:
+                codes.add(code)
+            function = getattr(function, "__wrapped__", None)
+    return max((len(entries(code)) for code in codes), default=0)
+
+
+def compile_counters():
+    """dynamo's counters for this process, by kind (`"stats"`, `"graph_break"`, `"inductor"`): `.clear()` resets them."""
+    return torch._dynamo.utils.counters
+
+
+def graphs_compiled() -> int:
+    """The graphs dynamo has compiled in this process so far (every frame, every model)."""
+    return compile_counters()["stats"]["unique_graphs"]
+
+
+def eager_callable(compiled):
+    """The original function of a `torch.compile`d function, or `None` when `compiled` is not one."""
+    return getattr(compiled, "_torchdynamo_orig_callable", None)
+
+
+# ---- torch's ahead-of-time compile (`compile/aot_forward.py`), experimental in torch 2.11 to 2.14 -------------------
+
+
+@contextlib.contextmanager
+def _aot_compile_enabled():
+    """Sets `torch._dynamo.config.enable_aot_compile` where torch has it (off by default before 2.13, on from 2.13)."""
+    if getattr(torch._dynamo.config, "enable_aot_compile", True):
+        yield
+    else:
+        with torch._dynamo.config.patch(enable_aot_compile=True):
+            yield
+
+
+def compile_for_aot(function, **kwargs):
+    """`torch.compile(function, **kwargs)`, with the `aot_compile` method torch gives it only while it is enabled."""
+    with _aot_compile_enabled():
+        return torch.compile(function, **kwargs)
+
+
+def aot_compile(compiled, args: tuple, kwargs: dict):
+    """`compiled.aot_compile((args, kwargs))`: one serializable graph for these inputs, its guards left to the caller."""
+    with _aot_compile_enabled():
+        function = compiled.aot_compile((args, kwargs))
+    skip_guard_check(function)
+    return function
+
+
+def skip_guard_check(function) -> None:
+    """Makes an ahead-of-time compiled function skip its own guard check (its caller checks `guard_check` first)."""
+    function.disable_guard_check()
+
+
+def unserializable_guard_types() -> set[str]:
+    """The guard types torch can't save with an ahead-of-time compiled function (object identity and the like)."""
+    from torch._dynamo.guards import CheckFunctionManager
+
+    return set(CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES)
+
+
+def serialize_compiled(function, external_data: dict) -> bytes:
+    """The bytes `torch.compiler.load_compiled_function` reads back."""
+    return type(function).serialize(function, external_data).serialized_data
+
+
+def external_refs(function) -> set[str]:
+    """The global names an ahead-of-time compiled function's bytecode reads, which torch does not save."""
+    return function._artifacts.runtime_env.external_refs

@@ -1,0 +1,249 @@
+"""Every private transformers name the package reads or changes, behind an accessor each, and the public ones it relies
+on in ways upstream does not promise: the `generate` it wraps, its static caches and their layers, masking, tensor
+parallelism, the output-capture registry, and `transformers serve`.
+
+`checks.upstream_problems` checks, for each model class before its first bucketed call, that the hook targets and the
+other private names read here exist and still take what the package passes.
+"""
+
+import contextlib
+import inspect
+
+import torch.distributed as dist
+import transformers
+from transformers import StaticCache, StaticLayer, StaticSlidingWindowLayer, masking_utils
+from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS
+from transformers.generation.utils import GenerationMixin
+from transformers.utils import output_capturing as _output_capturing
+
+from . import torch_api
+
+
+__all__ = [
+    "ALL_STATIC_CACHE_IMPLEMENTATIONS",
+    "StaticLayer",
+    "StaticSlidingWindowLayer",
+    "UPSTREAM_GENERATE",
+    "UPSTREAM_GENERATE_SIGNATURE",
+]
+
+# Captured at import, before `enable()` can replace it.
+UPSTREAM_GENERATE = GenerationMixin.generate
+UPSTREAM_GENERATE_SIGNATURE = inspect.signature(UPSTREAM_GENERATE)
+
+
+def get_sdpa_mask_skip():
+    return masking_utils._ignore_causal_mask_sdpa
+
+
+def set_sdpa_mask_skip(function) -> None:
+    masking_utils._ignore_causal_mask_sdpa = function
+
+
+def attention_implementation(config) -> str | None:
+    """The attention implementation a model config says its layers run (`"sdpa"`, `"eager"`, ...), or `None`."""
+    return getattr(config, "_attn_implementation", None)
+
+
+def mark_dequantized(config) -> None:
+    """Tells `save_pretrained` that a model whose weights were dequantized while loading is no longer quantized."""
+    config._is_quantized = False
+
+
+def recurrent_mask_keys() -> tuple[str, ...]:
+    """The layer types whose mask is a recurrent layers' 2D padding mask (Mamba, linear attention, convolutions)."""
+    recurrent = getattr(masking_utils, "create_recurrent_attention_mask", None)  # absent before hybrid masks existed
+    mapping = getattr(masking_utils, "LAYER_PATTERN_TO_MASK_FUNCTION_MAPPING", {})
+    return tuple(key for key, function in mapping.items() if recurrent is not None and function is recurrent)
+
+
+def valid_auto_compile(model, model_kwargs: dict, generation_config) -> bool:
+    """Whether upstream `generate` will compile the forward itself (a static cache with `compile_config`, or CUDA)."""
+    return model._valid_auto_compile_criteria(model_kwargs, generation_config)
+
+
+def compile_on_all_devices(compile_config) -> None:
+    """Makes upstream auto-compile on every device, CPU included (by default it compiles on CUDA/XPU only)."""
+    compile_config._compile_all_devices = True
+
+
+def static_cache_init_shape(model):
+    """`(num_heads, head_dim)` to allocate a static cache before the first forward, or `None` where upstream has no such method."""
+    shape_of = getattr(model, "_get_static_cache_init_shape", None)
+    try:
+        return shape_of() if shape_of is not None else None
+    except Exception:  # a config it can't read (5.17, per-layer head sizes): upstream's cache allocates lazily
+        return None
+
+
+def previous_max_cache_length(model) -> int:
+    """The largest static cache upstream has made for `model`, which it reuses when a call fits (-1: none yet)."""
+    previous = getattr(model, "_previous_max_cache_length", -1)
+    return previous if isinstance(previous, int) else -1
+
+
+def tensor_parallel_size(model) -> int:
+    """The number of ranks `model` is sharded over with transformers' tensor parallelism (1 when it is not)."""
+    return getattr(model, "_tp_size", None) or 1
+
+
+def device_mesh(model):
+    """The device mesh of a tensor-parallel `model`, or `None`."""
+    return getattr(model, "_device_mesh", None)
+
+
+def tensor_parallel_group(model) -> "dist.ProcessGroup | None":
+    """
+    The process group of `model`'s tensor-parallel ranks, or `None` when `model` is not sharded with tensor parallelism
+    (`tp_size` of 1 or unset) or no process group is initialized.
+    """
+    module = torch_api.unwrap(model)  # the `torch.compile(model)` wrapper
+    if tensor_parallel_size(module) <= 1:
+        return None
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    mesh = device_mesh(module)
+    if mesh is None:
+        return dist.group.WORLD
+    names = mesh.mesh_dim_names or ()
+    if "tp" in names:
+        return mesh["tp"].get_group()
+    return mesh.get_group() if mesh.ndim == 1 else dist.group.WORLD
+
+
+# Where `generate` and the forward take the cache: `cache` from transformers 5.24 on; before, `past_key_values`, or
+# `cache_params` for a model whose class name contains "mamba" (upstream's `_prepare_cache_for_generation`).
+CACHE_KWARGS = ("cache", "past_key_values", "cache_params")
+
+
+def cache_argument(kwargs: dict) -> tuple[str | None, object]:
+    """
+    `(name, value)` of the cache a call's keyword arguments pass (to `generate` or a forward, or in what `generate`
+    returns): the first of `CACHE_KWARGS` that is set, whatever it holds. `(None, None)` when none is.
+    """
+    return next(((key, kwargs[key]) for key in CACHE_KWARGS if kwargs.get(key) is not None), (None, None))
+
+
+def cache_seq_length(cache) -> int | None:
+    """The tokens a cache holds, or `None` when it can't tell (only recurrent layers, as in Mamba's cache)."""
+    try:
+        return int(cache.get_seq_length())  # a 0-d tensor for a static cache
+    except ValueError:
+        return None
+
+
+def is_static_cache(cache) -> bool:
+    return type(cache).__name__ == "StaticCache"
+
+
+# The static cache layers right padding can rewind (`padding_side.py`): attention layers whose length is a counter.
+RIGHT_PADDED_LAYERS = ("StaticLayer", "StaticSlidingWindowLayer")
+
+
+def lazy_static_cache(model, max_cache_len: int):
+    """The static cache `generate` would make for `model`, lazily initialized (no tensors are allocated)."""
+    return StaticCache(config=model.config, max_cache_len=max_cache_len)
+
+
+def static_cache_slots(cache) -> int:
+    """The slots of a static cache's longest layer."""
+    return max(layer.max_cache_len for layer in cache.layers)
+
+
+def sliding_window_slots(layer) -> int | None:
+    """The slots of a sliding-window layer's ring buffer (`min(window, cache length)`), or `None` for another layer."""
+    return layer.max_cache_len if hasattr(layer, "cumulative_length_int") else None
+
+
+def set_static_cache_length(cache, length: int) -> None:
+    """
+    Every layer of a static cache now holds `length` tokens (the slots written after them are pads that the next
+    tokens overwrite before any query sees them). In place: the compiled graphs read the length's static address.
+    """
+    for layer in cache.layers:
+        if not hasattr(layer, "cumulative_length"):
+            raise RuntimeError(
+                f"prefill_buckets can't set the length of a `{type(layer).__name__}` cache layer on transformers "
+                f"{transformers.__version__}: it has no `cumulative_length`. Set `prefill_padding_side='left'`."
+            )
+        if hasattr(layer, "cumulative_length_int"):  # a sliding-window ring buffer keeps a python count too
+            layer.cumulative_length_int = length
+        layer.cumulative_length.fill_(length)
+
+
+def _empty_query_offset(layer_idx: int = 0) -> int:
+    return 0
+
+
+@contextlib.contextmanager
+def reports_empty(cache):
+    """
+    While an empty, early-initialized static cache is prefilled, it reports its query offset as the int 0, as a lazily
+    initialized cache does. It reports a 0-d tensor otherwise, which a compiled mask function can't read as 0: it then
+    builds a 4D mask in the graph, where upstream's unpadded prefill runs SDPA with `is_causal` and no mask. One
+    module-level function, so dynamo sees the same object on every call (no recompile).
+    """
+    cache.__dict__["get_query_offset"] = _empty_query_offset
+    try:
+        yield
+    finally:
+        cache.__dict__.pop("get_query_offset", None)
+
+
+def line_up_output_capture_registry(model) -> None:
+    """
+    Puts the entries of `model`'s classes first, sorted, in transformers' registry of what each model class can record
+    (`output_capturing._CAN_RECORD_REGISTRY`, keyed by class name, in the order classes were first built). A traced
+    forward reads its class's entry by its position among the registry's keys, and torch rebuilds that position when
+    it loads an ahead-of-time compiled graph: a graph traced in a process that had built other model classes first
+    indexed past the end of a replica's registry, and could not be loaded. Lined up in both processes, the position
+    is the same. Changes nothing where the entries are first already (a process with one model), or on a transformers
+    without the registry. Reordering a dict keyed by name changes no lookup.
+    """
+    registry = getattr(_output_capturing, "_CAN_RECORD_REGISTRY", None)
+    if not isinstance(registry, dict):
+        return
+    own = sorted({str(type(module)) for module in model.modules()}.intersection(registry))
+    keys = list(registry)
+    if keys[: len(own)] == own:
+        return
+    entries = [(key, registry[key]) for key in own] + [(key, registry[key]) for key in keys if key not in own]
+    dict.clear(registry)
+    for key, value in entries:  # `dict`'s own: the registry's `__setitem__` takes a model, not its key
+        dict.__setitem__(registry, key, value)
+
+
+def is_prompt_lookup(candidate_generator) -> bool:
+    return type(candidate_generator).__name__ == "PromptLookupCandidateGenerator"
+
+
+# `transformers serve` (`serving.py`): upstream's `Serve` command and the class that loads its models.
+
+
+def serve_unavailable() -> str | None:
+    """Why `transformers serve` can't run here (its extra is not installed), or `None`."""
+    from transformers.utils.import_utils import is_serve_available
+
+    if is_serve_available():
+        return None
+    return (
+        'transformers serve needs FastAPI and uvicorn: pip install "transformers-prefill-buckets[serving]" '
+        '(or "transformers[serving]").'
+    )
+
+
+def serve_command():
+    """`transformers serve` as a click command, with upstream's own options (its `Serve` class, through typer)."""
+    import typer
+    from transformers.cli.serve import Serve
+
+    app = typer.Typer(add_completion=False)
+    app.command(name="serve")(Serve)
+    return typer.main.get_command(app)
+
+
+def serve_model_manager():
+    """The class whose `load_model_and_processor` loads the models `transformers serve` serves."""
+    from transformers.cli.serving.model_manager import ModelManager
+
+    return ModelManager
