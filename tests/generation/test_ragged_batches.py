@@ -241,7 +241,9 @@ class RaggedContinuationTest(unittest.TestCase):
         ours = run_bucketed(
             self.model, sequences, later_config, attention_mask=mask, prefill_buckets=BUCKETS, **{CACHE: ours[CACHE]}
         )
-        self.assertEqual(self.spy.last(), "left")
+        # The one decision (`decision.choose_side`) says so: the rule's left, then no room in front of the cached tokens.
+        self.assertEqual(self.spy.last(), "unpadded")
+        self.assertIn("already holds tokens from an unpadded call", self.spy.sides[-1].reason)
         theirs = run(self.model, sequences, later_config, attention_mask=mask, **{CACHE: theirs[CACHE]})
         self.assertTrue(torch.equal(ours.sequences, theirs.sequences))
 

@@ -33,12 +33,13 @@ from ..config import (
     PREFILL_PAD_TO_MULTIPLE_OF,
     PREFILL_PADDING_SIDE,
 )
+from ..upstream import transformers_api
 from .cache import room_reason
-from .padding_side import PaddingSide, RuleFacts, rule_side
+from .padding_side import PaddingSide, RuleFacts, is_dynamic, rule_side
 from .plan import PER_TOKEN_KWARGS
 from .resolved import ResolvedCall
 from .settings import CallSettings, forward_takes
-from .side_assumptions import side_assumption_broken
+from .side_assumptions import side_assumption_broken, window_from_the_cache_end
 
 
 logger = logging.get_logger(__name__)
@@ -49,9 +50,44 @@ class Unsupported:
     """A call padding can't serve on either side: when `applies`, it runs unpadded (or, with `error`, raises)."""
 
     case: str  # in words
-    applies: Callable[[RuleFacts], object]
-    reason: str  # what the call says: `reason.format(call=facts)`
+    applies: Callable[[RuleFacts], object]  # truthy when the case applies: what it returns is `why` below
+    reason: str  # what the call says: `reason.format(call=facts, why=what applies returned)`
     error: bool = False  # a `ValueError`: nothing upstream runs would be what the user asked for
+
+
+def _window_reason(call: RuleFacts) -> str | None:
+    """
+    Why the call must run unpadded for a model whose local window counts from the cache's end (GPT-Neo), or `None`.
+    Upstream's tokens depend on its static cache's length once that is longer than the window; padding shifts the
+    prompt in the cache and bucketing sizes the cache another way, so only a cache no longer than the window (both
+    calls' local layers then attend to every token before the query) is padded.
+    """
+    window = window_from_the_cache_end(call.model)
+    if window is None or not call.settings.use_cache:
+        return None
+    if call.cache is not None:
+        if not transformers_api.is_static_cache(call.cache):
+            return None
+        slots, whose = call.cache_slots, "the cache passed in has"
+    elif is_dynamic(call.settings.cache_implementation):
+        return None
+    elif call.settings.max_cache_len is not None:
+        slots, whose = call.settings.max_cache_len, "`max_cache_len` is"
+    else:
+        # Sized by the package: the model's cache when the call fits it, else at most the model's positions (or
+        # what the call needs, when that is more).
+        needed = call.bucket + call.settings.new_tokens(call.prompt_length)
+        previous = transformers_api.previous_max_cache_length(call.model)
+        slots = previous if previous >= needed else max(needed, call.settings.max_positions or needed + window)
+        whose = "a bucketed call's static cache can have"
+    if slots <= window:
+        return None
+    return (
+        f"`{call.model_name}`'s local attention layers place their window of {window} tokens from the end of the "
+        f"static cache, not from each token, so upstream's tokens depend on the cache's length once it is longer "
+        f"than the window, and {whose} {slots} slots: a padded prompt in a bucketed cache would get other tokens. "
+        "Pin `max_cache_len` to at most the window to bucket, or use a dynamic cache"
+    )
 
 
 _FIELDS = ", ".join(f"`{field}`" for field in BUCKET_FIELDS)
@@ -93,8 +129,8 @@ UNSUPPORTED = (
     ),
     Unsupported(
         "local attention windows counted from the cache's end (GPT-Neo), in a cache longer than the window",
-        lambda call: call.window_reason is not None,
-        "{call.window_reason}",
+        _window_reason,
+        "{why}",
     ),
 )
 
@@ -112,8 +148,9 @@ def choose_side(call: ResolvedCall) -> PaddingSide:
     """
     facts = RuleFacts(call)
     for case in UNSUPPORTED:
-        if case.applies(facts):
-            reason = case.reason.format(call=facts)
+        why = case.applies(facts)
+        if why:
+            reason = case.reason.format(call=facts, why=why)
             if case.error:
                 raise ValueError(reason)
             return PaddingSide("unpadded", reason)

@@ -31,7 +31,7 @@ from ..config import PREFILL_PADDING_SIDE
 from ..state import state_of
 from ..upstream import transformers_api
 from .settings import CallSettings, forward_takes
-from .side_assumptions import side_assumption_broken, window_from_the_cache_end
+from .side_assumptions import side_assumption_broken
 
 
 # Model inputs the right-padded prefill knows: the prompt, its all-ones mask, and the cache.
@@ -109,48 +109,13 @@ class RuleFacts:
         return _layers_reason(self.model, self.cache, self.slots)
 
     @cached_property
-    def window_reason(self) -> str | None:
-        """
-        Why the call must run unpadded for a model whose local window counts from the cache's end (GPT-Neo), or `None`.
-        Upstream's tokens depend on its static cache's length once that is longer than the window; padding shifts the
-        prompt in the cache and bucketing sizes the cache another way, so only a cache no longer than the window (both
-        calls' local layers then attend to every token before the query) is padded.
-        """
-        window = window_from_the_cache_end(self.model)
-        if window is None or not self.settings.use_cache:
-            return None
-        if self.cache is not None:
-            if not transformers_api.is_static_cache(self.cache):
-                return None
-            slots, whose = self.cache_slots, "the cache passed in has"
-        elif _is_dynamic(self.settings.cache_implementation):
-            return None
-        elif self.settings.max_cache_len is not None:
-            slots, whose = self.settings.max_cache_len, "`max_cache_len` is"
-        else:
-            # Sized by the package: the model's cache when the call fits it, else at most the model's positions (or
-            # what the call needs, when that is more).
-            needed = self.bucket + self.settings.new_tokens(self.prompt_length)
-            previous = transformers_api.previous_max_cache_length(self.model)
-            slots = previous if previous >= needed else max(needed, self.settings.max_positions or needed + window)
-            whose = "a bucketed call's static cache can have"
-        if slots <= window:
-            return None
-        return (
-            f"`{self.model_name}`'s local attention layers place their window of {window} tokens from the end of the "
-            f"static cache, not from each token, so upstream's tokens depend on the cache's length once it is longer "
-            f"than the window, and {whose} {slots} slots: a padded prompt in a bucketed cache would get other tokens. "
-            "Pin `max_cache_len` to at most the window to bucket, or use a dynamic cache"
-        )
-
-    @cached_property
     def ragged_reason(self) -> str | None:
         return _ragged_reason(
             self.model, self.settings, self.model_kwargs, self.prompt, self.past_length, self.cache, self.slots
         )
 
 
-def _is_dynamic(implementation) -> bool:
+def is_dynamic(implementation) -> bool:
     return implementation not in transformers_api.ALL_STATIC_CACHE_IMPLEMENTATIONS or "offloaded" in str(
         implementation
     )
@@ -248,7 +213,7 @@ RULE = (
         "a dynamic cache (or an offloaded one) for `generate` to make",
         "left",
         "not compiled: there is no graph to share",
-        lambda call: call.cache is None and _is_dynamic(call.settings.cache_implementation),
+        lambda call: call.cache is None and is_dynamic(call.settings.cache_implementation),
         "the cache is not a static cache (a dynamic cache is not compiled: no graph to share)",
     ),
     Case(
