@@ -8,14 +8,10 @@ from dataclasses import replace
 
 import torch
 from transformers.generation.stopping_criteria import StoppingCriteriaList
-from transformers.utils import logging
 
 from .padding import fill_embedding
 from .plan import PER_TOKEN_KWARGS, Plan
 from .views import DummyRowsFinished, PromptStrippingStreamer
-
-
-logger = logging.get_logger(__name__)
 
 
 def pad_rows(plan: Plan, arguments: dict, model_kwargs: dict, padded_batch: int):
