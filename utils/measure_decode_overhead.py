@@ -6,7 +6,7 @@
 With `--cache-lengths`, it measures decode time against the static cache's length instead (each length pinned with
 `max_cache_len` in turn), upstream's and the bucketed call's side by side: upstream's decode step attends over every
 slot, so a longer cache is slower decode; a bucketed call's attends over a window of the slots that hold tokens
-(`prefill_buckets/windows.py`), so its cache costs memory, not time (the guide's "Cache sizing").
+(`prefill_buckets/kvcache/windows.py`), so its cache costs memory, not time (the guide's "Cache sizing").
 
 SmolLM2-135M-Instruct (converted once by `python -m prefill_buckets bench`, see its `--help`), `model.forward`
 compiled with inductor (`dynamic=False`; `--eager`: not compiled), a static cache pinned at 1088 slots. One prompt runs through upstream

@@ -12,7 +12,7 @@ then the same workload again. A row says:
 - `graphs`: the graphs compiled in the first pass, and `+N` where the second pass compiled more;
 - `compiled`: the forwards that ran a compiled graph, of all the forwards (the rest ran eagerly: torch's recompile
   limit, a graph break);
-- `layers`: what served the sliding layers: `ring` (`prefill_buckets/ring.py`), or `upstream` and why;
+- `layers`: what served the sliding layers: `ring` (`prefill_buckets/kvcache/ring.py`), or `upstream` and why;
 - `tokens`: whether every call returned upstream's eager tokens (`same`), or `DIFFERS` / `CRASH: <error>`.
 
 `docs/source/en/architectures.md` publishes the table. The target: every forward compiled, no graph in the second
@@ -64,7 +64,7 @@ def sliding_kinds(config) -> str:
     if not sliding:
         return ""
     if not any(type(layer) is transformers_api.StaticSlidingWindowLayer for layer in sliding):
-        return "linear and sliding"  # hybrid layers: not rings (`windows.py`)
+        return "linear and sliding"  # hybrid layers: not rings (`kvcache/windows.py`)
     text_config = config.get_text_config(decoder=True)
     types = set(getattr(text_config, "layer_types", None) or ())
     kinds = [kind for kind in ("sliding", "chunked", "full") if f"{kind}_attention" in types]
@@ -107,7 +107,7 @@ def sweep_one(model_type: str, timeout: float = 120.0) -> SlidingRow | None:
 
     import prefill_buckets
     from prefill_buckets import GraphCounter
-    from prefill_buckets.call import ring
+    from prefill_buckets.kvcache import ring
 
     row = SlidingRow(model_type, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, "?"))
     try:

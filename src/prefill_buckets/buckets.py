@@ -15,7 +15,7 @@ So `buckets="pow2", pad_to_multiple_of=64` gives 64, 64, ..., 64, 128, 256, ...:
 and `buckets=[5, 10], pad_to_multiple_of=4` gives 8 for prompts of 1 to 8 tokens and 12 for 9 to 12. A padded length
 is its own bucket (`bucket(bucket(n)) == bucket(n)`), so a prompt that already fits one is not padded further.
 
-`BucketPolicy.cache_length` is the geometric size (the next power of two, aligned) that `cache.py`'s cache-length
+`BucketPolicy.cache_length` is the geometric size (the next power of two, aligned) that `kvcache/sizing.py`'s cache-length
 rule falls back to for a model that states no maximum length; the rule itself lives there.
 """
 
@@ -30,7 +30,7 @@ POW2 = "pow2"
 POW2_QUARTERS = "pow2-quarters"
 # The named bucket sets, as data: the lengths of each doubling. `"pow2"`: every power of two (pads up to 2x).
 # `"pow2-quarters"`: every power of two and, from `FINE_FROM` on, the three lengths evenly between it and the next,
-# 4 per doubling like vLLM's capture sizes and the attention windows (`windows.py`): 1, 2, 4, 8, 10, 12, 14, 16, 20,
+# 4 per doubling like vLLM's capture sizes and the attention windows (`kvcache/windows.py`): 1, 2, 4, 8, 10, 12, 14, 16, 20,
 # 24, ..., 128, 160, 192, 224, 256, 320, ... (pads at most 25% past 8 tokens).
 STEPS_PER_DOUBLING = {POW2: 1, POW2_QUARTERS: 4}
 NAMED_BUCKETS = tuple(STEPS_PER_DOUBLING)

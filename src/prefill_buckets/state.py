@@ -28,8 +28,8 @@ The rest must live where it is, each for its reason:
   `generate` looks its steps up there), and `masking_utils._ignore_causal_mask_sdpa`;
 - what a bucketed call changes on the objects it runs with: on upstream's private copy of the generation config, its
   `max_cache_len` while the cache is made and its `compile_config`'s devices (`call/hooks.py`); the class of each
-  static cache layer read through a window or a ring while the call runs (`call/windows.py`, `call/ring.py`: upstream's
-  classes again when it returns); and a `CacheRecord` in the cache's `__dict__` (`call/cache.py`): it describes that
+  static cache layer read through a window or a ring while the call runs (`kvcache/windows.py`, `kvcache/ring.py`: upstream's
+  classes again when it returns); and a `CacheRecord` in the cache's `__dict__` (`kvcache/record.py`): it describes that
   cache's layout, and a later call finds it on the cache the user passes;
 - what `aot_forward` changes in transformers: the order of its registry of what each model class records (the
   model's classes first, `transformers_api.line_up_output_capture_registry`), so its graphs load in a replica;
@@ -75,7 +75,7 @@ class ModelState:
         default_factory=weakref.WeakKeyDictionary
     )
     fallback_warned: bool = False
-    # `(key/value heads, head_dim)` the attention modules hold, by layer (`kv_shapes.held_kv_shapes`; `None` until looked
+    # `(key/value heads, head_dim)` the attention modules hold, by layer (`kvcache.sizing.held_kv_shapes`; `None` until looked
     # up).
     held_kv_shapes: dict | None = None
     # Right padding: why the layers of the static cache `generate` would make can't take it, by slots (`None`: they

@@ -1,8 +1,8 @@
 # Attentions under attention windows and rings (issue 36): every tensor `generate` returns has an unpadded upstream
 # run's shape on every layer and step, and its values, when both runs have the same static cache length.
 #
-# A bucketed call's full-attention layers read a window of the cache (`windows.py`) and its sliding-window layers are
-# rings that read `window + new tokens` slots (`ring.py`); `attention_keys.upstream_keys` puts the weights back at the
+# A bucketed call's full-attention layers read a window of the cache (`kvcache/windows.py`) and its sliding-window layers are
+# rings that read `window + new tokens` slots (`kvcache/ring.py`); `attention_keys.upstream_keys` puts the weights back at the
 # slots upstream's layers return. Compared here against upstream eager on the unpadded prompt with `max_cache_len`
 # pinned to 512 (the windows read 256 slots): every field, attentions with every value (the user's own pad queries
 # too), on full-attention (Llama, Qwen3), sliding-window (Mistral: a window of 8 that prompts overflow, and of 300 that
@@ -33,7 +33,7 @@ from transformers.utils import logging as transformers_logging
 
 import prefill_buckets
 from prefill_buckets import GraphCounter
-from prefill_buckets.call import attention_keys, windows
+from prefill_buckets.kvcache import attention_keys, windows
 
 from .test_all_outputs import assert_same, hide_user_pads
 from .test_sliding import MODELS as SLIDING_MODELS
@@ -214,7 +214,7 @@ class UpstreamLayoutTest(unittest.TestCase):
     def test_unknown_layouts_are_returned_as_read(self):
         # What the package can't place is returned as the layers read it, and it says why.
         full = attention_keys.KeyLayout(attention_keys.FULL, SLOTS)
-        logger = transformers_logging.get_logger("prefill_buckets.call.attention_keys")
+        logger = transformers_logging.get_logger("prefill_buckets.kvcache.attention_keys")
         with CaptureLogger(logger) as captured:
             self.assertIsNone(attention_keys.layouts_for((full, full), 3))
         self.assertIn("The attentions have 3 layers and the static cache 2", captured.out)

@@ -1,6 +1,6 @@
 # The simplest config is bounded (issues 13 and 22): bucket fields set, no `max_cache_len`, no `precompile`, prompts of
 # 10 to 500 tokens in random orders. The graphs per batch size are at most the prefill buckets used plus the attention
-# windows used plus 2 (`windows.py`: every forward reads a window of the cache, one graph per window), no forward falls
+# windows used plus 2 (`kvcache/windows.py`: every forward reads a window of the cache, one graph per window), no forward falls
 # back to eager, and the tokens are upstream's.
 #
 # Counted with `GraphCounter` (eager backend: tracing only) on `model.compile(dynamic=False, fullgraph=True)`: each
@@ -15,7 +15,7 @@ from transformers import GenerationConfig
 
 import prefill_buckets
 from prefill_buckets import GraphCounter
-from prefill_buckets.call.windows import window_length
+from prefill_buckets.kvcache.windows import window_length
 
 from .tiny_models import tiny_llama
 

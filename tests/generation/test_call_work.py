@@ -10,8 +10,8 @@ import torch
 from transformers import StaticCache
 
 import prefill_buckets
-from prefill_buckets.call import cache as cache_module
 from prefill_buckets.call import hooks, prefill_right
+from prefill_buckets.kvcache import record as cache_record_module
 from prefill_buckets.upstream import transformers_api
 
 from .tiny_models import CACHE, single_thread_module, static_config, tiny_llama
@@ -64,7 +64,7 @@ class CallWorkTest(unittest.TestCase):
                     cache_implementation=None, **{CACHE: cache},
                 )  # fmt: skip
                 turn = torch.cat([first.sequences, prompt(3, seed=1)], dim=1)
-                with Counter(cache_module, "cache_record") as records:
+                with Counter(cache_record_module, "cache_record") as records:
                     prefill_buckets.generate(
                         model, turn, generation_config=config, cache_implementation=None, **{CACHE: first[CACHE]}
                     )

@@ -15,7 +15,7 @@ from transformers.testing_utils import slow
 import prefill_buckets
 from prefill_buckets import cli, config, custom_generate, patch
 from prefill_buckets.call import generation
-from prefill_buckets.call.cache import DEFAULT_CACHE_SLOTS
+from prefill_buckets.kvcache.sizing import DEFAULT_CACHE_SLOTS
 from prefill_buckets.testing_utils import tiny_llama
 
 

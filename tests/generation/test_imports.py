@@ -20,6 +20,23 @@ UPSTREAM_PACKAGE = "upstream"
 NOT_YET_ROUTED = set()
 # Import edges allowed to close a cycle: none.
 CYCLE_EDGES_NOT_YET_REMOVED = set()
+# The package's floors (the README's "imports run downward only"): a module imports nothing on a floor above its own.
+# The first prefix that matches a module's name (relative to the package) gives its floor; every other module (the
+# public API: `patch`, `serving`, `cli`, `env`, `benchmark/`, the package's `__init__`) is on the top floor.
+FLOORS = (
+    ("upstream", 0),
+    ("version", 0),
+    ("state", 1),
+    ("config", 1),
+    ("buckets", 1),
+    ("distributed", 1),
+    ("forgotten_enable", 1),
+    ("compile.compiled_calls", 1),
+    ("kvcache", 2),
+    ("call", 3),
+    ("compile", 4),
+)
+TOP_FLOOR = 5
 
 
 def module_names(root: Path, package: str) -> dict[str, Path]:
@@ -90,6 +107,26 @@ def import_cycles(root: Path, package: str, ignored_edges=frozenset()) -> list[l
         if name not in state:
             visit(name, [name])
     return cycles
+
+
+def floor_of(name: str, package: str = PACKAGE) -> int:
+    """The floor of module `name` (`FLOORS`)."""
+    relative = name[len(package) + 1 :] if name != package else ""
+    for prefix, floor in FLOORS:
+        if relative == prefix or relative.startswith(prefix + "."):
+            return floor
+    return TOP_FLOOR
+
+
+def imports_upward(root: Path, package: str) -> list[str]:
+    """`"importer (floor) -> imported (floor)"` for every import of a module on a higher floor."""
+    modules = module_names(root, package)
+    return sorted(
+        f"{name} ({floor_of(name, package)}) -> {target} ({floor_of(target, package)})"
+        for name, path in modules.items()
+        for target in imported_modules(name, path, modules)
+        if floor_of(target, package) > floor_of(name, package)
+    )
 
 
 def _is_private(name: str) -> bool:
@@ -226,6 +263,24 @@ class ImportCyclesTest(unittest.TestCase):
         self.assertIn(f"{PACKAGE}.{UPSTREAM_PACKAGE}.torch_api", above)  # the scan finds the subpackage's modules
         imported = set().union(*above.values())
         self.assertEqual(imported - {target for _, target in CYCLE_EDGES_NOT_YET_REMOVED}, set())
+
+    def test_imports_run_downward_only(self):
+        self.assertEqual(floor_of(f"{PACKAGE}.kvcache.sizing"), 2)  # the prefixes name the package's modules
+        self.assertEqual(floor_of(f"{PACKAGE}.compile.compiled_calls"), 1)
+        self.assertEqual(floor_of(f"{PACKAGE}.compile.precompile"), 4)
+        self.assertEqual(imports_upward(SOURCE, PACKAGE), [])
+
+    def test_an_upward_import_is_found(self):
+        # The positive control: `kvcache` importing `call` (in a function) is found; `call` importing `kvcache` is not.
+        with tempfile.TemporaryDirectory() as folder:
+            root = Path(folder) / "pkg"
+            for sub in ("kvcache", "call"):
+                (root / sub).mkdir(parents=True)
+                (root / sub / "__init__.py").write_text("")
+            (root / "__init__.py").write_text("")
+            (root / "kvcache" / "sizing.py").write_text("def f():\n    from ..call import plan\n")
+            (root / "call" / "plan.py").write_text("from ..kvcache import sizing\n")
+            self.assertEqual(imports_upward(root, "pkg"), ["pkg.kvcache.sizing (2) -> pkg.call.plan (3)"])
 
     def test_an_import_above_upstream_is_found(self):
         # The positive control: modules of `upstream/` that import the package's root, and a module beside it (in a

@@ -1,5 +1,5 @@
 # Sliding-window and chunked-attention models in a bucketed call (issue 28): their static cache's sliding layers are
-# rings for the call (`ring.py`), so a compiled forward compiles once per (bucket, window, batch size).
+# rings for the call (`kvcache/ring.py`), so a compiled forward compiles once per (bucket, window, batch size).
 #
 # - Equivalence: tokens and first-step scores against upstream eager on the unpadded prompt, on tiny Gemma 2, Gemma 3,
 #   GPT-OSS, Mistral (with `sliding_window`), Llama 4 (chunked) and Cohere2, with a 16-token window: prompts shorter
@@ -43,8 +43,8 @@ from transformers.utils import logging as transformers_logging
 
 import prefill_buckets
 from prefill_buckets import GraphCounter
-from prefill_buckets.call import windows
-from prefill_buckets.call.ring import SlidingWindowRing
+from prefill_buckets.kvcache import windows
+from prefill_buckets.kvcache.ring import SlidingWindowRing
 from prefill_buckets.state import state_of
 from prefill_buckets.upstream import checks
 

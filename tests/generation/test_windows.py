@@ -33,8 +33,8 @@ from transformers.utils import logging as transformers_logging
 
 import prefill_buckets
 from prefill_buckets import GraphCounter
-from prefill_buckets.call import windows
-from prefill_buckets.call.cache import DEFAULT_CACHE_SLOTS, MAX_UNASKED_SLOTS
+from prefill_buckets.kvcache import windows
+from prefill_buckets.kvcache.sizing import DEFAULT_CACHE_SLOTS, MAX_UNASKED_SLOTS
 from prefill_buckets.upstream import checks
 
 from .tiny_models import CACHE, assert_same_generation, static_config, tiny_llama

@@ -48,8 +48,8 @@ class GraphBudget:
     A compiled forward compiles one graph per distinct input shape: a prefill graph per `(rows, prompt length,
     cache length, side, window)` (a right-padded prefill has no mask: another graph) and a decode graph per `(rows,
     cache length, window)`, where rows are `batch * max(num_beams, num_return_sequences)` and the window is the slots
-    the forward reads (`windows.py`; `None` where the cache has no windowed layers). A 1-token prefill is a decode
-    step: the decode graph. Sliding-window layers add no shape (`ring.py`: their graphs depend on none of these).
+    the forward reads (`kvcache/windows.py`; `None` where the cache has no windowed layers). A 1-token prefill is a decode
+    step: the decode graph. Sliding-window layers add no shape (`kvcache/ring.py`: their graphs depend on none of these).
 
     A call's prefill shapes are recorded when it is accounted for: prefill runs. Its decode windows are recorded once
     it has run, those its decode steps read (`reached`): a call predicts every window its new tokens could reach, and

@@ -33,8 +33,8 @@ from ..config import (
     PREFILL_PAD_TO_MULTIPLE_OF,
     PREFILL_PADDING_SIDE,
 )
+from ..kvcache.sizing import room_reason
 from ..upstream import transformers_api
-from .cache import room_reason
 from .padding_side import PaddingSide, RuleFacts, is_dynamic, rule_side
 from .plan import PER_TOKEN_KWARGS
 from .resolved import ResolvedCall

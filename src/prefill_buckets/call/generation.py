@@ -13,7 +13,7 @@ Upstream `generate` does all the real work. One bucketed call, in the steps `gen
    alone while the others wait in a collective.
 6. Run upstream `generate`, with the steps that must see through the padding hooked (`hooks.bucketed_call`); what the
    call learns as it runs goes to `plan.run`.
-7. Mark the cache: a later call that continues from it pads its prompt the same way (`cache.record_call`).
+7. Mark the cache: a later call that continues from it pads its prompt the same way (`kvcache.record.record_call`).
 8. Strip: the added columns and rows come off what the user gets back (`output.strip_output`).
 
 A call without bucket fields is upstream `generate`, unchanged; this module only warns when it will recompile. A call
@@ -30,12 +30,12 @@ from transformers.utils import ModelOutput, logging
 from ..compile.compiled_calls import compiled_forward, compiled_wrapper_forward
 from ..config import BUCKET_FIELDS, PREFILL_BUCKETS, PREFILL_PAD_TO_MULTIPLE_OF
 from ..distributed import generate_call, ranks_agree
+from ..kvcache.record import passed_cache, record_call
 from ..state import state_of
 from ..upstream import torch_api, transformers_api
 from ..upstream.transformers_api import tensor_parallel_group
 from . import support
 from .budget import budget_of, check_compiled
-from .cache import passed_cache, record_call
 from .decision import choose_side
 from .hook_registry import active_plan
 from .hooks import bucketed_call

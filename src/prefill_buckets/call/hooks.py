@@ -3,9 +3,9 @@ must see through the padding. Each is declared with `@hook` (`hook_registry.py`)
 
 - `_prepare_generated_length`: `max_length` / `min_length` are resolved against the *unpadded* prompt, then shifted
   by the padding, so they keep their meaning.
-- `_prepare_cache_for_generation`: a static cache without `max_cache_len` gets a bucketed length (`cache.py`), so
+- `_prepare_cache_for_generation`: a static cache without `max_cache_len` gets a bucketed length (`kvcache/sizing.py`), so
   calls with different prompt lengths share one cache shape, and so one decode graph; its layers read windows
-  (`windows.py`), and the call's graphs are accounted for (`budget.py`).
+  (`kvcache/windows.py`), and the call's graphs are accounted for (`budget.py`).
 - `prepare_inputs_for_generation`: a prompt that exactly fits its bucket has no padding, and upstream uses that twice
   to skip the mask: it drops an all-ones 2D attention mask before prefill, and with SDPA it builds no 4D mask for an
   unpadded prefill (`is_causal` instead). Either way the prompt would reach the model without a mask, a different
@@ -32,17 +32,18 @@ from transformers.utils import logging
 
 from ..compile.compiled_calls import EagerFallback, compiled_forward, is_aot_forward
 from ..config import PREFILL_PAD_TO_MULTIPLE_OF, PREFILL_PADDING_SIDE
+from ..kvcache.attention_keys import key_layouts
+from ..kvcache.record import passed_cache, sequence_length
+from ..kvcache.sizing import early_initialize, static_cache_length
+from ..kvcache.windows import close_windows, has_windows, open_windows, set_window, window_length, windows_between
 from ..state import LOCK, PROCESS, state_of
 from ..upstream import torch_api, transformers_api, versions
 from ..upstream.transformers_api import cache_seq_length
 from . import prefill_right, views  # noqa: F401  (they declare the hooks of their own steps)
-from .attention_keys import key_layouts
 from .budget import budget_of, restore_recompile_limit, restore_user_recompile_limits
-from .cache import early_initialize, passed_cache, sequence_length, static_cache_length
 from .hook_registry import _ACTIVE_PLAN, HOOKS, hook, hook_targets, make_hooked, wraps
 from .padding import strip_left
 from .plan import PER_TOKEN_KWARGS
-from .windows import close_windows, has_windows, open_windows, set_window, window_length, windows_between
 
 
 logger = logging.get_logger(__name__)
@@ -125,7 +126,7 @@ def _prepare_cache_for_generation(plan, step):
 
 def _bucketed_cache_length(plan, max_cache_length: int) -> int:
     """
-    The length of the static cache the call makes (`cache.static_cache_length`), from the `max_cache_length` upstream
+    The length of the static cache the call makes (`sizing.static_cache_length`), from the `max_cache_length` upstream
     computed for the padded call. On the right the bucket is filled on top of the cached tokens: the new tokens' slots
     come after it, as on the left (more than the `max(bucket, prompt + new tokens)` the call needs, so both sides size
     caches alike).

@@ -3,8 +3,8 @@
 import torch
 from transformers.utils import ModelOutput
 
+from ..kvcache.attention_keys import layouts_for, place_keys, upstream_keys
 from ..upstream.transformers_api import CACHE_KWARGS
-from .attention_keys import layouts_for, place_keys, upstream_keys
 from .padding import strip_left
 from .plan import Plan
 

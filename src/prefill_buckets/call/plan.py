@@ -35,10 +35,10 @@ class CallRun:
     # compiled at all (that, or the user's compiled forward): decided once the cache is made (`None` until then).
     auto_compile: bool | None = None
     compiled: bool | None = None
-    windowed_cache: Any = None  # the static cache whose full-attention layers read windows (`windows.py`)
+    windowed_cache: Any = None  # the static cache whose full-attention layers read windows (`kvcache/windows.py`)
     reads_windows: bool = False  # whether its full-attention layers read windows (`windows.has_windows`)
     decoding: bool = False  # whether the last forward prepared was a decode step (`hooks._before_forward`)
-    # How each layer of the call's static cache lays out the keys it reads (`attention_keys.key_layouts`), for the
+    # How each layer of the call's static cache lays out the keys it reads (`kvcache.attention_keys.key_layouts`), for the
     # attentions `output.strip_output` returns; `None`: no static cache.
     key_layouts: tuple | None = None
     # The windows the call's decode steps (1-token forwards) read (`None`: a cache without windows), for the budget.

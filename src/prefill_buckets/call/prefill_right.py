@@ -20,13 +20,13 @@ import torch
 from transformers.utils import logging
 
 from ..compile.compiled_calls import is_aot_forward
+from ..kvcache.sizing import early_initialize
+from ..kvcache.windows import set_window
 from ..upstream import transformers_api
 from ..upstream.transformers_api import cache_argument, cache_seq_length
-from .cache import early_initialize
 from .hook_registry import hook
 from .padding import fill_embedding
 from .plan import Plan
-from .windows import set_window
 
 
 logger = logging.get_logger(__name__)

@@ -1,7 +1,7 @@
 """Step 1 of a bucketed call: its inputs resolved once (`resolve_call`), into one frozen record every later step reads.
 
 `generate` binds its arguments as upstream's `generate` binds them, takes the bucket fields out, resolves the settings
-(`settings.py`), reads the cache it passes (`cache.PassedCache`), and finds the prompt. The support decision and the
+(`settings.py`), reads the cache it passes (`kvcache.record.PassedCache`), and finds the prompt. The support decision and the
 side (`decision.choose_side`), the plan (`planning.plan_call`) and the advice for an unbucketed call read the
 `ResolvedCall`; none digs into the keyword arguments again.
 """
@@ -14,8 +14,8 @@ import torch
 
 from ..buckets import BucketPolicy
 from ..config import FIELDS
+from ..kvcache.record import PassedCache
 from ..upstream import transformers_api
-from .cache import PassedCache
 from .settings import CallSettings, call_sets_fields, prompt_rows, resolve_settings
 
 

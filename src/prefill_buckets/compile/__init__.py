@@ -7,7 +7,7 @@
   bucketed `generate`).
 - `aot_forward.py`: `aot_forward`, a forward compiled ahead of time, one graph per input shape, that another process
   loads without tracing; `aot_key.py`: the dispatch key its graphs are told apart by (it reads the attention windows
-  of `call/windows.py`).
+  of `kvcache/windows.py`).
 - `archive.py`: `save_compile_cache` / `load_compile_cache`, the file that carries torch's cache artifacts, inductor's
   kernels and `aot_forward`'s graphs to another process.
 

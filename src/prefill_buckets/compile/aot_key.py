@@ -29,9 +29,9 @@ What the package sets on instances while a bucketed call runs, and how each is c
 |---|---|---|---|
 | the cache | `get_query_offset`, for a fresh cache's right-padded prefill | yes: an identity guard, dropped | the key |
 | the cache | `_prefill_buckets_record` (`cache.CacheRecord`) | no | - |
-| a cache layer | `window` (full-attention layers, `call/windows.py`) | yes: a value guard, saved | the key and the guards |
+| a cache layer | `window` (full-attention layers, `kvcache/windows.py`) | yes: a value guard, saved | the key and the guards |
 | a cache layer | `cumulative_length` (a tensor, written in place) | yes, as data: no guard | - |
-| a cache layer | `overflow` (sliding-window rings, `ring.py`) | only a forward that builds its mask (a right-padded prefill, where it is 0): a value guard, saved | the guards |
+| a cache layer | `overflow` (sliding-window rings, `kvcache/ring.py`) | only a forward that builds its mask (a right-padded prefill, where it is 0): a value guard, saved | the guards |
 | the model | the hooks (`hook_registry.HOOKS`), `forward`, `_prefill_buckets_state` | no | - |
 | `transformers.masking_utils` | `_ignore_causal_mask_sdpa` (a global) | yes: upstream's own while compiling | the code |
 
@@ -46,7 +46,7 @@ import types
 
 import torch
 
-from ..call.windows import has_windows, windows_read
+from ..kvcache.windows import has_windows, windows_read
 
 
 # Where a name of a guard is on the code, not on the state of an input (torch's guard names are Python expressions):
@@ -84,7 +84,7 @@ class DispatchKey:
     # Per object argument (the cache): `(name, attribute, qualified name)` of each function set on its instance. A
     # fresh cache of a right-padded prefill has one (`transformers_api.reports_empty`), a continued one none.
     instance_functions: tuple
-    # Per cache argument whose layers read attention windows (`call/windows.py`): `(name, window of each layer)`. Two
+    # Per cache argument whose layers read attention windows (`kvcache/windows.py`): `(name, window of each layer)`. Two
     # decode steps of one shape in different windows are two graphs; their saved guards tell them apart too, but the
     # key names the window, so a file's graphs are found by it.
     windows: tuple = ()

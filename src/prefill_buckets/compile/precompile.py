@@ -12,13 +12,13 @@ from transformers.utils import logging
 
 from ..buckets import BucketPolicy, check_positive_int, is_positive_int
 from ..call.budget import budget_of, make_room
-from ..call.cache import pinned_cache_length
 from ..call.decision import capped_bucket
 from ..call.generation import generate
 from ..call.settings import resolve_fields, resolve_settings
-from ..call.windows import decode_warmups
 from ..config import PREFILL_BUCKETS, PREFILL_PAD_TO_MULTIPLE_OF
 from ..forgotten_enable import generation_configs, warn_if_enable_forgotten
+from ..kvcache.sizing import pinned_cache_length
+from ..kvcache.windows import decode_warmups
 from ..upstream import torch_api, transformers_api
 from ..upstream.torch_api import graphs_compiled
 

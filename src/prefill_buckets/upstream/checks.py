@@ -186,7 +186,7 @@ def _hook_target_problem(model_class: type, name: str, parameters: tuple[str, ..
 
 def _static_layer_problems() -> list[str]:
     """
-    What attention windows (`call/windows.py`) rely on: `StaticLayer.update(key_states, value_states)` returns the keys
+    What attention windows (`kvcache/windows.py`) rely on: `StaticLayer.update(key_states, value_states)` returns the keys
     and values of every slot, and `get_mask_sizes(query_length)` says the mask spans `max_cache_len` slots from 0.
     """
     problems = []
@@ -206,7 +206,7 @@ def _static_layer_problems() -> list[str]:
 @functools.cache
 def sliding_layer_problem() -> str | None:
     """
-    What the sliding-window rings (`call/ring.py`) rely on and this transformers version does not do, or `None`: a
+    What the sliding-window rings (`kvcache/ring.py`) rely on and this transformers version does not do, or `None`: a
     `StaticSlidingWindowLayer` counts its tokens in `cumulative_length_int` (a tensor `cumulative_length` beside it),
     and keeps the last `max_cache_len` of them in order, slot `j` the position `max(0, held - max_cache_len) + j`.
     Checked once per process, on a 4-slot layer fed 3, 2 and 1 tokens.

@@ -1,4 +1,4 @@
-"""The KV cache of a bucketed call: how long a static cache is, and how a later call continues from a filled one.
+"""The length of a bucketed call's static KV cache, and its allocation before the first compiled forward.
 
 The cache-length rule, in one place (`static_cache_length`), for a static cache whose `max_cache_len` is not set.
 Every forward of a bucketed call reads only a window of the cache (`windows.py`), so a slot costs memory, not time:
@@ -20,19 +20,23 @@ call itself needs more slots, as it would unbucketed. `precompile` pins the cach
 (`pinned_cache_length`). A cache the user did not ask for that is longer than `DEFAULT_CACHE_SLOTS` logs its size in
 bytes when it is made. Pin `max_cache_len` to the largest bucket plus `max_new_tokens` to choose the memory yourself
 (`room_reason` checks a call against a pinned or passed cache).
-"""
 
-from dataclasses import dataclass
-from functools import cached_property
+`early_initialize` allocates the cache before the first compiled forward, where the key/value heads and head size each
+attention module holds (`held_kv_shapes`, read from its own projections, never the config) agree with the shape
+upstream predicts from the config. A config may misstate them (multi-query Falcon and GPT-BigCode, a GPT-NeoX config
+with an unused `num_key_value_heads`).
+
+`settings` arguments are the call's `call.settings.CallSettings` (read by attribute: this package sits below `call/`).
+"""
 
 import torch
 from transformers.utils import logging
 
-from ..buckets import BucketPolicy, round_up
+from ..buckets import BucketPolicy, is_positive_int, round_up
 from ..config import PREFILL_BUCKETS
+from ..state import state_of
+from ..upstream.torch_api import submodule
 from ..upstream.transformers_api import (
-    cache_argument,
-    cache_seq_length,
     is_static_cache,
     lazy_static_cache,
     previous_max_cache_length,
@@ -40,11 +44,10 @@ from ..upstream.transformers_api import (
     static_cache_init_shape,
     static_cache_slots,
 )
-from .kv_shapes import held_kv_shapes
-from .settings import CallSettings
 
 
 logger = logging.get_logger(__name__)
+
 
 # A static cache's length is a multiple of this (or of `prefill_pad_to_multiple_of`): sizes kernels like.
 CACHE_ALIGNMENT = 64
@@ -54,15 +57,14 @@ CACHE_ALIGNMENT = 64
 DEFAULT_CACHE_SLOTS = 8192
 # A growth goes straight to the longest sequence the model takes only when that is at most this many slots.
 MAX_UNASKED_SLOTS = 16384
+
+
 # Where a bucketed call leaves its `CacheRecord` on the cache it filled.
-_CACHE_RECORD = "_prefill_buckets_record"
-
-
 def _aligned(policy: BucketPolicy, slots: int) -> int:
     return round_up(slots, policy.pad_to_multiple_of or CACHE_ALIGNMENT)
 
 
-def static_cache_length(model, settings: CallSettings, needed: int, prompt_slots: int) -> int:
+def static_cache_length(model, settings, needed: int, prompt_slots: int) -> int:
     """
     The length of the static cache for a call that needs `needed` slots, `prompt_slots` of them for its (padded)
     prompt and the tokens already cached, the rest for new tokens. See the module docstring for the rule.
@@ -133,9 +135,7 @@ def pinned_cache_length(policy: BucketPolicy, needed: int) -> int:
     return _aligned(policy, needed)
 
 
-def room_reason(
-    settings: CallSettings, cache, holds_padding: bool, prompt_length: int, padded_length: int
-) -> str | None:
+def room_reason(settings, cache, holds_padding: bool, prompt_length: int, padded_length: int) -> str | None:
     """
     A left-padded call against the static cache it will write (`cache`: the one passed in, or `None`; `holds_padding`:
     whether a bucketed call left padding in it): its padded prompt of `padded_length` (in a conversation, with the
@@ -175,103 +175,6 @@ def room_reason(
             f"graphs. Pin `max_cache_len` to at least the largest bucket of `{PREFILL_BUCKETS}` plus `max_new_tokens`."
         )
     return None
-
-
-def passed_cache(model_kwargs: dict):
-    """The cache passed to (or returned by) `generate`, or to a forward, when it is a cache object."""
-    _, cache = cache_argument(model_kwargs)
-    return cache if hasattr(cache, "get_seq_length") else None
-
-
-@dataclass(frozen=True)
-class CacheRecord:
-    """
-    What the bucketed calls that filled a cache left in it, for a later call that continues from it (multi-turn chat).
-    Every bucketed call writes it (`record_call`); a cache that holds no tokens (reset) has none (`cache_record`).
-    """
-
-    # `(columns added in front, batch size with dummy rows)`, when the cache's layout is not an unpadded call's: a
-    # later call pads its prompt by the same columns (and brings the rows), so cache and prompt line up. `None`: the
-    # cache holds what an unpadded call would (a right-padded call of rows of one length).
-    padding: tuple[int, int] | None
-    # A right-padded call of rows of different lengths: its attention mask `[rows, S]`, as the user passed it
-    # (left-padded). Row i's `L_i` prompt tokens sit in slots `0..L_i-1` (the mask's ones moved to the front), its
-    # generated tokens in the slots of their columns. A later call lines its mask up with that.
-    ragged_rows: torch.Tensor | None = None
-    # The bucket fields the call ran with (`CallSettings.bucketing`): a later call that sets none of its own continues
-    # the conversation with them (`PassedCache.bucketing`), so every turn of a chat is bucketed as the first was.
-    bucketing: tuple | None = None
-
-
-_UNREAD = object()
-
-
-def cache_record(cache, tokens=_UNREAD) -> CacheRecord | None:
-    """
-    The record of the bucketed calls that filled `cache`, or `None`; a reset cache (no tokens) loses its record.
-    `tokens`: what `cache_seq_length(cache)` returns, when the caller has read it already.
-    """
-    if cache is None or _CACHE_RECORD not in cache.__dict__:
-        return None
-    if (cache_seq_length(cache) if tokens is _UNREAD else tokens) == 0:
-        del cache.__dict__[_CACHE_RECORD]
-        return None
-    return cache.__dict__[_CACHE_RECORD]
-
-
-class PassedCache:
-    """
-    The cache a call passes to `generate` (`None`: none), and what the call's steps ask of it, each read once per call
-    when first asked (`generation.generate` makes it before the call writes its own record, and hands it on).
-    """
-
-    def __init__(self, model_kwargs: dict):
-        self.cache = passed_cache(model_kwargs)
-
-    @cached_property
-    def tokens(self) -> int | None:
-        """The tokens the cache holds (`cache_seq_length`; `None`: it can't tell); 0 when no cache is passed."""
-        return cache_seq_length(self.cache) if self.cache is not None else 0
-
-    @cached_property
-    def record(self) -> CacheRecord | None:
-        """The record the bucketed calls that filled it left (`cache_record`)."""
-        if self.cache is None or _CACHE_RECORD not in self.cache.__dict__:
-            return None
-        return cache_record(self.cache, self.tokens)
-
-    @property
-    def continued(self) -> tuple[int, int] | None:
-        """`(pad, padded batch)` when the cache holds a bucketed call's padding the call must continue, else `None`."""
-        return self.record.padding if self.record is not None else None
-
-    @property
-    def bucketing(self) -> tuple | None:
-        """The bucket fields of the bucketed call that filled the cache, or `None`."""
-        return self.record.bucketing if self.record is not None else None
-
-    @property
-    def ragged_rows(self) -> torch.Tensor | None:
-        """The attention mask of the ragged right-padded call that filled the cache, or `None`."""
-        return self.record.ragged_rows if self.record is not None else None
-
-
-def record_call(cache, plan, attention_mask, continues: bool) -> None:
-    """
-    Writes the record of the bucketed call `plan` that filled `cache` (`continues`: from the tokens it held). A
-    left-padded call, one with dummy rows, and one of ragged rows leave padding a later call must continue; a
-    continuation keeps the ragged rows the cache was first filled with.
-    """
-    previous = cache.__dict__.get(_CACHE_RECORD)
-    right = plan.right
-    padding = previous.padding if previous is not None else None
-    if right is None or plan.padded_batch > plan.batch_size or right.ragged:
-        padding = (plan.added_positions, plan.padded_batch)
-    if continues:
-        ragged_rows = previous.ragged_rows if previous is not None else None
-    else:
-        ragged_rows = attention_mask if right is not None and right.ragged else None
-    cache.__dict__[_CACHE_RECORD] = CacheRecord(padding, ragged_rows, plan.settings.bucketing)
 
 
 def early_initialize(model, cache, rows: int) -> None:
@@ -315,22 +218,80 @@ def _shape_is_held(model, cache, num_heads, head_dim) -> bool:
     return True
 
 
-def sequence_length(input_ids, kwargs: dict) -> int:
+# Where an attention module keeps its head size, its key projection (or its fused query/key/value projection), and,
+# where its projections don't tell, its key/value head count: the names the transformers models use.
+_HEAD_DIMS = ("head_dim", "head_size", "attention_head_size", "d_head")
+_KEY_PROJECTIONS = ("k_proj", "key", "k", "key_proj", "wk", "k_lin")
+_FUSED_PROJECTIONS = ("query_key_value", "c_attn", "qkv_proj", "Wqkv", "qkv", "W_pack")
+_OUTPUT_PROJECTIONS = ("dense", "o_proj", "out_proj", "c_proj")
+_QUERY_HEAD_COUNTS = ("num_heads", "num_attention_heads", "n_head", "n_heads")
+_KV_HEAD_COUNTS = ("num_key_value_heads", "num_kv_heads", "kv_heads", "n_kv_heads")
+
+
+def _int_attribute(module, names) -> int | None:
+    for name in names:
+        value = module.__dict__.get(name)
+        if is_positive_int(value):
+            return value
+    return None
+
+
+def _output_rows(projection) -> int | None:
+    """The output features of a linear projection on this rank (a tensor-parallel shard's own), or `None`."""
+    weight = getattr(projection, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.ndim != 2:
+        return None
+    local = weight.to_local() if hasattr(weight, "to_local") else weight  # a DTensor shard: this rank's rows
+    if hasattr(projection, "nf"):  # GPT-2's `Conv1D` stores its weight transposed: [in, out]
+        return local.shape[1]
+    return local.shape[0]
+
+
+def _output_projection_inputs(module) -> int | None:
+    """The input features of an attention module's output projection: its query heads times `head_dim`."""
+    for name in _OUTPUT_PROJECTIONS:
+        projection = submodule(module, name)
+        weight = getattr(projection, "weight", None)
+        if isinstance(weight, torch.Tensor) and weight.ndim == 2 and not hasattr(projection, "nf"):
+            local = weight.to_local() if hasattr(weight, "to_local") else weight
+            return local.shape[1]  # nn.Linear: [out, in]
+    return None
+
+
+def _module_kv_shape(module) -> tuple[int, int] | None:
+    """`(key/value heads, head_dim)` of an attention module, read from its own projections, or `None`."""
+    head_dim = _int_attribute(module, _HEAD_DIMS)
+    if head_dim is None:
+        return None
+    for name in _KEY_PROJECTIONS:
+        rows = _output_rows(submodule(module, name))
+        if rows is not None:
+            return (rows // head_dim, head_dim) if rows % head_dim == 0 else None
+    query_heads = _int_attribute(module, _QUERY_HEAD_COUNTS)
+    query_rows = query_heads * head_dim if query_heads is not None else _output_projection_inputs(module)
+    for name in _FUSED_PROJECTIONS:
+        rows = _output_rows(submodule(module, name))
+        if rows is not None and query_rows is not None:
+            kv_rows = rows - query_rows  # queries first, then keys and values of one size
+            if kv_rows <= 0 or kv_rows % (2 * head_dim):
+                return None
+            return kv_rows // (2 * head_dim), head_dim
+    kv_heads = _int_attribute(module, _KV_HEAD_COUNTS)
+    return (kv_heads, head_dim) if kv_heads is not None else None
+
+
+def held_kv_shapes(model) -> dict[int | None, set[tuple[int, int]]]:
     """
-    The tokens the cache holds after the forward `prepare_inputs_for_generation` prepares: the tokens already in the
-    cache plus the ones this forward adds, the length upstream gives the 2D attention mask.
+    The `(key/value heads, head_dim)` the attention modules hold, by their `layer_idx` (`None`: modules that don't say
+    their layer). Read from the modules' own projections once per model, never from the config.
     """
-    mask = kwargs.get("attention_mask")
-    if isinstance(mask, torch.Tensor) and mask.ndim == 2:
-        return mask.shape[1]
-    _, cache = cache_argument(kwargs)
-    past_length = (cache_seq_length(cache) or 0) if cache is not None else 0
-    next_sequence_length = kwargs.get("next_sequence_length")
-    inputs_embeds = kwargs.get("inputs_embeds")
-    if next_sequence_length is not None:  # decode: the new tokens are the last ones of `input_ids`
-        return past_length + int(next_sequence_length)  # a 0-d tensor when upstream took it from a static cache
-    if inputs_embeds is not None and kwargs.get("is_first_iteration"):
-        return inputs_embeds.shape[1]
-    if input_ids.shape[1] > past_length:  # the whole sequence so far
-        return input_ids.shape[1]
-    return past_length + input_ids.shape[1]  # a later chunk of chunked prefill: only the chunk's ids
+    state = state_of(model)
+    if state.held_kv_shapes is None:
+        held = {}
+        for module in model.modules():
+            shape = _module_kv_shape(module) if module is not model else None
+            if shape is not None:
+                layer = module.__dict__.get("layer_idx")
+                held.setdefault(layer if isinstance(layer, int) else None, set()).add(shape)
+        state.held_kv_shapes = held
+    return state.held_kv_shapes

@@ -1,0 +1,135 @@
+"""The record of a filled KV cache: what a later call that continues from it (multi-turn chat) must line up with.
+
+Every bucketed call writes a `CacheRecord` on the cache it filled (`record_call`): the padding it left (columns in
+front, dummy rows), the mask of ragged right-padded rows, and the bucket fields it ran with. The next call reads it
+through `PassedCache` (`call/resolved.py`), which reads each fact of the passed cache once per call.
+"""
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+from ..upstream.transformers_api import cache_argument, cache_seq_length
+
+
+# Where a bucketed call leaves its `CacheRecord` on the cache it filled.
+_CACHE_RECORD = "_prefill_buckets_record"
+
+
+def passed_cache(model_kwargs: dict):
+    """The cache passed to (or returned by) `generate`, or to a forward, when it is a cache object."""
+    _, cache = cache_argument(model_kwargs)
+    return cache if hasattr(cache, "get_seq_length") else None
+
+
+@dataclass(frozen=True)
+class CacheRecord:
+    """
+    What the bucketed calls that filled a cache left in it, for a later call that continues from it (multi-turn chat).
+    Every bucketed call writes it (`record_call`); a cache that holds no tokens (reset) has none (`cache_record`).
+    """
+
+    # `(columns added in front, batch size with dummy rows)`, when the cache's layout is not an unpadded call's: a
+    # later call pads its prompt by the same columns (and brings the rows), so cache and prompt line up. `None`: the
+    # cache holds what an unpadded call would (a right-padded call of rows of one length).
+    padding: tuple[int, int] | None
+    # A right-padded call of rows of different lengths: its attention mask `[rows, S]`, as the user passed it
+    # (left-padded). Row i's `L_i` prompt tokens sit in slots `0..L_i-1` (the mask's ones moved to the front), its
+    # generated tokens in the slots of their columns. A later call lines its mask up with that.
+    ragged_rows: torch.Tensor | None = None
+    # The bucket fields the call ran with (`CallSettings.bucketing`): a later call that sets none of its own continues
+    # the conversation with them (`PassedCache.bucketing`), so every turn of a chat is bucketed as the first was.
+    bucketing: tuple | None = None
+
+
+_UNREAD = object()
+
+
+def cache_record(cache, tokens=_UNREAD) -> CacheRecord | None:
+    """
+    The record of the bucketed calls that filled `cache`, or `None`; a reset cache (no tokens) loses its record.
+    `tokens`: what `cache_seq_length(cache)` returns, when the caller has read it already.
+    """
+    if cache is None or _CACHE_RECORD not in cache.__dict__:
+        return None
+    if (cache_seq_length(cache) if tokens is _UNREAD else tokens) == 0:
+        del cache.__dict__[_CACHE_RECORD]
+        return None
+    return cache.__dict__[_CACHE_RECORD]
+
+
+class PassedCache:
+    """
+    The cache a call passes to `generate` (`None`: none), and what the call's steps ask of it, each read once per call
+    when first asked (`generation.generate` makes it before the call writes its own record, and hands it on).
+    """
+
+    def __init__(self, model_kwargs: dict):
+        self.cache = passed_cache(model_kwargs)
+
+    @cached_property
+    def tokens(self) -> int | None:
+        """The tokens the cache holds (`cache_seq_length`; `None`: it can't tell); 0 when no cache is passed."""
+        return cache_seq_length(self.cache) if self.cache is not None else 0
+
+    @cached_property
+    def record(self) -> CacheRecord | None:
+        """The record the bucketed calls that filled it left (`cache_record`)."""
+        if self.cache is None or _CACHE_RECORD not in self.cache.__dict__:
+            return None
+        return cache_record(self.cache, self.tokens)
+
+    @property
+    def continued(self) -> tuple[int, int] | None:
+        """`(pad, padded batch)` when the cache holds a bucketed call's padding the call must continue, else `None`."""
+        return self.record.padding if self.record is not None else None
+
+    @property
+    def bucketing(self) -> tuple | None:
+        """The bucket fields of the bucketed call that filled the cache, or `None`."""
+        return self.record.bucketing if self.record is not None else None
+
+    @property
+    def ragged_rows(self) -> torch.Tensor | None:
+        """The attention mask of the ragged right-padded call that filled the cache, or `None`."""
+        return self.record.ragged_rows if self.record is not None else None
+
+
+def record_call(cache, plan, attention_mask, continues: bool) -> None:
+    """
+    Writes the record of the bucketed call `plan` that filled `cache` (`continues`: from the tokens it held). A
+    left-padded call, one with dummy rows, and one of ragged rows leave padding a later call must continue; a
+    continuation keeps the ragged rows the cache was first filled with.
+    """
+    previous = cache.__dict__.get(_CACHE_RECORD)
+    right = plan.right
+    padding = previous.padding if previous is not None else None
+    if right is None or plan.padded_batch > plan.batch_size or right.ragged:
+        padding = (plan.added_positions, plan.padded_batch)
+    if continues:
+        ragged_rows = previous.ragged_rows if previous is not None else None
+    else:
+        ragged_rows = attention_mask if right is not None and right.ragged else None
+    cache.__dict__[_CACHE_RECORD] = CacheRecord(padding, ragged_rows, plan.settings.bucketing)
+
+
+def sequence_length(input_ids, kwargs: dict) -> int:
+    """
+    The tokens the cache holds after the forward `prepare_inputs_for_generation` prepares: the tokens already in the
+    cache plus the ones this forward adds, the length upstream gives the 2D attention mask.
+    """
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.ndim == 2:
+        return mask.shape[1]
+    _, cache = cache_argument(kwargs)
+    past_length = (cache_seq_length(cache) or 0) if cache is not None else 0
+    next_sequence_length = kwargs.get("next_sequence_length")
+    inputs_embeds = kwargs.get("inputs_embeds")
+    if next_sequence_length is not None:  # decode: the new tokens are the last ones of `input_ids`
+        return past_length + int(next_sequence_length)  # a 0-d tensor when upstream took it from a static cache
+    if inputs_embeds is not None and kwargs.get("is_first_iteration"):
+        return inputs_embeds.shape[1]
+    if input_ids.shape[1] > past_length:  # the whole sequence so far
+        return input_ids.shape[1]
+    return past_length + input_ids.shape[1]  # a later chunk of chunked prefill: only the chunk's ids
