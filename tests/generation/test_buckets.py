@@ -11,7 +11,8 @@ from parameterized import parameterized
 
 from prefill_buckets import BucketPolicy
 from prefill_buckets.buckets import NAMED_BUCKETS, named_bucket_lengths, next_power_of_two, round_up
-from prefill_buckets.call.padding import left_pad, strip_left
+from prefill_buckets.call.plan import left_pad
+from prefill_buckets.call.views import strip_left
 
 
 def is_power_of_two(n: int) -> bool:

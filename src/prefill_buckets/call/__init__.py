@@ -5,8 +5,8 @@
 2. Check support: `support.check_upstream` (the version gate, `upstream/gate.py`, given this subpackage's hooks).
 3. Decide: `decision.py`, the one decision of how the call is padded (left, right, or unpadded with its reason), with
    the rule of `padding_side.py` (as data) and `side_assumptions.py` (what a model's code assumes).
-4. Plan: `planning.plan_call` makes the frozen `Plan` (`plan.py`): the prompt padded in front (`padding.py`, tensor
-   ops), or on the right by the `_prefill` hook; the batch padded with dummy rows (`batch_rows.py`).
+4. Plan: `plan.plan_call` makes the frozen `Plan` (`plan.py`): the prompt padded in front, or on the right by the
+   `_prefill` hook; the batch padded with dummy rows.
 5. Agree across ranks: `distributed.ranks_agree` (above: it is also the user's, for `rank_path`).
 6. Run upstream `generate`, hooked: `hooks.py` installs what `hook_registry.py` declares; the hooks live in `hooks.py`,
    `views.py` (what reads token content sees the ids without padding) and `prefill_right.py` (the right-padded

@@ -8,7 +8,7 @@ Upstream `generate` does all the real work. One bucketed call, in the steps `gen
 3. Decide: the one decision of how the call is padded, left, right or unpadded (with the reason the log names), or a
    `ValueError` for inputs padding can't serve (`decision.choose_side`, with the rule of `padding_side.py`).
 4. Plan: the prompt padded to its bucket and the batch to its batch bucket; a frozen `Plan` says what was added
-   (`planning.plan_call`).
+   (`plan.plan_call`).
 5. Agree across ranks: steps 1 to 4 run inside `distributed.ranks_agree`, so under tensor parallelism no rank raises
    alone while the others wait in a collective.
 6. Run upstream `generate`, with the steps that must see through the padding hooked (`hooks.bucketed_call`); what the
@@ -40,8 +40,7 @@ from .decision import choose_side
 from .hook_registry import active_plan
 from .hooks import bucketed_call
 from .output import strip_output
-from .plan import Plan
-from .planning import plan_call
+from .plan import Plan, plan_call
 from .resolved import ResolvedCall, bind_call, resolve_call
 
 

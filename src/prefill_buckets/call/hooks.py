@@ -42,8 +42,8 @@ from ..upstream.transformers_api import cache_seq_length
 from . import prefill_right, views  # noqa: F401  (they declare the hooks of their own steps)
 from .budget import budget_of, restore_recompile_limit, restore_user_recompile_limits
 from .hook_registry import _ACTIVE_PLAN, HOOKS, hook, hook_targets, make_hooked, wraps
-from .padding import strip_left
 from .plan import PER_TOKEN_KWARGS
+from .views import strip_left
 
 
 logger = logging.get_logger(__name__)

@@ -5,8 +5,8 @@ from transformers.utils import ModelOutput
 
 from ..kvcache.attention_keys import layouts_for, place_keys, upstream_keys
 from ..upstream.transformers_api import CACHE_KWARGS
-from .padding import strip_left
 from .plan import Plan
+from .views import strip_left
 
 
 def strip_output(output, plan: Plan):

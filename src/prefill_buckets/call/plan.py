@@ -1,14 +1,31 @@
-"""The plan of one bucketed call (`Plan`, frozen): what it adds to the inputs, which the hooks and
-`output.strip_output` read; and what the call learns as it runs (`CallRun`, the hooks write it).
+"""The plan of one bucketed call: what it adds to the inputs (`Plan`, frozen), which the hooks and
+`output.strip_output` read, made by `plan_call` from the call's decision; and what the call learns as it runs
+(`CallRun`, the hooks write it).
 
-`planning.plan_call` makes the plan from the call's decision (`decision.choose_side`).
+On the left the prompt gets columns in front (masked); a right-padded call passes the prompt on as it is, and the
+`_prefill` hook (`prefill_right.py`) pads it after its end. Dummy rows pad the batch to its batch bucket
+(`prefill_batch_buckets`): finished from the first step (`views.DummyRowsFinished`), so they never keep generation
+going, and `output.strip_output` drops them.
+
+Pure input rewriting, of a call whose padding is decided (`decision.choose_side`: the side, the padded length, the
+padded batch, every check made): the user's dicts and tensors are never modified, new ones are returned with the plan.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .settings import CallSettings
+import torch
+from transformers.generation.stopping_criteria import StoppingCriteriaList
+from transformers.utils import logging
 
+from ..config import PREFILL_BUCKETS
+from .padding_side import PaddingSide
+from .resolved import ResolvedCall
+from .settings import CallSettings, bos_prompt
+from .views import DummyRowsFinished, PromptStrippingStreamer
+
+
+logger = logging.get_logger(__name__)
 
 # Per-token model inputs that are padded along with the prompt, and their fill value. Position ids of masked
 # positions are 0, as upstream fills them.
@@ -77,3 +94,255 @@ class Plan:
     def added_positions(self) -> int:
         """Positions added in front of the sequence the model sees."""
         return self.padded_length - self.prompt_length
+
+
+def plan_call(call: ResolvedCall, side: PaddingSide) -> tuple[Plan, dict, dict]:
+    """
+    The plan of a bucketed call padded as `side` says (`side.side`: `"left"` or `"right"`), and the arguments
+    upstream `generate` runs with. On the left the prompt and its per-token inputs are padded in front to
+    `side.padded_length`; on the right they go on as passed, and the `_prefill` hook pads them. Then the batch is
+    padded to `side.padded_batch`, and rows that finish early fed `side.finished_rows_pad_id`.
+
+    Raises `ValueError` for inputs padding can't serve.
+    """
+    if side.side == "right":
+        plan, arguments, model_kwargs = _plan_right(call, side)
+    else:
+        plan, arguments, model_kwargs = _pad_prompt(call, side.padded_length)
+    if side.padded_batch is not None and side.padded_batch > plan.batch_size:
+        plan, arguments, model_kwargs = _pad_rows(plan, arguments, model_kwargs, side.padded_batch)
+    if side.finished_rows_pad_id is not None:
+        model_kwargs["pad_token_id"] = (
+            side.finished_rows_pad_id
+        )  # dummy rows are finished: fed an id in the vocabulary
+    return plan, arguments, model_kwargs
+
+
+def _default_attention_mask(settings: CallSettings, input_ids: torch.Tensor) -> torch.Tensor:
+    """The mask upstream infers when none is passed: pad tokens are masked, unless the pad token is also eos."""
+    if settings.pad_token_is_inferable and (input_ids == settings.pad_token_id).any():
+        return input_ids.ne(settings.pad_token_id).long()
+    return torch.ones(input_ids.shape[:2], dtype=torch.long, device=input_ids.device)
+
+
+def _pad_prompt(call: ResolvedCall, padded_length: int):
+    """Left-pads the prompt and every per-token input to `padded_length`. Returns the plan and new call arguments."""
+    model, settings = call.model, call.settings
+    arguments = dict(call.arguments)
+    model_kwargs = dict(call.model_kwargs)  # the user's dict and tensors are never modified
+    arguments.pop("inputs", None)
+    model_kwargs.pop("input_ids", None)
+    input_ids, inputs_embeds = call.input_ids, call.inputs_embeds
+    prompt_length = call.prompt_length
+    if input_ids is None and inputs_embeds is None:  # upstream starts from a lone BOS token: one token, one bucket
+        input_ids = bos_prompt(model, settings, model_kwargs)
+    added_positions = padded_length - prompt_length
+    fill_token_id = settings.fill_token_id
+
+    if model_kwargs.get("attention_mask") is None:
+        mask_source = input_ids if input_ids is not None and input_ids.shape[1] == prompt_length else None
+        if mask_source is not None:
+            model_kwargs["attention_mask"] = _default_attention_mask(settings, mask_source)
+            if mask_source.shape[0] > 1 and not settings.pad_token_is_inferable:
+                # Upstream warns about this itself, but only when no mask is passed: this call passes one.
+                logger.warning_once(
+                    "The attention mask is not set with a batched input, and can't be inferred from `input_ids` "
+                    "because the pad token is not set or is the eos token, so every prompt token is attended (as "
+                    "upstream `generate` does). If the batch is padded, pass its `attention_mask`."
+                )
+        else:
+            batch_size = inputs_embeds.shape[0]
+            model_kwargs["attention_mask"] = torch.ones(
+                batch_size, prompt_length, dtype=torch.long, device=inputs_embeds.device
+            )
+
+    added_id_columns = 0
+    if input_ids is not None:
+        if input_ids.shape[1] == prompt_length:
+            added_id_columns = added_positions
+            input_ids = left_pad(input_ids, added_positions, fill_token_id)
+        elif input_ids.shape[1] != 0:
+            raise ValueError(
+                f"`input_ids` ({input_ids.shape[1]} tokens) and `inputs_embeds` ({prompt_length} positions) must have "
+                f"the same length to be padded with `{PREFILL_BUCKETS}`; pass `inputs_embeds` alone."
+            )
+        model_kwargs["input_ids"] = input_ids
+    if inputs_embeds is not None:
+        fill = fill_embedding(model.get_input_embeddings(), fill_token_id, inputs_embeds)
+        model_kwargs["inputs_embeds"] = left_pad(inputs_embeds, added_positions, fill, dim=1)
+
+    for key, fill in PER_TOKEN_KWARGS.items():
+        value = model_kwargs.get(key)
+        if isinstance(value, torch.Tensor) and value.shape[-1] == prompt_length:
+            model_kwargs[key] = left_pad(value, added_positions, fill)
+    ragged = call.passed.ragged_rows if call.continued is not None else None
+    if ragged is not None:
+        model_kwargs["attention_mask"] = _line_up_with_ragged_rows(model_kwargs["attention_mask"], ragged)
+
+    streamer = arguments.get("streamer")
+    if streamer is not None and added_id_columns > 0:
+        arguments["streamer"] = PromptStrippingStreamer(streamer, added_id_columns)
+
+    batch_size = (model_kwargs["inputs_embeds"] if inputs_embeds is not None else input_ids).shape[0]
+    rows = batch_size * settings.rows_per_prompt
+    plan = Plan(
+        model,
+        settings,
+        prompt_length=prompt_length,
+        padded_length=padded_length,
+        added_id_columns=added_id_columns,
+        batch_size=batch_size,
+        padded_batch=batch_size,
+        rows=rows,
+        padded_rows=rows,
+    )
+    return plan, arguments, model_kwargs
+
+
+def _line_up_with_ragged_rows(attention_mask: torch.Tensor, ragged: torch.Tensor) -> torch.Tensor:
+    """
+    The mask of a call that continues from a cache a ragged right-padded call filled (`ragged`: that call's mask,
+    `[rows, S]`), in the cache's layout: the first S columns hide each row's slots after its prompt tokens, which sit
+    at the start. Raises `ValueError` unless those columns are the mask that call was given.
+    """
+    width = ragged.shape[1]
+    head = attention_mask[:, :width]
+    if attention_mask.ndim != 2 or head.shape != ragged.shape or not torch.equal(head.to(ragged), ragged):
+        raise ValueError(
+            f"The cache passed in was filled by a call whose rows have different lengths (right-padded, each row's "
+            f"tokens at the start of its slots). Its first {width} columns must be masked as that call's were: pass "
+            "its `attention_mask` followed by ones for the tokens it generated (and a mask for the new ones)."
+        )
+    slots = torch.arange(width, device=attention_mask.device)
+    lined_up = (slots < ragged.to(attention_mask.device).long().sum(-1)[:, None]).to(attention_mask.dtype)
+    return torch.cat([lined_up, attention_mask[:, width:]], dim=1)
+
+
+def _plan_right(call: ResolvedCall, side: PaddingSide) -> tuple:
+    """
+    The plan of a right-padded call: the prompt goes to upstream unpadded, and the `_prefill` hook pads it to
+    `side.bucket`. Returns the plan and the call arguments.
+    """
+    settings = call.settings
+    arguments, model_kwargs = call.arguments, dict(call.model_kwargs)
+    input_ids, inputs_embeds = call.input_ids, call.inputs_embeds
+    if input_ids is None and inputs_embeds is None:  # upstream would start from a lone BOS token: made here, as left
+        input_ids = model_kwargs["input_ids"] = bos_prompt(call.model, settings, model_kwargs)
+    prompt = inputs_embeds if inputs_embeds is not None else input_ids
+    prompt_length, batch_size = prompt.shape[1], prompt.shape[0]
+    mask = model_kwargs.get("attention_mask")
+    if mask is None and inputs_embeds is None and settings.pad_token_is_inferable:
+        if bool((input_ids == settings.pad_token_id).any()):
+            mask = model_kwargs["attention_mask"] = _default_attention_mask(settings, input_ids)  # as upstream infers
+    rows = batch_size * settings.rows_per_prompt
+    plan = Plan(
+        call.model,
+        settings,
+        prompt_length=prompt_length,
+        padded_length=prompt_length,
+        added_id_columns=0,
+        batch_size=batch_size,
+        padded_batch=batch_size,
+        rows=rows,
+        padded_rows=rows,
+        right=RightPadding(
+            bucket=side.bucket,
+            past_length=side.past_length,
+            ragged=isinstance(mask, torch.Tensor) and not bool(mask.all()),
+        ),
+    )
+    return plan, arguments, model_kwargs
+
+
+def _pad_rows(plan: Plan, arguments: dict, model_kwargs: dict, padded_batch: int):
+    """
+    Appends dummy rows up to `padded_batch` (the batch bucket `decision.choose_side` chose): one unmasked pad token
+    each (a fully masked row would give NaNs), no other inputs; on the right, a row of unmasked pad tokens as long as
+    the prompt (all rows one length). A stopping criterion marks them finished from the first step, so they never keep
+    generation going, and `output.strip_output` drops them.
+    """
+    model, settings = plan.model, plan.settings
+    if plan.right is not None and arguments.get("inputs") is not None:
+        arguments = dict(arguments)
+        model_kwargs = dict(model_kwargs, input_ids=arguments.pop("inputs"))
+    input_ids = model_kwargs.get("input_ids")
+    prompt = model_kwargs["inputs_embeds"] if model_kwargs.get("inputs_embeds") is not None else input_ids
+    batch_size = prompt.shape[0]
+    expand = settings.rows_per_prompt
+
+    extra = padded_batch - batch_size
+    fill_token_id = settings.fill_token_id
+    length = plan.padded_length
+    model_kwargs = dict(model_kwargs)
+    dummy_mask = torch.zeros(extra, length, dtype=torch.long, device=prompt.device)
+    dummy_mask[:, -1] = 1
+    if plan.right is not None:
+        dummy_mask.fill_(1)
+        if model_kwargs.get("attention_mask") is None:  # else upstream could infer a mask from the pad tokens
+            model_kwargs["attention_mask"] = torch.ones(batch_size, length, dtype=torch.long, device=prompt.device)
+    if input_ids is not None and input_ids.shape[1] > 0:
+        dummy = torch.full((extra, input_ids.shape[1]), fill_token_id, dtype=input_ids.dtype, device=input_ids.device)
+        model_kwargs["input_ids"] = torch.cat([input_ids, dummy])
+    elif input_ids is not None:
+        model_kwargs["input_ids"] = input_ids.new_empty(padded_batch, 0)
+    if model_kwargs.get("inputs_embeds") is not None:
+        embeds = model_kwargs["inputs_embeds"]
+        fill = fill_embedding(model.get_input_embeddings(), fill_token_id, embeds)
+        model_kwargs["inputs_embeds"] = torch.cat([embeds, fill.expand(extra, *embeds.shape[1:])])
+    for key in PER_TOKEN_KWARGS:
+        value = model_kwargs.get(key)
+        if not isinstance(value, torch.Tensor):
+            continue
+        if key == "attention_mask":
+            model_kwargs[key] = torch.cat([value, dummy_mask.to(value.dtype)])
+        else:
+            row_dim = 0 if value.ndim == 2 else 1  # multimodal rope position ids are [3, batch, length]
+            shape = list(value.shape)
+            shape[row_dim] = extra
+            model_kwargs[key] = torch.cat([value, value.new_zeros(shape)], dim=row_dim)
+
+    criteria = StoppingCriteriaList(arguments.get("stopping_criteria") or [])
+    criteria.append(DummyRowsFinished(first_dummy_row=batch_size * expand))
+    arguments = dict(arguments, stopping_criteria=criteria)
+    plan = replace(plan, padded_rows=padded_batch * expand, padded_batch=padded_batch)
+    if isinstance(arguments.get("streamer"), PromptStrippingStreamer):
+        arguments["streamer"].rows = batch_size * expand
+    elif arguments.get("streamer") is not None:
+        arguments["streamer"] = PromptStrippingStreamer(arguments["streamer"], 0, rows=batch_size * expand)
+    return plan, arguments, model_kwargs
+
+
+def left_pad(tensor: torch.Tensor, pad: int, value: float | torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """
+    Prepends `pad` entries along `dim`.
+
+    Args:
+        tensor (`torch.Tensor`): for example input ids `[B, S]`, or embeddings `[B, S, H]` with `dim=1`.
+        pad (`int`): how many entries to add in front.
+        value (`float` or `torch.Tensor`): the fill. A tensor broadcasts over the new slice, so an embedding
+            vector `[H]` fills `[B, pad, H]`.
+        dim (`int`): the sequence axis.
+    """
+    if pad == 0:
+        return tensor
+    dim = dim % tensor.ndim
+    shape = list(tensor.shape)
+    shape[dim] = pad
+    if isinstance(value, torch.Tensor):
+        filler = value.to(device=tensor.device, dtype=tensor.dtype).expand(shape)
+    else:
+        filler = torch.full(shape, value, dtype=tensor.dtype, device=tensor.device)
+    return torch.cat([filler, tensor], dim=dim)
+
+
+def fill_embedding(embedding: torch.nn.Module, token_id: int, like: torch.Tensor) -> torch.Tensor:
+    """
+    What a pad position of `inputs_embeds` holds: the input embedding of `token_id` (the pad token), `[H]`, detached,
+    in the dtype and on the device of the embeddings `like` (`[B, S, H]`) it pads, as the user's own are.
+
+    Args:
+        embedding (`torch.nn.Module`): the model's input embedding (`model.get_input_embeddings()`).
+        token_id (`int`): the id whose embedding fills the pads.
+        like (`torch.Tensor`): the embeddings the fill goes beside.
+    """
+    return embedding.weight[token_id].detach().to(device=like.device, dtype=like.dtype)

@@ -25,8 +25,7 @@ from ..kvcache.windows import set_window
 from ..upstream import transformers_api
 from ..upstream.transformers_api import cache_argument, cache_seq_length
 from .hook_registry import hook
-from .padding import fill_embedding
-from .plan import Plan
+from .plan import Plan, fill_embedding
 
 
 logger = logging.get_logger(__name__)

@@ -2,7 +2,7 @@
 
 `generate` binds its arguments as upstream's `generate` binds them, takes the bucket fields out, resolves the settings
 (`settings.py`), reads the cache it passes (`kvcache.record.PassedCache`), and finds the prompt. The support decision and the
-side (`decision.choose_side`), the plan (`planning.plan_call`) and the advice for an unbucketed call read the
+side (`decision.choose_side`), the plan (`plan.plan_call`) and the advice for an unbucketed call read the
 `ResolvedCall`; none digs into the keyword arguments again.
 """
 

@@ -18,7 +18,6 @@ from transformers.generation.streamers import BaseStreamer
 
 from ..upstream import transformers_api
 from .hook_registry import hook
-from .padding import strip_left
 from .settings import parameters_of
 
 
@@ -163,3 +162,10 @@ def _get_candidate_generator(plan, step):
     if plan.added_id_columns and transformers_api.is_prompt_lookup(generator):
         return UnpaddedPromptLookup(generator, plan.added_id_columns)
     return generator
+
+
+def strip_left(tensor: torch.Tensor, pad: int, dim: int = -1) -> torch.Tensor:
+    """Drops the first `pad` entries along `dim`: the inverse of `plan.left_pad`."""
+    if pad == 0:
+        return tensor
+    return tensor.narrow(dim, pad, tensor.shape[dim] - pad)
