@@ -37,7 +37,7 @@ The rest must live where it is, each for its reason:
   one call, and concurrent calls on one model (threads, tasks) must not see each other's;
 - torch's `recompile_limit` itself (raised by `call.budget.make_room` while calls need it, restored when none is in
   flight);
-- `call.hook_registry.HOOKS`: declarations, fixed at import, not state;
+- `call.hooks.HOOKS`: the table of hook declarations, a constant, not state;
 - checks of the installed torch and transformers, cached with `functools.cache` in `upstream/checks.py`
   (`torch_problems`, `aot_compile_problem`, `sliding_layer_problem`): facts of the code installed, which can't
   change in a process (`as_new_process` clears them too).

@@ -10,7 +10,8 @@ from transformers import GenerationConfig, LlamaForCausalLM, StaticCache
 
 import prefill_buckets
 from prefill_buckets.call import hooks, support
-from prefill_buckets.call.hook_registry import _ACTIVE_PLAN, HOOKS, hook_targets, make_hooked
+from prefill_buckets.call.hook_registry import _ACTIVE_PLAN, hook, hook_table, make_hooked
+from prefill_buckets.call.hooks import HOOKS, hook_targets
 from prefill_buckets.state import state_of
 
 from .tiny_models import CACHE, tiny_llama
@@ -33,6 +34,21 @@ class HookRegistryTest(unittest.TestCase):
                 documented.update(re.findall(r"`(\w+)`", line.split(": ")[0]))
         documented -= {"views", "prefill_right"}
         self.assertEqual(documented, set(HOOKS), "hooks.py's docstring lists the declared hooks")
+
+    def test_a_declaration_registers_nothing(self):
+        # `@hook` attaches the declaration; only `hook_table` (the one in `hooks.py`) makes a hook installed.
+        before = dict(HOOKS)
+
+        @hook("_prepare_generated_length", reads=("generation_config",))
+        def another(plan, step):
+            return step.call()
+
+        self.assertEqual(HOOKS, before)
+        self.assertEqual(another.hook.target, "_prepare_generated_length")
+        with self.assertRaisesRegex(RuntimeError, "Two hooks are declared for `_prepare_generated_length`"):
+            hook_table(HOOKS["_prepare_generated_length"].body, another)
+        with self.assertRaisesRegex(TypeError, "`print` is not declared as a hook"):
+            hook_table(print)
 
     def test_compat_checks_every_declared_target(self):
         # The check reads the declarations: a model class without any one hooked step raises, naming it.

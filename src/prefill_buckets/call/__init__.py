@@ -8,7 +8,8 @@
 4. Plan: `plan.plan_call` makes the frozen `Plan` (`plan.py`): the prompt padded in front, or on the right by the
    `_prefill` hook; the batch padded with dummy rows.
 5. Agree across ranks: `distributed.ranks_agree` (above: it is also the user's, for `rank_path`).
-6. Run upstream `generate`, hooked: `hooks.py` installs what `hook_registry.py` declares; the hooks live in `hooks.py`,
+6. Run upstream `generate`, hooked: `hooks.py` lists the hooks in one table (`HOOKS`) and installs it; each is
+   declared with `hook_registry.hook` where it is written, in `hooks.py`,
    `views.py` (what reads token content sees the ids without padding) and `prefill_right.py` (the right-padded
    prefill); what the call learns as it runs goes to `plan.run` (`plan.CallRun`). The cache (`kvcache/`, below this
    subpackage): its length (`sizing.py`), the windows its layers read (`windows.py`, with `ring.py` for

@@ -1,9 +1,10 @@
-"""The registry of hooks: the steps of upstream `generate` a bucketed call replaces on the model instance.
+"""The hook declarations: the steps of upstream `generate` a bucketed call replaces on the model instance.
 
-Each hook is declared once, where it is written, with `@hook(target, reads=..., positional=..., side=...)`. The
-declaration is the one list the package has: `bucketed_call` (`hooks.py`) installs `HOOKS`, `check_upstream` verifies
-each target's parameters (`hook_targets`), and the docs list is checked against it. A hook declared for one `side` is
-not entered by a call padded on the other: upstream's method runs as it is.
+Each hook is declared once, where it is written, with `@hook(target, reads=..., positional=..., side=...)`, which
+attaches its `Hook` to the function and registers nothing. `hooks.py` lists the hooked functions in one table
+(`hooks.HOOKS`, made with `hook_table`): the one list the package has, which `bucketed_call` installs,
+`check_upstream` verifies (`hooks.hook_targets`), and the docs list is checked against. A hook declared for one `side`
+is not entered by a call padded on the other: upstream's method runs as it is.
 
 A hook body gets the call's plan and the step's arguments (`StepArguments`), reads and changes them by name, and runs
 upstream's method with `step.call()`. The arguments reach that method in the form upstream passed them (by position
@@ -46,26 +47,30 @@ class Hook:
     side: str | None = None
 
 
-HOOKS: dict[str, Hook] = {}
-
-
 def hook(target: str, *, reads: tuple[str, ...], positional: bool = False, side: str | None = None):
-    """Declares the decorated `body(plan, step)` as the hook of `target` (see `Hook`)."""
+    """Declares the decorated `body(plan, step)` as the hook of `target` (see `Hook`): sets `body.hook`, nothing else."""
 
-    def register(body):
-        if target in HOOKS:
-            raise RuntimeError(
-                f"Two hooks are declared for `{target}`: `{HOOKS[target].body.__name__}` and `{body.__name__}`."
-            )
-        HOOKS[target] = Hook(target, body, tuple(reads), positional, side)
+    def declare(body):
+        body.hook = Hook(target, body, tuple(reads), positional, side)
         return body
 
-    return register
+    return declare
 
 
-def hook_targets() -> dict[str, tuple[tuple[str, ...], bool]]:
-    """`{target: (reads, positional)}` of every declared hook: what `check_upstream` verifies."""
-    return {name: (entry.reads, entry.positional) for name, entry in HOOKS.items()}
+def hook_table(*bodies: Callable) -> dict[str, Hook]:
+    """`{target: Hook}` of the functions `bodies`, each declared with `@hook`; raises when two hook one target."""
+    table = {}
+    for body in bodies:
+        declared = getattr(body, "hook", None)
+        if not isinstance(declared, Hook):
+            raise TypeError(f"`{body.__name__}` is not declared as a hook: decorate it with `@hook(target, ...)`.")
+        if declared.target in table:
+            raise RuntimeError(
+                f"Two hooks are declared for `{declared.target}`: `{table[declared.target].body.__name__}` and "
+                f"`{body.__name__}`."
+            )
+        table[declared.target] = declared
+    return table
 
 
 def active_plan(model):

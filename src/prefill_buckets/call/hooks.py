@@ -1,5 +1,6 @@
 """The hooks of a bucketed call on the model instance, and their installation: the steps of upstream `generate` that
-must see through the padding. Each is declared with `@hook` (`hook_registry.py`), the one list:
+must see through the padding. Each is declared with `@hook` (`hook_registry.py`) where it is written, and listed in
+`HOOKS`, the one table of them, made here:
 
 - `_prepare_generated_length`: `max_length` / `min_length` are resolved against the *unpadded* prompt, then shifted
   by the padding, so they keep their meaning.
@@ -39,16 +40,14 @@ from ..kvcache.windows import close_windows, has_windows, open_windows, set_wind
 from ..state import LOCK, PROCESS, state_of
 from ..upstream import torch_api, transformers_api, versions
 from ..upstream.transformers_api import cache_seq_length
-from . import prefill_right, views  # noqa: F401  (they declare the hooks of their own steps)
+from . import prefill_right, views
 from .budget import budget_of, restore_recompile_limit, restore_user_recompile_limits
-from .hook_registry import _ACTIVE_PLAN, HOOKS, hook, hook_targets, make_hooked, wraps
+from .hook_registry import _ACTIVE_PLAN, hook, hook_table, make_hooked, wraps
 from .plan import PER_TOKEN_KWARGS
 from .views import strip_left
 
 
 logger = logging.get_logger(__name__)
-
-__all__ = ["HOOKS", "bucketed_call", "hook_targets"]  # with every hook declared: this module imports them all
 
 # True while a bucketed call builds its 4D masks: the mask is then always a tensor, never SDPA's `is_causal` skip.
 _MATERIALIZE_SDPA_MASK: contextvars.ContextVar[bool] = contextvars.ContextVar("prefill_buckets_mask", default=False)
@@ -201,7 +200,7 @@ def _window_of(plan, tokens: int, cache_length: int) -> int | None:
 
 
 @hook("prepare_inputs_for_generation", reads=("input_ids", "attention_mask", "inputs_embeds"))
-def _prepare_inputs_for_generation(plan, step):
+def prepare_inputs_for_generation(plan, step):
     input_ids = step["input_ids"]
     tokens = sequence_length(input_ids, step.kwargs)  # what the cache holds after this forward
     if plan.right is not None:  # decode as upstream decodes an unpadded prompt: its graph is shared with those calls
@@ -295,7 +294,7 @@ def _sdpa_mask_skip(original):
 
 
 @hook("get_compiled_call", reads=("compile_config",))
-def _get_compiled_call(plan, step):
+def get_compiled_call(plan, step):
     model = plan.model
     if is_aot_forward(model):
         # Its graphs are compiled already: compiling `__call__` around them would only trace it again per shape.
@@ -309,6 +308,25 @@ def _get_compiled_call(plan, step):
     if compiled == model.__call__:
         return compiled
     return EagerFallback(model, compiled, model.__call__)
+
+
+# The hooked steps of upstream `generate`, the one table of them: what `bucketed_call` installs, `check_upstream`
+# verifies (`hook_targets`) and the module docstring lists.
+HOOKS = hook_table(
+    _prepare_generated_length,
+    _prepare_cache_for_generation,
+    views.get_logits_processor,
+    views.get_stopping_criteria,
+    views.get_candidate_generator,
+    get_compiled_call,
+    prepare_inputs_for_generation,
+    prefill_right.prefill_right,
+)
+
+
+def hook_targets() -> dict[str, tuple[tuple[str, ...], bool]]:
+    """`{target: (reads, positional)}` of every hook in `HOOKS`: what `check_upstream` verifies."""
+    return {name: (entry.reads, entry.positional) for name, entry in HOOKS.items()}
 
 
 def _install_fallbacks(model) -> dict:

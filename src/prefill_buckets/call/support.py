@@ -1,7 +1,7 @@
 """Step 2 of a call, check support: the version gate (`upstream/gate.py`), asked with what the call path knows.
 
 `check_upstream(model_class=..., *, generate)` is `gate.check_upstream` given the hook targets the call path declares
-(`hooks.hook_targets`: `hooks` imports every module that declares a hook) and the verdicts `state.PROCESS` keeps. It
+(`hooks.hook_targets`: the targets of `hooks.HOOKS`, the one table of hooks) and the verdicts `state.PROCESS` keeps. It
 is a `functools.partial`, not a function of its own, so a bucketed call enters no module for it
 (`tests/generation/test_call_modules.py` counts them).
 """

@@ -121,7 +121,7 @@ def _skips_left_padding(processor, user_processors) -> bool:
 
 
 @hook("_get_logits_processor", reads=("generation_config", "logits_processor"), side="left")
-def _get_logits_processor(plan, step):
+def get_logits_processor(plan, step):
     processors = step.call()
     if plan.added_id_columns == 0:
         return processors
@@ -147,7 +147,7 @@ def _padded_criterion(criterion, added: int):
 
 
 @hook("_get_stopping_criteria", reads=("generation_config", "stopping_criteria"), side="left")
-def _get_stopping_criteria(plan, step):
+def get_stopping_criteria(plan, step):
     criteria = step.call()
     if plan.added_id_columns == 0:
         return criteria
@@ -155,7 +155,7 @@ def _get_stopping_criteria(plan, step):
 
 
 @hook("_get_candidate_generator", reads=("generation_config",), side="left")
-def _get_candidate_generator(plan, step):
+def get_candidate_generator(plan, step):
     generator = step.call()
     # Its candidates come from the ids' content: with the padding in front, a match could start in it. An assistant
     # model's candidates come from a forward with the attention mask, which hides the padding.

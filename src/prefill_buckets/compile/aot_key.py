@@ -32,7 +32,7 @@ What the package sets on instances while a bucketed call runs, and how each is c
 | a cache layer | `window` (full-attention layers, `kvcache/windows.py`) | yes: a value guard, saved | the key and the guards |
 | a cache layer | `cumulative_length` (a tensor, written in place) | yes, as data: no guard | - |
 | a cache layer | `overflow` (sliding-window rings, `kvcache/ring.py`) | only a forward that builds its mask (a right-padded prefill, where it is 0): a value guard, saved | the guards |
-| the model | the hooks (`hook_registry.HOOKS`), `forward`, `_prefill_buckets_state` | no | - |
+| the model | the hooks (`call.hooks.HOOKS`), `forward`, `_prefill_buckets_state` | no | - |
 | `transformers.masking_utils` | `_ignore_causal_mask_sdpa` (a global) | yes: upstream's own while compiling | the code |
 
 A new state is one line: a field of `DispatchKey` and the value it takes in `dispatch_key`.
