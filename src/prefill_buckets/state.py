@@ -40,7 +40,9 @@ The rest must live where it is, each for its reason:
 - `call.hooks.HOOKS`: the table of hook declarations, a constant, not state;
 - checks of the installed torch and transformers, cached with `functools.cache` in `upstream/checks.py`
   (`torch_problems`, `aot_compile_problem`, `sliding_layer_problem`): facts of the code installed, which can't
-  change in a process (`as_new_process` clears them too).
+  change in a process (`as_new_process` clears them too);
+- the bucket fields' policies, validated once per distinct value (`call.settings.bucketing_of`, a `functools.lru_cache`
+  of a pure function of the values).
 """
 
 import threading
@@ -70,6 +72,9 @@ class ModelState:
     # Bucketed calls in flight on the model, and what their hooks replaced (restored when the last one returns).
     calls_in_flight: int = 0
     replaced: dict[str, Any] = field(default_factory=dict)
+    # The hooked methods installed on the model, made once (`hooks._hooked`): by target, `(hook, the function it
+    # replaces, the hooked method)`.
+    hooked: dict[str, tuple] = field(default_factory=dict)
     # Per compiled callable: the input signatures that ran compiled, and those that fell back to eager.
     fallback_shapes: "weakref.WeakKeyDictionary[Any, dict[str, set]]" = field(
         default_factory=weakref.WeakKeyDictionary

@@ -1,9 +1,11 @@
 # The one hook registry (`hook_registry.py`): the declarations are what is installed, checked and documented, and a
 # hook passes the step's arguments on as upstream passed them, keywords it doesn't know included.
 
+import copy
 import re
 import unittest
 from types import SimpleNamespace
+from unittest import mock
 
 import torch
 from transformers import GenerationConfig, LlamaForCausalLM, StaticCache
@@ -108,6 +110,36 @@ class HookRegistryTest(unittest.TestCase):
             prefill_buckets.generate(model, torch.ones(1, 5, dtype=torch.long), max_new_tokens=2, prefill_buckets=[8])
         self.assertEqual(state_of(model).calls_in_flight, 0)
         self.assertFalse(any(name in model.__dict__ for name in HOOKS if name != "_get_logits_processor"))
+
+
+class HookedMethodsTest(unittest.TestCase):
+    # The hooked methods are made once per model, and a deep copy of a model (whose state holds its original's) runs
+    # its own methods, not its original's.
+    def call(self, model):
+        prompt = torch.arange(5, 12).unsqueeze(0)
+        return prefill_buckets.generate(
+            model, prompt, max_new_tokens=4, do_sample=False, prefill_buckets=[16], cache_implementation="static"
+        )
+
+    def test_made_once_per_model(self):
+        model = tiny_llama()
+        self.call(model)
+        with mock.patch.object(hooks, "make_hooked", wraps=hooks.make_hooked) as made:
+            self.call(model)
+        self.assertEqual(made.call_count, 0)
+
+    def test_a_deep_copy_runs_its_own_methods(self):
+        model = tiny_llama()
+        original = self.call(model)
+        copied = copy.deepcopy(model)
+        with torch.no_grad():
+            for parameter in copied.parameters():
+                parameter.mul_(1.5)
+        expected = copied.generate(
+            torch.arange(5, 12).unsqueeze(0), max_new_tokens=4, do_sample=False, cache_implementation="static"
+        )
+        self.assertFalse(torch.equal(expected, original))  # the copy's weights give other tokens
+        self.assertEqual(self.call(copied).tolist(), expected.tolist())
 
 
 class CacheRecordTest(unittest.TestCase):

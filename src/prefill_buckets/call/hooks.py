@@ -364,13 +364,30 @@ def _install(model, state) -> None:
                 "hook for the duration of the call. Set it on a subclass instead."
             )
         for name, entry in HOOKS.items():  # every target exists: `check_upstream` ran
-            object.__setattr__(model, name, make_hooked(entry, getattr(model, name), model))
+            object.__setattr__(model, name, _hooked(model, state, entry, getattr(model, name)))
         state.replaced = _install_fallbacks(model)
     if PROCESS.calls_in_flight == 0:
         PROCESS.sdpa_skip_original = transformers_api.get_sdpa_mask_skip()
         transformers_api.set_sdpa_mask_skip(_sdpa_mask_skip(PROCESS.sdpa_skip_original))
     PROCESS.calls_in_flight += 1
     state.calls_in_flight += 1
+
+
+def _hooked(model, state, entry, original):
+    """
+    `make_hooked(entry, original, model)`, made once per model and reused while it replaces the same function bound
+    to the same model (a class whose method is replaced later gets a new one, and so does a deep copy of the model,
+    whose state holds its original's).
+    """
+    function = getattr(original, "__func__", original)
+    made = state.hooked.get(entry.target)
+    if made is not None and made[0] is entry and made[1] is function:
+        bound_to = getattr(made[2].__wrapped__, "__self__", None)  # a deep copy's state holds its original's
+        if bound_to is model:
+            return made[2]
+    hooked = make_hooked(entry, original, model)
+    state.hooked[entry.target] = (entry, function, hooked)
+    return hooked
 
 
 def _uninstall(model, state) -> None:

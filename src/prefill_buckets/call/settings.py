@@ -6,6 +6,7 @@ from a cache a bucketed call filled, and sets no bucket field itself, takes the 
 (`call_sets_fields`), so a conversation stays bucketed without repeating them.
 """
 
+import functools
 import inspect
 import weakref
 from dataclasses import dataclass
@@ -35,6 +36,47 @@ def resolve(name: str, kwargs: dict, generation_config: GenerationConfig | None,
 def resolve_fields(model, generation_config: GenerationConfig | None, field_kwargs: dict) -> dict[str, Any]:
     """The bucket fields' values for one call, by name."""
     return {field: resolve(field, field_kwargs, generation_config, model) for field in FIELDS}
+
+
+def bucketing_of(fields: dict[str, Any]) -> tuple[BucketPolicy | None, BucketPolicy | None, str]:
+    """
+    `(policy, batch policy, padding side)` of the bucket fields' values (`resolve_fields`), validated: raises
+    `ValueError` naming an invalid field. Values of plain types (ints, strings, `None`, and lists or tuples of them) are
+    validated once per process and their policies reused, as every call of a workload passes the same fields.
+    """
+    key = tuple(_typed(fields[field]) for field in FIELDS)
+    if _UNKEYED in key:  # a value of another type (a tensor, a subclass): validated on every call
+        return _bucketing(fields)
+    return _bucketing_of_key(key)
+
+
+_UNKEYED = object()
+_PLAIN = (int, str, bool, type(None))
+
+
+def _typed(value):
+    """A hashable key that tells `value` from every value of another type (`True` from `1`), or `_UNKEYED`."""
+    if type(value) in _PLAIN:
+        return type(value), value
+    if type(value) in (list, tuple) and all(type(item) in _PLAIN for item in value):
+        return type(value), tuple((type(item), item) for item in value)
+    return _UNKEYED
+
+
+def _untyped(key):
+    """The value `_typed` made `key` of (a list or tuple anew, so the policies hold no list of the user's)."""
+    kind, value = key
+    return kind(_untyped(item) for item in value) if kind in (list, tuple) else value
+
+
+@functools.lru_cache(maxsize=64)
+def _bucketing_of_key(key: tuple):
+    """`_bucketing` of the fields whose typed values are `key` (in `FIELDS` order): validated once per key."""
+    return _bucketing({field: _untyped(typed) for field, typed in zip(FIELDS, key)})
+
+
+def _bucketing(fields: dict[str, Any]):
+    return policy_from_fields(**fields), batch_policy_from_fields(**fields), padding_side_from_fields(**fields)
 
 
 def call_sets_fields(generation_config: GenerationConfig | None, field_kwargs: dict) -> bool:
@@ -177,11 +219,12 @@ def resolve_settings(
     def value(name):
         return resolve(name, model_kwargs, generation_config, model)
 
+    policy, batch_policy, padding_side = bucketing_of(fields)
     pad_token_ids = _token_ids(value("pad_token_id"))
     bos_token_ids = _token_ids(value("bos_token_id"))
     return CallSettings(
-        policy=policy_from_fields(**fields),
-        batch_policy=batch_policy_from_fields(**fields),
+        policy=policy,
+        batch_policy=batch_policy,
         pad_token_id=pad_token_ids[0] if pad_token_ids else None,
         eos_token_ids=_token_ids(value("eos_token_id")),
         bos_token_id=bos_token_ids[0] if bos_token_ids else None,
@@ -191,7 +234,7 @@ def resolve_settings(
         stop_strings=value("stop_strings"),
         vocab_size=vocabulary_size(model),
         max_positions=max_positions(model),
-        padding_side=padding_side_from_fields(**fields),
+        padding_side=padding_side,
         prefill_chunk_size=value("prefill_chunk_size"),
         max_cache_len=value("max_cache_len"),
         use_cache=value("use_cache") is not False,
