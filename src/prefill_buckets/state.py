@@ -90,6 +90,9 @@ class ModelState:
     side_assumptions: dict[str, str | None] = field(default_factory=dict)
     # Ragged right padding: whether that cache has sliding-window layers, by slots.
     ragged_sliding_layers: dict[int, bool] = field(default_factory=dict)
+    # The tensors of the static cache the last finished call made and did not hand back, for the next call's cache
+    # (`kvcache.sizing.keep_storage`; `None`: none kept). Allocated once per workload, not per call.
+    kept_cache_storage: Any = None
     # On a `torch.compile(model)` wrapper: the wrapped module's call compiled by the wrapper, and its users.
     wrapper_compiled_call: Any = None
     wrapper_users: int = 0

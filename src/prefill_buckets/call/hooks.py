@@ -108,6 +108,8 @@ def _prepare_cache_for_generation(plan, step):
         # The cache is made. Unset again, so configs derived from this one (an assistant model's) don't inherit it.
         generation_config.max_cache_len = None
     cache = passed_cache(model_kwargs)
+    if creates_static:
+        plan.run.made_cache = cache
     _learn_cache(plan, cache)
     rows = step["batch_size"] * max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
     _learn_compilation(plan, model_kwargs, generation_config)
@@ -249,7 +251,8 @@ def _before_forward(plan, model_inputs: dict, tokens: int) -> None:
       every forward of the prompt, and before the first decode step (upstream lowers it before a chunked prefill, on
       transformers < 5.23; nothing does between decode steps);
     - notes the window a decode step (a 1-token forward) reads, for the budget (`check_compiled`): the windows calls
-      reach, not those they were predicted to reach (a call that stops at eos reads fewer).
+      reach, not those they were predicted to reach (a call that stops at eos reads fewer);
+    - notes the slots the cache holds after it, which the next call's cache zeroes before it takes the tensors.
     """
     new_tokens = model_inputs.get("input_ids")
     if new_tokens is None:
@@ -258,6 +261,7 @@ def _before_forward(plan, model_inputs: dict, tokens: int) -> None:
     if not (decode and plan.run.decoding):
         restore_recompile_limit(plan.run.recompile_limit)
     plan.run.decoding = decode
+    plan.run.slots_written = max(plan.run.slots_written, tokens)
     if decode:
         plan.run.decode_windows_read.add(_window_of(plan, tokens, plan.run.static_cache_length))
 

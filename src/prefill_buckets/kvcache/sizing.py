@@ -26,20 +26,33 @@ attention module holds (`held_kv_shapes`, read from its own projections, never t
 upstream predicts from the config. A config may misstate them (multi-query Falcon and GPT-BigCode, a GPT-NeoX config
 with an unused `num_key_value_heads`).
 
+Upstream makes a new static cache for every call, and allocating it costs time in proportion to its slots (fresh
+memory is zeroed page by page: about 100 ms for SmolLM2's 8,192 slots on a 2-core CPU, where a prefill of 300 tokens
+takes 500 ms). So the cache is allocated once per workload, as the slots-cost-no-time rule assumes: a finished call
+that made its cache and did not hand it back leaves its tensors on the model (`keep_storage`), and the next call's
+cache of the same shape takes them (`early_initialize`), with the slots the last call wrote zeroed, so the cache holds
+what a new one would.
+
 `settings` arguments are the call's `call.settings.CallSettings` (read by attribute: this package sits below `call/`).
 """
+
+from dataclasses import dataclass
 
 import torch
 from transformers.utils import logging
 
 from ..buckets import BucketPolicy, is_positive_int, round_up
 from ..config import PREFILL_BUCKETS
-from ..state import state_of
+from ..state import LOCK, state_of
 from ..upstream.torch_api import submodule
 from ..upstream.transformers_api import (
+    holds_static_storage,
+    initializing_without_storage,
     is_static_cache,
+    layer_storage,
     lazy_static_cache,
     previous_max_cache_length,
+    set_layer_storage,
     sliding_window_slots,
     static_cache_init_shape,
     static_cache_slots,
@@ -197,9 +210,63 @@ def early_initialize(model, cache, rows: int) -> None:
     num_heads, head_dim = shape
     if not _shape_is_held(model, cache, num_heads, head_dim):
         return
-    cache.early_initialization(
-        batch_size=rows, num_heads=num_heads, head_dim=head_dim, dtype=model.dtype, device=model.device
-    )
+    kept = _take_storage(model, cache, rows, num_heads, head_dim)
+    arguments = {"batch_size": rows, "num_heads": num_heads, "head_dim": head_dim, "dtype": model.dtype}
+    if kept is None:
+        cache.early_initialization(**arguments, device=model.device)
+        return
+    with initializing_without_storage(cache.layers):
+        cache.early_initialization(**arguments, device=model.device)
+    for layer, (keys, values) in zip(cache.layers, kept.tensors):
+        keys[:, :, : kept.written].zero_()  # what the last call wrote: the cache holds what a new one would
+        values[:, :, : kept.written].zero_()
+        set_layer_storage(layer, keys, values)
+
+
+@dataclass(frozen=True)
+class KeptStorage:
+    """The tensors of a static cache a finished call made and did not hand back (`keep_storage`)."""
+
+    tensors: tuple  # per layer `(keys, values)`, `[rows, heads, slots, head_dim]`
+    written: int  # the slots, from the first, that the call may have written: zeroed before a cache takes them
+
+
+def keep_storage(model, cache, written: int) -> None:
+    """
+    Keeps the tensors of `cache` on `model` for the next call's cache (`early_initialize`): a static cache a finished
+    call made, which it did not hand back, and of which it wrote at most the first `written` slots. One cache's tensors
+    are kept per model (the last call's); a cache the model holds itself, or one with layers of another kind, is not.
+    """
+    layers = cache.layers
+    if not layers or not all(holds_static_storage(layer) and layer.is_initialized for layer in layers):
+        return
+    if any(value is cache for value in vars(model).values()):
+        return  # the model keeps the cache object itself (a transformers that reuses it): it is not free
+    state_of(model).kept_cache_storage = KeptStorage(tuple(layer_storage(layer) for layer in layers), written)
+
+
+def _take_storage(model, cache, rows: int, num_heads, head_dim) -> KeptStorage | None:
+    """
+    The tensors kept on `model` (`keep_storage`), taken, when they fit every layer of `cache` (lazily initialized),
+    for `rows` rows; else `None`, and tensors that don't fit are dropped (the cache grew, the batch changed).
+    """
+    state = state_of(model)
+    with LOCK:  # two calls in flight never take the same tensors
+        kept, state.kept_cache_storage = state.kept_cache_storage, None
+    layers = cache.layers
+    if kept is None or len(kept.tensors) != len(layers):
+        return None
+    heads = num_heads if isinstance(num_heads, list) else [num_heads] * len(layers)
+    dims = head_dim if isinstance(head_dim, list) else [head_dim] * len(layers)
+    device = torch.device(model.device)
+    for layer, (keys, values), layer_heads, layer_dim in zip(layers, kept.tensors, heads, dims):
+        shape = (rows, layer_heads, layer.max_cache_len, layer_dim)
+        fits = holds_static_storage(layer) and getattr(layer, "supports_early_init", True) and not layer.is_initialized
+        for tensor in (keys, values):
+            fits = fits and tuple(tensor.shape) == shape and tensor.dtype == model.dtype and tensor.device == device
+        if not fits:
+            return None
+    return kept
 
 
 def _shape_is_held(model, cache, num_heads, head_dim) -> bool:

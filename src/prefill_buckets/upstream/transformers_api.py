@@ -155,6 +155,41 @@ def sliding_window_slots(layer) -> int | None:
     return layer.max_cache_len if hasattr(layer, "cumulative_length_int") else None
 
 
+def holds_static_storage(layer) -> bool:
+    """
+    Whether `layer` keeps its tokens in the `keys` and `values` tensors `StaticLayer.lazy_initialization` allocates
+    (`[rows, heads, max_cache_len, head_dim]`): a full-attention or sliding-window static layer, windowed or a ring
+    while a call runs, and not a layer with state of another shape (linear attention).
+    """
+    return getattr(type(layer), "lazy_initialization", None) is StaticLayer.lazy_initialization
+
+
+def layer_storage(layer) -> tuple:
+    """`(keys, values)` of an initialized static layer."""
+    return layer.keys, layer.values
+
+
+@contextlib.contextmanager
+def initializing_without_storage(layers):
+    """
+    While upstream initializes `layers` (`early_initialization`), they have no slots: `lazy_initialization` sets every
+    attribute but allocates tensors of 0 slots, which `set_layer_storage` then replaces.
+    """
+    lengths = [layer.max_cache_len for layer in layers]
+    for layer in layers:
+        layer.max_cache_len = 0
+    try:
+        yield
+    finally:
+        for layer, length in zip(layers, lengths):
+            layer.max_cache_len = length
+
+
+def set_layer_storage(layer, keys, values) -> None:
+    """Gives an initialized static layer the tensors `keys` and `values` (of its shape, dtype and device)."""
+    layer.keys, layer.values = keys, values
+
+
 def set_static_cache_length(cache, length: int) -> None:
     """
     Every layer of a static cache now holds `length` tokens (the slots written after them are pads that the next

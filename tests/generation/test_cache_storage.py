@@ -1,0 +1,108 @@
+# The static cache allocated once per workload (`kvcache/sizing.py`: `keep_storage`, `early_initialize`): upstream makes
+# a new cache for every call, and allocating it costs time in proportion to its slots. A compiled bucketed call that
+# made its cache and did not hand it back leaves its tensors to the next call's cache.
+#
+# - Reuse: every call of a compiled workload (mixed lengths, both sides) runs on the same tensors, and its tokens are
+#   an unpadded eager run's.
+# - Zeroed: the slots a longer call wrote are zero again when a shorter call takes the tensors, as in a new cache.
+# - Not shared: a cache handed back (`return_dict_in_generate=True`) is never reused, nor a cache passed in; a change
+#   of batch size or cache length allocates anew; an eager call keeps nothing, as upstream.
+
+import unittest
+
+import torch
+from parameterized import parameterized
+from transformers import GenerationConfig, StaticCache
+
+import prefill_buckets
+from prefill_buckets import GraphCounter
+from prefill_buckets.state import state_of
+
+from .tiny_models import CACHE, tiny_llama
+
+
+NEW_TOKENS = 5
+
+
+def prompt(length: int, rows: int = 1) -> torch.Tensor:
+    return torch.randint(3, 128, (rows, length), generator=torch.Generator().manual_seed(length))
+
+
+def config(side: str, **kwargs) -> GenerationConfig:
+    fields = {"cache_implementation": "static", "prefill_buckets": [16, 32], "prefill_padding_side": side, **kwargs}
+    return GenerationConfig(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, **fields)
+
+
+def kept_keys(model):
+    """The first layer's keys the model keeps for the next call, or `None`."""
+    kept = state_of(model).kept_cache_storage
+    return kept.tensors[0][0] if kept is not None else None
+
+
+class CacheStorageTest(unittest.TestCase):
+    def setUp(self):
+        torch._dynamo.reset()
+        self.addCleanup(torch._dynamo.reset)
+        self.model = tiny_llama()
+        self.reference = tiny_llama()  # the same weights, eager, unbucketed
+        self.model.compile(backend=GraphCounter(), dynamic=False, fullgraph=True)
+
+    @parameterized.expand([("left",), ("right",)])
+    def test_a_workload_runs_on_one_allocation(self, side):
+        kept = []
+        for length in (30, 7, 20, 3, 12):
+            out = prefill_buckets.generate(self.model, prompt(length), generation_config=config(side))
+            expected = self.reference.generate(prompt(length), max_new_tokens=NEW_TOKENS, do_sample=False)
+            self.assertEqual(out.tolist(), expected.tolist())
+            kept.append(kept_keys(self.model))
+        self.assertIsNotNone(kept[0])
+        self.assertTrue(all(keys is kept[0] for keys in kept), "every call's cache had the first call's tensors")
+
+    @parameterized.expand([("left",), ("right",)])
+    def test_what_a_longer_call_wrote_is_zeroed(self, side):
+        prefill_buckets.generate(self.model, prompt(30), generation_config=config(side))
+        keys = kept_keys(self.model)
+        long_written = state_of(self.model).kept_cache_storage.written
+        self.assertGreater(long_written, 32)
+        prefill_buckets.generate(self.model, prompt(3), generation_config=config(side))
+        self.assertIs(kept_keys(self.model), keys)
+        short_written = state_of(self.model).kept_cache_storage.written
+        self.assertLess(short_written, long_written)
+        self.assertTrue(bool(keys[:, :, :short_written].any()), "the short call's tokens are in the cache")
+        self.assertFalse(bool(keys[:, :, short_written:].any()), "the longer call's slots are zero again")
+
+    def test_a_returned_cache_is_not_reused(self):
+        first = prefill_buckets.generate(
+            self.model, prompt(20), generation_config=config("right", return_dict_in_generate=True)
+        )
+        returned = first[CACHE].layers[0].keys
+        self.assertIsNone(kept_keys(self.model))
+        snapshot = returned.clone()
+        prefill_buckets.generate(self.model, prompt(7), generation_config=config("right"))
+        self.assertIsNot(kept_keys(self.model), returned)
+        self.assertTrue(torch.equal(returned, snapshot), "the returned cache is untouched")
+
+    def test_a_passed_cache_is_not_kept(self):
+        cache = StaticCache(config=self.model.config, max_cache_len=64)
+        prefill_buckets.generate(
+            self.model, prompt(7), generation_config=config("left", cache_implementation=None), **{CACHE: cache}
+        )
+        self.assertIsNone(kept_keys(self.model))
+
+    def test_another_batch_size_allocates_anew(self):
+        prefill_buckets.generate(self.model, prompt(7), generation_config=config("right"))
+        one_row = kept_keys(self.model)
+        out = prefill_buckets.generate(self.model, prompt(7, rows=2), generation_config=config("right"))
+        expected = self.reference.generate(prompt(7, rows=2), max_new_tokens=NEW_TOKENS, do_sample=False)
+        self.assertEqual(out.tolist(), expected.tolist())
+        self.assertEqual(kept_keys(self.model).shape[0], 2)
+        self.assertIsNot(kept_keys(self.model), one_row)
+
+    def test_an_eager_call_keeps_nothing(self):
+        model = tiny_llama()
+        prefill_buckets.generate(model, prompt(7), generation_config=config("right"))
+        self.assertIsNone(kept_keys(model))
+
+
+if __name__ == "__main__":
+    unittest.main()
