@@ -31,7 +31,13 @@ import contextvars
 import torch
 from transformers.utils import logging
 
-from ..compile.compiled_calls import EagerFallback, compiled_forward, is_aot_forward
+from ..compile.compiled_calls import (
+    EagerFallback,
+    compiled_forward,
+    install_fallbacks,
+    is_aot_forward,
+    remove_fallbacks,
+)
 from ..config import PREFILL_PAD_TO_MULTIPLE_OF, PREFILL_PADDING_SIDE
 from ..kvcache.attention_keys import key_layouts
 from ..kvcache.record import passed_cache, sequence_length
@@ -333,31 +339,6 @@ def hook_targets() -> dict[str, tuple[tuple[str, ...], bool]]:
     return {name: (entry.reads, entry.positional) for name, entry in HOOKS.items()}
 
 
-def _install_fallbacks(model) -> dict:
-    """
-    Wraps the user's compiled forward (`model.compile()`, or a compiled `forward`) in an `EagerFallback` for the
-    duration of bucketed calls. Returns what was replaced, for `_remove_fallbacks`.
-    """
-    replaced = {}
-    impl = torch_api.compiled_call_impl(model)
-    if impl is not None and not isinstance(impl, EagerFallback):
-        replaced["_compiled_call_impl"] = impl
-        torch_api.set_compiled_call_impl(model, EagerFallback(model, impl, torch_api.call_impl(model)))
-    forward = model.__dict__.get("forward")
-    eager_forward = torch_api.eager_callable(forward)
-    if eager_forward is not None and not isinstance(forward, EagerFallback):
-        replaced["forward"] = forward
-        object.__setattr__(model, "forward", EagerFallback(model, forward, eager_forward))
-    return replaced
-
-
-def _remove_fallbacks(model, replaced: dict) -> None:
-    for name, original in replaced.items():
-        current = model.__dict__.get(name)
-        if isinstance(current, EagerFallback) and current.compiled is original:  # else the user has set another
-            object.__setattr__(model, name, original)
-
-
 def _install(model, state) -> None:
     """Installs the hooks and fallbacks on `model` for its first call in flight (under `LOCK`); raises before any."""
     if state.calls_in_flight == 0:
@@ -369,7 +350,7 @@ def _install(model, state) -> None:
             )
         for name, entry in HOOKS.items():  # every target exists: `check_upstream` ran
             object.__setattr__(model, name, _hooked(model, state, entry, getattr(model, name)))
-        state.replaced = _install_fallbacks(model)
+        state.replaced = install_fallbacks(model)
     if PROCESS.calls_in_flight == 0:
         PROCESS.sdpa_skip_original = transformers_api.get_sdpa_mask_skip()
         transformers_api.set_sdpa_mask_skip(_sdpa_mask_skip(PROCESS.sdpa_skip_original))
@@ -400,7 +381,7 @@ def _uninstall(model, state) -> None:
     if state.calls_in_flight == 0:
         for name in HOOKS:
             model.__dict__.pop(name, None)
-        _remove_fallbacks(model, state.replaced)
+        remove_fallbacks(model, state.replaced)
         state.replaced = {}
     PROCESS.calls_in_flight -= 1
     if PROCESS.calls_in_flight == 0:

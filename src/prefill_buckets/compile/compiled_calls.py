@@ -3,7 +3,8 @@
 - `GraphCounter`: a `torch.compile` backend that counts the graphs it compiles and the calls that run them;
 - `compiled_forward`: how the user compiled a model's forward; `is_aot_forward`: whether it is an `aot_forward`'s;
 - `compiled_wrapper_forward`: a `torch.compile(model)` wrapper's compiler around the wrapped module's call;
-- `EagerFallback`: a compiled forward that runs eagerly for the input shapes its backend fails on.
+- `EagerFallback`: a compiled forward that runs eagerly for the input shapes its backend fails on, put around the
+  user's compiled forward while bucketed calls run (`install_fallbacks`, `remove_fallbacks`).
 
 The call path (`call/`) runs the user's compiled forward through this module, so, unlike the rest of `compile/`, it sits
 below `call/` and imports nothing of it. `aot_forward.AOTForward` derives from `AheadOfTimeForward`, defined here, so
@@ -192,6 +193,31 @@ class EagerFallback:
             return self.eager(*args, **kwargs)
         state["compiled"].add(signature)
         return output
+
+
+def install_fallbacks(model) -> dict:
+    """
+    Wraps the user's compiled forward (`model.compile()`, or a compiled `forward`) in an `EagerFallback` for the
+    duration of bucketed calls. Returns what was replaced, for `remove_fallbacks`.
+    """
+    replaced = {}
+    impl = torch_api.compiled_call_impl(model)
+    if impl is not None and not isinstance(impl, EagerFallback):
+        replaced["_compiled_call_impl"] = impl
+        torch_api.set_compiled_call_impl(model, EagerFallback(model, impl, torch_api.call_impl(model)))
+    forward = model.__dict__.get("forward")
+    eager_forward = torch_api.eager_callable(forward)
+    if eager_forward is not None and not isinstance(forward, EagerFallback):
+        replaced["forward"] = forward
+        object.__setattr__(model, "forward", EagerFallback(model, forward, eager_forward))
+    return replaced
+
+
+def remove_fallbacks(model, replaced: dict) -> None:
+    for name, original in replaced.items():
+        current = model.__dict__.get(name)
+        if isinstance(current, EagerFallback) and current.compiled is original:  # else the user has set another
+            object.__setattr__(model, name, original)
 
 
 def _fallback_shapes(model, compiled) -> dict:
