@@ -34,7 +34,8 @@ NEWEST_PYTHON := $(NEWEST_VENV)/bin/python
 NEWEST_CONSTRAINTS := constraints/newest.txt
 RANGE_TESTS := tests/generation/test_equivalence.py tests/generation/test_compile_counts.py \
 	tests/generation/test_windows.py tests/generation/test_sliding.py tests/generation/test_aot_compiled.py \
-	tests/generation/test_bounded.py tests/generation/test_compat.py tests/generation/test_env.py
+	tests/generation/test_bounded.py tests/generation/test_compat.py tests/generation/test_env.py \
+	tests/generation/test_cache_storage.py
 OLDEST_TESTS := $(RANGE_TESTS) tests/generation/test_robustness.py tests/generation/test_arch_sweep.py
 
 # Every test run spreads its tests over TEST_WORKERS processes (pytest-xdist), a test class (or a module's functions)
