@@ -240,7 +240,7 @@ def keep_storage(model, cache, written: int) -> None:
     layers = cache.layers
     if not layers or not all(holds_static_storage(layer) and layer.is_initialized for layer in layers):
         return
-    if any(value is cache for value in vars(model).values()):
+    if id(cache) in {id(value) for value in vars(model).values()}:
         return  # the model keeps the cache object itself (a transformers that reuses it): it is not free
     state_of(model).kept_cache_storage = KeptStorage(tuple(layer_storage(layer) for layer in layers), written)
 
