@@ -72,7 +72,7 @@ class ModelState:
     # Bucketed calls in flight on the model, and what their hooks replaced (restored when the last one returns).
     calls_in_flight: int = 0
     replaced: dict[str, Any] = field(default_factory=dict)
-    # The hooked methods installed on the model, made once (`hooks._hooked`): by target, `(hook, the function it
+    # The hooked methods installed on the model, made once (`hook_registry.hooked_method`): by target, `(hook, the function it
     # replaces, the hooked method)`.
     hooked: dict[str, tuple] = field(default_factory=dict)
     # Per compiled callable: the input signatures that ran compiled, and those that fell back to eager.

@@ -11,7 +11,7 @@ import torch
 from transformers import GenerationConfig, LlamaForCausalLM, StaticCache
 
 import prefill_buckets
-from prefill_buckets.call import hooks, support
+from prefill_buckets.call import hook_registry, hooks, support
 from prefill_buckets.call.hook_registry import _ACTIVE_PLAN, hook, hook_table, make_hooked
 from prefill_buckets.call.hooks import HOOKS, hook_targets
 from prefill_buckets.state import state_of
@@ -124,7 +124,7 @@ class HookedMethodsTest(unittest.TestCase):
     def test_made_once_per_model(self):
         model = tiny_llama()
         self.call(model)
-        with mock.patch.object(hooks, "make_hooked", wraps=hooks.make_hooked) as made:
+        with mock.patch.object(hook_registry, "make_hooked", wraps=hook_registry.make_hooked) as made:
             self.call(model)
         self.assertEqual(made.call_count, 0)
 

@@ -143,6 +143,23 @@ def make_hooked(entry: Hook, original: Callable, model) -> Callable:
     return wraps(hooked, original)
 
 
+def hooked_method(model, state, entry: Hook, original: Callable) -> Callable:
+    """
+    `make_hooked(entry, original, model)`, made once per model (kept in its `state.hooked`) and reused while it
+    replaces the same function bound to the same model (a class whose method is replaced later gets a new one, and so
+    does a deep copy of the model, whose state holds its original's).
+    """
+    function = getattr(original, "__func__", original)
+    made = state.hooked.get(entry.target)
+    if made is not None and made[0] is entry and made[1] is function:
+        bound_to = getattr(made[2].__wrapped__, "__self__", None)  # a deep copy's state holds its original's
+        if bound_to is model:
+            return made[2]
+    hooked = make_hooked(entry, original, model)
+    state.hooked[entry.target] = (entry, function, hooked)
+    return hooked
+
+
 def wraps(wrapper: Callable, wrapped: Callable) -> Callable:
     """
     `functools.update_wrapper(wrapper, wrapped)`, at a fraction of its cost (a bucketed call installs a wrapper per

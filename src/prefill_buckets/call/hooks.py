@@ -48,7 +48,7 @@ from ..upstream import torch_api, transformers_api, versions
 from ..upstream.transformers_api import cache_seq_length
 from . import prefill_right, views
 from .budget import budget_of, restore_recompile_limit, restore_user_recompile_limits
-from .hook_registry import _ACTIVE_PLAN, hook, hook_table, make_hooked, wraps
+from .hook_registry import _ACTIVE_PLAN, hook, hook_table, hooked_method, wraps
 from .plan import PER_TOKEN_KWARGS
 from .views import strip_left
 
@@ -349,30 +349,13 @@ def _install(model, state) -> None:
                 "hook for the duration of the call. Set it on a subclass instead."
             )
         for name, entry in HOOKS.items():  # every target exists: `check_upstream` ran
-            object.__setattr__(model, name, _hooked(model, state, entry, getattr(model, name)))
+            object.__setattr__(model, name, hooked_method(model, state, entry, getattr(model, name)))
         state.replaced = install_fallbacks(model)
     if PROCESS.calls_in_flight == 0:
         PROCESS.sdpa_skip_original = transformers_api.get_sdpa_mask_skip()
         transformers_api.set_sdpa_mask_skip(_sdpa_mask_skip(PROCESS.sdpa_skip_original))
     PROCESS.calls_in_flight += 1
     state.calls_in_flight += 1
-
-
-def _hooked(model, state, entry, original):
-    """
-    `make_hooked(entry, original, model)`, made once per model and reused while it replaces the same function bound
-    to the same model (a class whose method is replaced later gets a new one, and so does a deep copy of the model,
-    whose state holds its original's).
-    """
-    function = getattr(original, "__func__", original)
-    made = state.hooked.get(entry.target)
-    if made is not None and made[0] is entry and made[1] is function:
-        bound_to = getattr(made[2].__wrapped__, "__self__", None)  # a deep copy's state holds its original's
-        if bound_to is model:
-            return made[2]
-    hooked = make_hooked(entry, original, model)
-    state.hooked[entry.target] = (entry, function, hooked)
-    return hooked
 
 
 def _uninstall(model, state) -> None:
