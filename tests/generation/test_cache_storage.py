@@ -5,6 +5,7 @@
 # - Reuse: every call of a compiled workload (mixed lengths, both sides) runs on the same tensors, and its tokens are
 #   an unpadded eager run's.
 # - Zeroed: the slots a longer call wrote are zero again when a shorter call takes the tensors, as in a new cache.
+# - Conversations and several models: a chat's own cache beside one-off calls, two models each with their own.
 # - Not shared: a cache handed back (`return_dict_in_generate=True`) is never reused, nor a cache passed in; a change
 #   of batch size or cache length allocates anew; an eager call keeps nothing, as upstream.
 
@@ -97,6 +98,38 @@ class CacheStorageTest(unittest.TestCase):
         self.assertEqual(out.tolist(), expected.tolist())
         self.assertEqual(kept_keys(self.model).shape[0], 2)
         self.assertIsNot(kept_keys(self.model), one_row)
+
+    def test_a_conversation_beside_one_off_calls(self):
+        # A chat passes its returned cache back each turn (never reused); one-off calls between the turns reuse the
+        # kept tensors. Every turn equals upstream's run on the whole conversation.
+        sequence = prompt(7)
+        cache = None
+        for turn in range(4):
+            passed = {} if cache is None else {CACHE: cache, "cache_implementation": None}
+            out = prefill_buckets.generate(
+                self.model, sequence, generation_config=config("left", return_dict_in_generate=True), **passed
+            )
+            cache = out[CACHE]
+            expected = self.reference.generate(sequence, max_new_tokens=NEW_TOKENS, do_sample=False)
+            self.assertEqual(out.sequences.tolist(), expected.tolist())
+            prefill_buckets.generate(self.model, prompt(25), generation_config=config("right"))
+            self.assertIsNot(kept_keys(self.model), cache.layers[0].keys)
+            sequence = torch.cat([out.sequences, prompt(4 + turn)], dim=1)
+
+    def test_two_models_keep_their_own(self):
+        other = tiny_llama()
+        with torch.no_grad():
+            for parameter in other.parameters():
+                parameter.mul_(1.3)
+        other_reference = tiny_llama()
+        other_reference.load_state_dict(other.state_dict())
+        other.compile(backend=GraphCounter(), dynamic=False, fullgraph=True)
+        for length in (9, 30, 5):
+            for model, reference in ((self.model, self.reference), (other, other_reference)):
+                out = prefill_buckets.generate(model, prompt(length), generation_config=config("right"))
+                expected = reference.generate(prompt(length), max_new_tokens=NEW_TOKENS, do_sample=False)
+                self.assertEqual(out.tolist(), expected.tolist())
+        self.assertIsNot(kept_keys(self.model), kept_keys(other))
 
     def test_an_eager_call_keeps_nothing(self):
         model = tiny_llama()
