@@ -127,8 +127,7 @@ def cache_bytes_per_row(model, slots: int) -> int | None:
         return None
     num_heads, head_dim = shape
     layers = lazy_static_cache(model, slots).layers
-    heads = num_heads if isinstance(num_heads, (list, tuple)) else [num_heads] * len(layers)
-    dims = head_dim if isinstance(head_dim, (list, tuple)) else [head_dim] * len(layers)
+    heads, dims = _per_layer(num_heads, layers), _per_layer(head_dim, layers)
     if not all(isinstance(n, int) for n in (*heads, *dims)) or len(heads) != len(layers) or len(dims) != len(layers):
         return None
     item = torch.finfo(model.dtype).bits // 8 if model.dtype.is_floating_point else 4
@@ -208,9 +207,10 @@ def early_initialize(model, cache, rows: int) -> None:
     if shape is None:
         return
     num_heads, head_dim = shape
-    if not _shape_is_held(model, cache, num_heads, head_dim):
+    heads, dims = _per_layer(num_heads, cache.layers), _per_layer(head_dim, cache.layers)
+    if not _shape_is_held(model, cache, heads, dims):
         return
-    kept = _take_storage(model, cache, rows, num_heads, head_dim)
+    kept = _take_storage(model, cache, rows, heads, dims)
     arguments = {"batch_size": rows, "num_heads": num_heads, "head_dim": head_dim, "dtype": model.dtype}
     if kept is None:
         cache.early_initialization(**arguments, device=model.device)
@@ -245,19 +245,18 @@ def keep_storage(model, cache, written: int) -> None:
     state_of(model).kept_cache_storage = KeptStorage(tuple(layer_storage(layer) for layer in layers), written)
 
 
-def _take_storage(model, cache, rows: int, num_heads, head_dim) -> KeptStorage | None:
+def _take_storage(model, cache, rows: int, heads: list, dims: list) -> KeptStorage | None:
     """
     The tensors kept on `model` (`keep_storage`), taken, when they fit every layer of `cache` (lazily initialized),
-    for `rows` rows; else `None`, and tensors that don't fit are dropped (the cache grew, the batch changed).
+    for `rows` rows and each layer's `heads` and `dims`; else `None`, and tensors that don't fit are dropped (the
+    cache grew, the batch changed).
     """
     state = state_of(model)
     with LOCK:  # two calls in flight never take the same tensors
         kept, state.kept_cache_storage = state.kept_cache_storage, None
     layers = cache.layers
-    if kept is None or len(kept.tensors) != len(layers):
+    if kept is None or len(kept.tensors) != len(layers) or len(heads) != len(layers) or len(dims) != len(layers):
         return None
-    heads = num_heads if isinstance(num_heads, list) else [num_heads] * len(layers)
-    dims = head_dim if isinstance(head_dim, list) else [head_dim] * len(layers)
     device = torch.device(model.device)
     for layer, (keys, values), layer_heads, layer_dim in zip(layers, kept.tensors, heads, dims):
         shape = (rows, layer_heads, layer.max_cache_len, layer_dim)
@@ -269,11 +268,14 @@ def _take_storage(model, cache, rows: int, num_heads, head_dim) -> KeptStorage |
     return kept
 
 
-def _shape_is_held(model, cache, num_heads, head_dim) -> bool:
+def _per_layer(value, layers) -> list:
+    """A head count or head size upstream gives for every layer (an int) or per layer (a list), as a list per layer."""
+    return list(value) if isinstance(value, (list, tuple)) else [value] * len(layers)
+
+
+def _shape_is_held(model, cache, heads: list, dims: list) -> bool:
     """Whether every layer early initialization would allocate gets the `(heads, head_dim)` its attention holds."""
     layers = cache.layers
-    heads = num_heads if isinstance(num_heads, list) else [num_heads] * len(layers)
-    dims = head_dim if isinstance(head_dim, list) else [head_dim] * len(layers)
     if len(heads) != len(layers) or len(dims) != len(layers):
         return False
     held = held_kv_shapes(model)
