@@ -108,6 +108,40 @@ class RenderTest(unittest.TestCase):
         self.assertIn("`pow2-default` decode median: 1.05x `dynamic-auto`'s (target: at most 1.05x).", flat)
         self.assertIn("`pow2-default` time to first token 1.15x and decode 1.02x `dynamic-auto`'s", flat)
 
+    def test_each_target_said_met_or_missed(self):
+        report = synthetic_report()
+        report["strategies"] += [
+            {"strategy": name, "summary_text": name, "summary": dict(report["strategies"][3]["summary"])}
+            for name in ("quarters-default", "pow2-warm")
+        ]
+        by_name = {result["strategy"]: result["summary"] for result in report["strategies"]}
+        by_name["dynamic-auto"].update(second_ttft_median_ms=200.0, second_decode_median_ms_per_token=50.0)
+        # The first token may cost its padding: (1 + 8%) x 1.05 = 1.13x; 226 ms is 1.13x dynamic-auto's.
+        by_name["quarters-default"].update(pad_overhead=0.08, second_ttft_median_ms=226.0)
+        by_name["quarters-default"]["second_decode_median_ms_per_token"] = 53.0  # 1.06x
+        by_name["pow2-default"].update(second_ttft_median_ms=230.0, second_decode_median_ms_per_token=51.0)
+        by_name["pow2-warm"].update(second_ttft_median_ms=240.0, second_decode_median_ms_per_token=51.0)
+        flat = " ".join(docs.render(docs.docs_summary(report)).split())
+        self.assertIn(
+            "`quarters-default` second-pass time to first token: 1.13x `dynamic-auto`'s (target: at most 1.13x, "
+            "(1 + its 8% padding) x 1.05). Met.",
+            flat,
+        )
+        self.assertIn(
+            "`quarters-default` second-pass decode: 1.06x `dynamic-auto`'s (target: at most 1.05x). **Missed**.", flat
+        )
+        self.assertIn(
+            "`pow2-warm` second-pass time to first token: 1.04x `pow2-default`'s (target: at most 1.05x). Met.", flat
+        )
+        self.assertIn("`pow2-warm` second-pass decode: 1.00x `pow2-default`'s (target: at most 1.05x). Met.", flat)
+        # 150 s against upstream-static's 350 s: 0.43x, at most 0.8x.
+        self.assertIn(
+            "`pow2-default` total time, compiles included: 0.43x `upstream-static`'s (target: at most 0.80x). Met.",
+            flat,
+        )
+        # A target whose strategies did not run is not said.
+        self.assertNotIn("`chunked-pinned`", flat)
+
     def test_sliding_pair_finding(self):
         report = synthetic_report()
         sliding = {"strategy": "sliding-upstream-static", "summary_text": "tiny", "summary": {}}
