@@ -512,8 +512,11 @@ class GenerationOutputsTesterMixin(BucketedGenerationTestBase):
         self.assertSameOutput(bucketed, plain)
 
     def test_same_signature_in_a_bucket(self):
-        # An exact fit and a padded prompt reach the model (and its attention) with the same inputs and shapes. On the
-        # left the prefill carries the mask; on the right (issue 12) it carries none.
+        # On the right (issue 12) an exact fit and a padded prompt reach the model (and its attention) with the same
+        # inputs and shapes, and no mask. On the left an eager forward gets upstream's inputs: the padded prompt
+        # carries the mask, and the exact fit reaches the model as upstream's unpadded call does (one signature buys
+        # an eager forward nothing). Compiled, the left's exact fit shares its bucket's graphs: test_compile_counts
+        # counts them (LENGTHS_IN_BUCKET_16, DynamicCacheBucketTest).
         for cache_implementation, side in ((None, "auto"), ("static", "left"), ("static", "right")):
             signatures = []
             for length in (8, 5):
@@ -528,16 +531,34 @@ class GenerationOutputsTesterMixin(BucketedGenerationTestBase):
                         cache_implementation=cache_implementation,
                     )
                 signature = [(call["shapes"], call["none"]) for call in forwards.calls]
-                if cache_implementation == "static":
+                if cache_implementation == "static" and side == "right":
                     # The static cache's 4D mask is built outside the forward, and reaches attention the same way.
                     # (With a dynamic cache the forward builds it; compiled, upstream never skips it: not checked.)
                     signature.append(tuple(masks.masks))
                 signatures.append(signature)
-            self.assertEqual(signatures[0], signatures[1], cache_implementation)
             if side == "right":
+                self.assertEqual(signatures[0], signatures[1], cache_implementation)
                 self.assertNotIn("attention_mask", signatures[0][0][0], cache_implementation)
-            else:
-                self.assertIn("attention_mask", signatures[0][0][0], cache_implementation)
+                continue
+            self.assertIn("attention_mask", signatures[1][0][0], cache_implementation)
+            with ForwardRecorder(self.model) as forwards:
+                self.model.generate(
+                    random_ids(1, 8, seed=8),
+                    max_new_tokens=3,
+                    do_sample=False,
+                    cache_implementation=cache_implementation,
+                )
+            upstream = [(call["shapes"], call["none"]) for call in forwards.calls]
+
+            def queries(signature):  # a static mask's key axis is the cache's length, which the buckets size
+                def no_keys(shape):  # a mask's shape, or a dict of them (one per attention type)
+                    return {k: v[:-1] for k, v in shape.items()} if isinstance(shape, dict) else shape[:-1]
+
+                return [
+                    ({k: no_keys(v) if k == "attention_mask" else v for k, v in s.items()}, n) for s, n in signature
+                ]
+
+            self.assertEqual(queries(signatures[0]), queries(upstream), cache_implementation)
 
     def test_batch_mask_inferred_from_pad_token(self):
         # No attention_mask: upstream infers it from the pad tokens in the prompt, and so must the padded call.

@@ -12,7 +12,7 @@ must see through the padding. Each is declared with `@hook` (`hook_registry.py`)
   unpadded prefill (`is_causal` instead). Either way the prompt would reach the model without a mask, a different
   graph from every padded prompt in its bucket. The hook puts the all-ones mask back and, while upstream builds the
   4D mask, turns off the SDPA skip (`masking_utils._ignore_causal_mask_sdpa`), so every prompt in a bucket reaches
-  the model with one signature.
+  a compiled model with one signature (an eager forward gets upstream's inputs as they are).
 - `get_compiled_call`: upstream's own compiled forward falls back to eager for a shape its backend fails on; a forward
   of `aot_forward` is not compiled again.
 - `_get_logits_processor`, `_get_stopping_criteria`, `_get_candidate_generator` (`views.py`): what reads token
@@ -101,6 +101,8 @@ def _prepare_cache_for_generation(plan, step):
         and generation_config.cache_implementation in transformers_api.ALL_STATIC_CACHE_IMPLEMENTATIONS
     )
     if not (creates_static or getattr(passed_cache(model_kwargs), "is_compileable", False)):
+        # No static cache: upstream compiles nothing itself, so the forwards are compiled only if the user compiled them.
+        plan.run.compiled = compiled_forward(plan.model) is not None
         return step.call()
     # `generation_config` is upstream's private copy: what the user passed is untouched.
     sized_here = creates_static and generation_config.max_cache_len is None
@@ -211,10 +213,14 @@ def _window_of(plan, tokens: int, cache_length: int) -> int | None:
 def prepare_inputs_for_generation(plan, step):
     input_ids = step["input_ids"]
     tokens = sequence_length(input_ids, step.kwargs)  # what the cache holds after this forward
-    if plan.right is not None:  # decode as upstream decodes an unpadded prompt: its graph is shared with those calls
+    if plan.right is not None or plan.run.compiled is False:
+        # On the right, decode as upstream decodes an unpadded prompt: its graph is shared with those calls. Eager
+        # forwards need no one signature per bucket: upstream's inputs as they are (an exact fit runs as upstream's).
         if plan.run.windowed_cache is not None:
             set_window(plan.run.windowed_cache, tokens)
         model_inputs = step.call()
+        if plan.right is None:
+            _check_mask_passed_on(plan, step["attention_mask"], model_inputs)
         _before_forward(plan, model_inputs, tokens)
         return model_inputs
     attention_mask = step["attention_mask"]
@@ -229,14 +235,7 @@ def prepare_inputs_for_generation(plan, step):
         model_inputs = step.call()
     finally:
         _MATERIALIZE_SDPA_MASK.reset(token)
-    if "attention_mask" not in model_inputs:
-        # `check_upstream` saw the mask taken (by name, or through `**kwargs` by a method that passes it on), but this
-        # model's step dropped it: the pads in front would be attended. Never run that silently.
-        raise RuntimeError(
-            f"`{type(plan.model).__name__}.prepare_inputs_for_generation` does not pass the attention mask on to the "
-            f"model, so a prompt padded on the left would attend to its padding. Set `{PREFILL_PADDING_SIDE}='right'`"
-            " where that is exact, or unset the prefill bucket fields for this model."
-        )
+    _check_mask_passed_on(plan, attention_mask, model_inputs)
     _materialize_recurrent_masks(model_inputs, attention_mask)
     _before_forward(plan, model_inputs, tokens)
     # Chunked prefill slices per-token inputs out of the whole prompt's: views whose strides depend on the prompt
@@ -248,17 +247,22 @@ def prepare_inputs_for_generation(plan, step):
     return model_inputs
 
 
+def _check_mask_passed_on(plan, attention_mask, model_inputs: dict) -> None:
+    """Raises when the model's step dropped the mask it was given (`check_upstream` saw it taken): never silently."""
+    if attention_mask is not None and "attention_mask" not in model_inputs:
+        raise RuntimeError(
+            f"`{type(plan.model).__name__}.prepare_inputs_for_generation` does not pass the attention mask on to the "
+            f"model, so a prompt padded on the left would attend to its padding. Set `{PREFILL_PADDING_SIDE}='right'`"
+            " where that is exact, or unset the prefill bucket fields for this model."
+        )
+
+
 def _before_forward(plan, model_inputs: dict, tokens: int) -> None:
     """
-    What a bucketed call does before each forward upstream prepared (`model_inputs`), after which the cache holds
-    `tokens` tokens:
-
-    - puts torch's recompile limit back to the call's if something lowered it (`restore_recompile_limit`): before
-      every forward of the prompt, and before the first decode step (upstream lowers it before a chunked prefill, on
-      transformers < 5.23; nothing does between decode steps);
-    - notes the window a decode step (a 1-token forward) reads, for the budget (`check_compiled`): the windows calls
-      reach, not those they were predicted to reach (a call that stops at eos reads fewer);
-    - notes the slots the cache holds after it, which the next call's cache zeroes before it takes the tensors.
+    Before each forward upstream prepared (`model_inputs`), after which the cache holds `tokens` tokens: torch's
+    recompile limit put back to the call's before every prompt forward and the first decode step (upstream lowers it
+    before a chunked prefill, on transformers < 5.23); the window a decode step reads, for the budget
+    (`check_compiled`: the windows reached, not predicted); the slots written, which the next call's cache zeroes.
     """
     new_tokens = model_inputs.get("input_ids")
     if new_tokens is None:
@@ -274,10 +278,8 @@ def _before_forward(plan, model_inputs: dict, tokens: int) -> None:
 
 def _materialize_recurrent_masks(model_inputs: dict, attention_mask) -> None:
     """
-    A hybrid model's masks come as a dict per layer type. For recurrent layers upstream gives `None` when the 2D
-    mask is all ones (an exact-fit prompt), and the padding mask otherwise: two graphs per bucket. Putting the
-    all-ones mask in gives exact fits the signature of the padded prompts in their bucket; multiplying by ones
-    changes nothing.
+    A hybrid model's recurrent layers get `None` for an all-ones 2D mask (an exact fit), else the padding mask: two
+    graphs per bucket. The all-ones mask gives exact fits their bucket's signature; multiplying by ones changes nothing.
     """
     masks = model_inputs.get("attention_mask")
     if not isinstance(masks, dict) or not isinstance(attention_mask, torch.Tensor) or attention_mask.ndim != 2:

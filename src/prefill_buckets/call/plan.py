@@ -49,7 +49,8 @@ class CallRun:
     expected_graphs: Any = None  # with a compiled forward: what the call expects to compile (`budget.CallGraphs`)
     static_cache_length: int | None = None  # slots of the call's static cache, once it is made
     # Whether upstream compiles the forward itself (`transformers_api.valid_auto_compile`), and whether the call's forwards are
-    # compiled at all (that, or the user's compiled forward): decided once the cache is made (`None` until then).
+    # compiled at all (that, or the user's compiled forward): decided in the cache step (`None` until then); eager forwards
+    # get upstream's inputs as they are (`hooks.prepare_inputs_for_generation`).
     auto_compile: bool | None = None
     compiled: bool | None = None
     windowed_cache: Any = None  # the static cache whose full-attention layers read windows (`kvcache/windows.py`)
