@@ -248,8 +248,8 @@ def prepare_inputs_for_generation(plan, step):
 
 
 def _check_mask_passed_on(plan, attention_mask, model_inputs: dict) -> None:
-    """Raises when the model's step dropped the mask it was given (`check_upstream` saw it taken): never silently."""
-    if attention_mask is not None and "attention_mask" not in model_inputs:
+    """Raises when the model's step dropped a mask that hides tokens (`check_upstream` saw it taken): never silently."""
+    if attention_mask is not None and "attention_mask" not in model_inputs and not bool(attention_mask.all()):
         raise RuntimeError(
             f"`{type(plan.model).__name__}.prepare_inputs_for_generation` does not pass the attention mask on to the "
             f"model, so a prompt padded on the left would attend to its padding. Set `{PREFILL_PADDING_SIDE}='right'`"
