@@ -75,6 +75,19 @@ class KwargsOverOverrideWithoutMask(StepWithoutMask):
         return super().prepare_inputs_for_generation(input_ids, **kwargs)
 
 
+class StepDroppingMask(LlamaForCausalLM):
+    """
+    A model's own step that takes the mask by name (so `check_upstream` passes it) and drops it from its inputs when it
+    generates with a cache: what the decision's probe (no cache) can't see, and the hook must.
+    """
+
+    def prepare_inputs_for_generation(self, input_ids, attention_mask=None, **kwargs):
+        inputs = super().prepare_inputs_for_generation(input_ids, attention_mask=attention_mask, **kwargs)
+        if kwargs.get("use_cache", True):
+            inputs.pop("attention_mask", None)
+        return inputs
+
+
 class KeywordTargetThroughKwargs(LlamaForCausalLM):
     """An override of `_prepare_generated_length`, which upstream calls by keyword, taking them through `**kwargs`."""
 
@@ -96,6 +109,18 @@ class CheckUpstreamTest(unittest.TestCase):
             expected = model.generate(input_ids, **kwargs)
             actual = prefill_buckets.generate(model, input_ids, prefill_buckets=[8, 16], **kwargs)
             self.assertTrue(torch.equal(actual, expected), f"\n{actual}\n!=\n{expected}")
+
+    def test_a_step_that_drops_a_mask_hiding_pads_raises(self):
+        # Eager, on the left: a prompt padded to its bucket needs its mask, and the call raises rather than attend to
+        # the pads; an exact fit's all-ones mask hides nothing, and its call is upstream's (5.17 drops its key too).
+        torch.manual_seed(0)
+        model = StepDroppingMask(tiny_llama_config()).eval()
+        kwargs = {"max_new_tokens": 4, "do_sample": False, "prefill_buckets": [8], "prefill_padding_side": "left"}
+        with self.assertRaisesRegex(RuntimeError, "does not pass the attention mask on to the model"):
+            prefill_buckets.generate(model, random_ids(5), **kwargs)
+        exact = random_ids(8)
+        expected = model.generate(exact, max_new_tokens=4, do_sample=False)
+        self.assertTrue(torch.equal(prefill_buckets.generate(model, exact, **kwargs), expected))
 
     def test_step_without_the_parameter_raises(self):
         for model_class in (StepWithoutMask, KwargsOverOverrideWithoutMask):
