@@ -7,9 +7,10 @@ to 700 tokens in a random order, `--new-tokens` greedy new tokens, one process p
 cache, inductor, one thread. Reported per strategy: the graphs compiled, the total time, and the median latency of the
 last 10 calls (calls that compile nothing: each strategy runs the workload twice, and the second pass is timed).
 `--side-by-side` runs them in one process instead, in turn, once warm (`side_by_side`): the figures to compare on
-a busy machine, where separate processes' medians move with the load. With `--breakdown`, where the second pass's time goes, in CPU time per call (steadier on a shared machine): the
-forwards of the prompt, the decode forwards (1 token), and the rest, the Python around them (upstream's `generate`,
-the package's steps and hooks, the cache's allocation where it is made outside a forward).
+a busy machine, where separate processes' medians move with the load. With `--breakdown`, where the second pass's
+time goes, in CPU time per call (steadier on a shared machine): the forwards of the prompt, the decode forwards
+(1 token), and the rest, the Python around them (upstream's `generate`, the package's steps and hooks, the cache's
+allocation where it is made outside a forward).
 Strategies:
 
 - `eager`: upstream, a static cache sized per call, not compiled.
@@ -130,8 +131,7 @@ def run_strategy(strategy: str, calls: int, new_tokens: int, layers: int, breakd
             outputs.append(generate(model, prompt, config, fields))
             latencies.append(time.perf_counter() - begin)
     cpu_ms = (time.process_time() - cpu_start) / calls * 1000  # the second pass's, per call
-    prefill_ms = sum(seconds for tokens, seconds in forwards if tokens > 1) / calls * 1000
-    decode_ms = sum(seconds for tokens, seconds in forwards if tokens == 1) / calls * 1000
+    prefill_ms, decode_ms = (seconds / calls * 1000 for seconds in _prompt_and_decode(forwards))
     return {
         "strategy": strategy,
         "graphs": counter.graphs,
@@ -180,8 +180,7 @@ def side_by_side(strategies: list[str], calls: int, new_tokens: int, layers: int
                 wall, cpu = time.perf_counter(), time.process_time()
                 out = generate(model, prompt, config, fields)
                 wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-                prefill = sum(seconds for tokens, seconds in run["forwards"] if tokens > 1)
-                decode = sum(seconds for tokens, seconds in run["forwards"] if tokens == 1)
+                prefill, decode = _prompt_and_decode(run["forwards"])
                 run["wall"].append(wall)
                 run["cpu"].append((cpu, prefill, decode, cpu - prefill - decode))
                 if out != run["tokens"][index]:
@@ -205,6 +204,14 @@ def side_by_side(strategies: list[str], calls: int, new_tokens: int, layers: int
         )
     reference = runs[strategies[0]]["tokens"]
     print(f"tokens equal across strategies: {all(run['tokens'] == reference for run in runs.values())}")
+
+
+def _prompt_and_decode(forwards: list) -> tuple[float, float]:
+    """The seconds of the timed `forwards` (`_time_forwards`) of more than one token, and of one token."""
+    return (
+        sum(seconds for tokens, seconds in forwards if tokens > 1),
+        sum(seconds for tokens, seconds in forwards if tokens == 1),
+    )
 
 
 def _time_forwards(model, record: list) -> None:
