@@ -1,6 +1,7 @@
 """Per-call overhead of a bucketed call against upstream `generate`: tiny Llama, eager, 1 thread, side by side.
 
-    python utils/measure_call_overhead.py [--rounds 200] [--cache dynamic|static] [--clock wall|cpu] [--profile N]
+    python utils/measure_call_overhead.py [--rounds 200] [--cache dynamic|static] [--compile] [--clock wall|cpu]
+        [--profile N]
 
 A prompt that exactly fits its bucket (16 tokens, bucket 16) and 4 new tokens, so both calls run the same forwards
 on the same shapes: the difference is what bucketing adds around upstream `generate` (resolving, padding, hooks,
@@ -12,6 +13,10 @@ median of each round's difference and ratio (steadier on a shared machine).
 - `--cache static`: `cache_implementation="static"` on both calls. The bucketed call takes the static-cache path
   (right padding, the cache sized by the package's rule); upstream's call then makes a cache of the same length
   (upstream keeps the model's largest static cache length), so both run the same forwards on the same cache shape.
+- `--compile`: `model.compile(backend="eager", dynamic=False)` first (implies `--cache static`): dynamo's guards and
+  graphs with torch's eager kernels, so the difference is what bucketing adds around compiled forwards, the path a
+  bucketed static-cache call takes (inductor's kernels would cost the same on both sides). The bucketed call's
+  forwards get the mask its bucket compiles with; upstream's exact prompt gets none.
 - `--clock cpu`: times each call by the process's CPU time, which other processes on a busy machine don't add to.
 - `--profile N`: after the timing, samples the stack (by CPU time) while the two calls alternate N more times, and
   prints the package's own time per function and per call (torch and standard-library code it calls included,
@@ -31,6 +36,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=200)
     parser.add_argument("--cache", choices=("dynamic", "static"), default="dynamic")
+    parser.add_argument("--compile", action="store_true", help="compiled forwards (dynamo, eager backend)")
     parser.add_argument("--profile", type=int, default=0, metavar="N", help="sample the stacks of N more rounds")
     parser.add_argument(
         "--clock",
@@ -39,6 +45,8 @@ def main() -> None:
         help="cpu: the process's CPU time (steadier on a busy machine)",
     )
     args = parser.parse_args()
+    if args.compile:
+        args.cache = "static"
     torch.set_num_threads(1)
 
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
@@ -51,6 +59,8 @@ def main() -> None:
         num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0, eos_token_id=1, bos_token_id=2,
     )  # fmt: skip
     model = LlamaForCausalLM(config).eval()
+    if args.compile:
+        model.compile(backend="eager", dynamic=False, fullgraph=True)
     input_ids = torch.randint(3, 128, (1, 16), generator=torch.Generator().manual_seed(0))
     cache = {"cache_implementation": "static"} if args.cache == "static" else {}
     generation_config = GenerationConfig(max_new_tokens=4, min_new_tokens=4, do_sample=False, **cache)

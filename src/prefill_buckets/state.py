@@ -83,6 +83,9 @@ class ModelState:
     # `(key/value heads, head_dim)` the attention modules hold, by layer (`kvcache.sizing.held_kv_shapes`; `None` until looked
     # up).
     held_kv_shapes: dict | None = None
+    # `(the (num_heads, head_dim) upstream predicts from the config for a static cache, or None,)`, read once with
+    # `held_kv_shapes` (`kvcache.sizing.early_initialize` allocates only where the two agree); `None` until read.
+    cache_init_shape: tuple | None = None
     # Right padding: why the layers of the static cache `generate` would make can't take it, by slots (`None`: they
     # can).
     right_padding_layers: dict[int, str | None] = field(default_factory=dict)

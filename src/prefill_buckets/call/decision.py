@@ -297,7 +297,7 @@ def _check_ids_in_vocabulary(settings: CallSettings, input_ids: torch.Tensor) ->
     vocab_size = settings.vocab_size
     if vocab_size is None or input_ids.numel() == 0:
         return
-    low, high = (int(v) for v in torch.aminmax(input_ids))
+    low, high = torch.stack(torch.aminmax(input_ids)).tolist()  # one device sync for both
     if low < 0 or high >= vocab_size:
         bad = low if low < 0 else high
         raise ValueError(

@@ -122,7 +122,10 @@ def cache_bytes_per_row(model, slots: int) -> int | None:
     The bytes a static cache of `slots` slots takes per batch row (sliding layers hold their window), or `None` when
     the layout can't be told from the config. Head counts and head sizes may be per layer (Gemma 4).
     """
-    shape = static_cache_init_shape(model)
+    state = state_of(model)
+    if state.cache_init_shape is None:  # read once per model, as `held_kv_shapes` is, which it must agree with
+        state.cache_init_shape = (static_cache_init_shape(model),)
+    (shape,) = state.cache_init_shape
     if shape is None:
         return None
     num_heads, head_dim = shape
@@ -203,20 +206,24 @@ def early_initialize(model, cache, rows: int) -> None:
         getattr(layer, "is_initialized", False) for layer in cache.layers
     ):
         return  # allocated already: the model's cache, reused by a later call
-    shape = static_cache_init_shape(model)
+    state = state_of(model)
+    if state.cache_init_shape is None:  # read once per model, as `held_kv_shapes` is, which it must agree with
+        state.cache_init_shape = (static_cache_init_shape(model),)
+    (shape,) = state.cache_init_shape
     if shape is None:
         return
     num_heads, head_dim = shape
     heads, dims = _per_layer(num_heads, cache.layers), _per_layer(head_dim, cache.layers)
     if not _shape_is_held(model, cache, heads, dims):
         return
-    kept = _take_storage(model, cache, rows, heads, dims)
-    arguments = {"batch_size": rows, "num_heads": num_heads, "head_dim": head_dim, "dtype": model.dtype}
+    dtype, device = model.dtype, model.device  # each a walk over the parameters: read once
+    kept = _take_storage(model, cache, rows, heads, dims, dtype, torch.device(device))
+    arguments = {"batch_size": rows, "num_heads": num_heads, "head_dim": head_dim, "dtype": dtype, "device": device}
     if kept is None:
-        cache.early_initialization(**arguments, device=model.device)
+        cache.early_initialization(**arguments)
         return
     with initializing_without_storage(cache.layers):
-        cache.early_initialization(**arguments, device=model.device)
+        cache.early_initialization(**arguments)
     for layer, (keys, values) in zip(cache.layers, kept.tensors):
         keys[:, :, : kept.written].zero_()  # what the last call wrote: the cache holds what a new one would
         values[:, :, : kept.written].zero_()
@@ -245,11 +252,11 @@ def keep_storage(model, cache, written: int) -> None:
     state_of(model).kept_cache_storage = KeptStorage(tuple(layer_storage(layer) for layer in layers), written)
 
 
-def _take_storage(model, cache, rows: int, heads: list, dims: list) -> KeptStorage | None:
+def _take_storage(model, cache, rows: int, heads: list, dims: list, dtype, device) -> KeptStorage | None:
     """
     The tensors kept on `model` (`keep_storage`), taken, when they fit every layer of `cache` (lazily initialized),
-    for `rows` rows and each layer's `heads` and `dims`; else `None`, and tensors that don't fit are dropped (the
-    cache grew, the batch changed).
+    for `rows` rows, each layer's `heads` and `dims`, and the model's `dtype` and `device`; else `None`, and tensors
+    that don't fit are dropped (the cache grew, the batch changed).
     """
     state = state_of(model)
     with LOCK:  # two calls in flight never take the same tensors
@@ -257,12 +264,11 @@ def _take_storage(model, cache, rows: int, heads: list, dims: list) -> KeptStora
     layers = cache.layers
     if kept is None or len(kept.tensors) != len(layers) or len(heads) != len(layers) or len(dims) != len(layers):
         return None
-    device = torch.device(model.device)
     for layer, (keys, values), layer_heads, layer_dim in zip(layers, kept.tensors, heads, dims):
         shape = (rows, layer_heads, layer.max_cache_len, layer_dim)
         fits = holds_static_storage(layer) and getattr(layer, "supports_early_init", True) and not layer.is_initialized
         for tensor in (keys, values):
-            fits = fits and tuple(tensor.shape) == shape and tensor.dtype == model.dtype and tensor.device == device
+            fits = fits and tuple(tensor.shape) == shape and tensor.dtype == dtype and tensor.device == device
         if not fits:
             return None
     return kept
