@@ -29,13 +29,13 @@ from dataclasses import dataclass
 from transformers.utils import logging
 
 from .buckets import BucketPolicy, validate_buckets
-from .call.settings import max_positions
 from .compile.aot_forward import aot_forward
 from .compile.archive import load_compile_cache, save_compile_cache
 from .compile.precompile import bucket_lengths, precompile
 from .config import PREFILL_BUCKETS
 from .patch import enable
 from .upstream import torch_api, transformers_api
+from .upstream.transformers_api import max_positions
 
 
 logger = logging.get_logger(__name__)

@@ -41,7 +41,7 @@ The rest must live where it is, each for its reason:
 - checks of the installed torch and transformers, cached with `functools.cache` in `upstream/checks.py`
   (`torch_problems`, `aot_compile_problem`, `sliding_layer_problem`): facts of the code installed, which can't
   change in a process (`as_new_process` clears them too);
-- the bucket fields' policies, validated once per distinct value (`call.settings.bucketing_of`, a `functools.lru_cache`
+- the bucket fields' policies, validated once per distinct value (`call.resolved.bucketing_of`, a `functools.lru_cache`
   of a pure function of the values).
 """
 

@@ -17,7 +17,7 @@ from transformers.generation.utils import GenerationMixin
 import prefill_buckets
 from prefill_buckets import PREFILL_BUCKETS, PREFILL_PAD_TO_MULTIPLE_OF
 from prefill_buckets.buckets import BucketPolicy
-from prefill_buckets.call import settings
+from prefill_buckets.call import resolved
 from prefill_buckets.config import validate_fields
 
 from . import tiny_models
@@ -197,30 +197,30 @@ class FieldsValidatedOnceTest(unittest.TestCase):
         return {**dict.fromkeys(prefill_buckets.config.FIELDS), **values}
 
     def test_the_same_fields_are_validated_once(self):
-        settings._bucketing_of_key.cache_clear()
-        with mock.patch.object(settings, "policy_from_fields", wraps=settings.policy_from_fields) as validated:
-            first = settings.bucketing_of(self.fields(prefill_buckets=[16, 64]))
-            again = settings.bucketing_of(self.fields(prefill_buckets=[16, 64]))
-            settings.bucketing_of(self.fields(prefill_buckets=(16, 64)))  # a tuple: another key
-            settings.bucketing_of(self.fields(prefill_buckets=torch.tensor([16, 64]).tolist()))
+        resolved._bucketing_of_key.cache_clear()
+        with mock.patch.object(resolved, "policy_from_fields", wraps=resolved.policy_from_fields) as validated:
+            first = resolved.bucketing_of(self.fields(prefill_buckets=[16, 64]))
+            again = resolved.bucketing_of(self.fields(prefill_buckets=[16, 64]))
+            resolved.bucketing_of(self.fields(prefill_buckets=(16, 64)))  # a tuple: another key
+            resolved.bucketing_of(self.fields(prefill_buckets=torch.tensor([16, 64]).tolist()))
         self.assertIs(first, again)
         self.assertEqual(validated.call_count, 2)
 
     def test_a_bool_is_not_taken_for_an_int(self):
-        settings.bucketing_of(self.fields(prefill_pad_to_multiple_of=1))
+        resolved.bucketing_of(self.fields(prefill_pad_to_multiple_of=1))
         with self.assertRaisesRegex(ValueError, "prefill_pad_to_multiple_of"):
-            settings.bucketing_of(self.fields(prefill_pad_to_multiple_of=True))
+            resolved.bucketing_of(self.fields(prefill_pad_to_multiple_of=True))
 
     def test_a_bad_value_raises_on_every_call(self):
         for _ in range(2):
             with self.assertRaisesRegex(ValueError, "strictly increasing"):
-                settings.bucketing_of(self.fields(prefill_buckets=[64, 16]))
+                resolved.bucketing_of(self.fields(prefill_buckets=[64, 16]))
 
     def test_the_policy_holds_no_list_of_the_users(self):
         buckets = [16, 64]
-        policy, _, _ = settings.bucketing_of(self.fields(prefill_buckets=buckets))
+        policy, _, _ = resolved.bucketing_of(self.fields(prefill_buckets=buckets))
         buckets.append(256)
-        self.assertEqual(settings.bucketing_of(self.fields(prefill_buckets=[16, 64]))[0].buckets, (16, 64))
+        self.assertEqual(resolved.bucketing_of(self.fields(prefill_buckets=[16, 64]))[0].buckets, (16, 64))
         self.assertEqual(policy.buckets, (16, 64))
 
 

@@ -8,7 +8,7 @@ import torch
 
 from prefill_buckets.buckets import check_positive_int, is_positive_int
 from prefill_buckets.call.plan import fill_embedding
-from prefill_buckets.call.settings import bos_prompt, prompt_rows, resolve_settings
+from prefill_buckets.call.resolved import bos_prompt, prompt_rows, resolve_settings
 from prefill_buckets.kvcache.record import passed_cache
 from prefill_buckets.upstream.transformers_api import cache_argument
 

@@ -1,7 +1,7 @@
 """The call path: one bucketed `generate` call, a module per step, in the order it runs (`generation.generate`).
 
-1. Resolve: `resolved.py` (the call's inputs, read once into a frozen `ResolvedCall`), with `settings.py` (the bucket
-   fields and the generation values padding depends on) and `kvcache.record.PassedCache` (the cache the call passes).
+1. Resolve: `resolved.py` (the call's inputs and its `CallSettings`, the bucket fields and the generation values padding
+   depends on, read once into a frozen `ResolvedCall`), with `kvcache.record.PassedCache` (the cache the call passes).
 2. Check support: `support.check_upstream` (the version gate, `upstream/gate.py`, given this subpackage's hooks).
 3. Decide: `decision.py`, the one decision of how the call is padded (left, right, or unpadded with its reason), with
    the rule of `padding_side.py` (as data) and `side_assumptions.py` (what a model's code assumes).
@@ -15,8 +15,8 @@
    subpackage): its length (`sizing.py`), the windows its layers read (`windows.py`, with `ring.py` for
    sliding-window layers); the graphs it compiles (`budget.py`).
 7. Mark the cache: `kvcache.record.record_call`.
-8. Strip: `output.py`, with `kvcache/attention_keys.py` (a static cache's attentions laid out as upstream's layers
-   lay them).
+8. Strip: `views.strip_output`, with `kvcache/attention_keys.py` (a static cache's attentions laid out as upstream's
+   layers lay them).
 
 The compile tooling (`compile/`: `compiled_calls.py` below this subpackage, `precompile.py`, `archive.py`,
 `aot_forward.py`, `aot_key.py` above it), the command line (`cli.py`, `benchmark/`) and the user's API (`config.py`,

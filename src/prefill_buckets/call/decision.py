@@ -35,10 +35,10 @@ from ..config import (
 )
 from ..kvcache.sizing import room_reason
 from ..upstream import transformers_api
+from ..upstream.transformers_api import forward_takes
 from .padding_side import PaddingSide, RuleFacts, is_dynamic, rule_side
 from .plan import PER_TOKEN_KWARGS
-from .resolved import ResolvedCall
-from .settings import CallSettings, forward_takes
+from .resolved import CallSettings, ResolvedCall
 from .side_assumptions import side_assumption_broken, window_from_the_cache_end
 
 

@@ -15,7 +15,7 @@ Upstream `generate` does all the real work. One bucketed call, in the steps `gen
    call learns as it runs goes to `plan.run`.
 7. Mark the cache: a later call that continues from it pads its prompt the same way (`kvcache.record.record_call`);
    the tensors of a cache the call made and did not return go to the next call's (`kvcache.sizing.keep_storage`).
-8. Strip: the added columns and rows come off what the user gets back (`output.strip_output`).
+8. Strip: the added columns and rows come off what the user gets back (`views.strip_output`).
 
 A call without bucket fields is upstream `generate`, unchanged; this module only warns when it will recompile. A call
 that can't be bucketed runs as the user made it, after a warning that says why.
@@ -41,9 +41,9 @@ from .budget import budget_of, check_compiled
 from .decision import choose_side
 from .hook_registry import active_plan
 from .hooks import bucketed_call
-from .output import strip_output
 from .plan import Plan, plan_call
 from .resolved import ResolvedCall, bind_call, resolve_call
+from .views import strip_output
 
 
 logger = logging.get_logger(__name__)

@@ -30,7 +30,8 @@ import torch
 from ..config import PREFILL_PADDING_SIDE
 from ..state import state_of
 from ..upstream import transformers_api
-from .settings import CallSettings, forward_takes
+from ..upstream.transformers_api import forward_takes
+from .resolved import CallSettings
 from .side_assumptions import side_assumption_broken
 
 

@@ -1,11 +1,11 @@
 """The plan of one bucketed call: what it adds to the inputs (`Plan`, frozen), which the hooks and
-`output.strip_output` read, made by `plan_call` from the call's decision; and what the call learns as it runs
+`views.strip_output` read, made by `plan_call` from the call's decision; and what the call learns as it runs
 (`CallRun`, the hooks write it).
 
 On the left the prompt gets columns in front (masked); a right-padded call passes the prompt on as it is, and the
 `_prefill` hook (`prefill_right.py`) pads it after its end. Dummy rows pad the batch to its batch bucket
 (`prefill_batch_buckets`): finished from the first step (`views.DummyRowsFinished`), so they never keep generation
-going, and `output.strip_output` drops them.
+going, and `views.strip_output` drops them.
 
 Pure input rewriting, of a call whose padding is decided (`decision.choose_side`: the side, the padded length, the
 padded batch, every check made): the user's dicts and tensors are never modified, new ones are returned with the plan.
@@ -20,8 +20,7 @@ from transformers.utils import logging
 
 from ..config import PREFILL_BUCKETS
 from .padding_side import PaddingSide
-from .resolved import ResolvedCall
-from .settings import CallSettings, bos_prompt
+from .resolved import CallSettings, ResolvedCall, bos_prompt
 from .views import DummyRowsFinished, PromptStrippingStreamer
 
 
@@ -57,7 +56,7 @@ class CallRun:
     reads_windows: bool = False  # whether its full-attention layers read windows (`windows.has_windows`)
     decoding: bool = False  # whether the last forward prepared was a decode step (`hooks._before_forward`)
     # How each layer of the call's static cache lays out the keys it reads (`kvcache.attention_keys.key_layouts`), for the
-    # attentions `output.strip_output` returns; `None`: no static cache.
+    # attentions `views.strip_output` returns; `None`: no static cache.
     key_layouts: tuple | None = None
     # The windows the call's decode steps (1-token forwards) read (`None`: a cache without windows), for the budget.
     decode_windows_read: set = field(default_factory=set)
@@ -264,7 +263,7 @@ def _pad_rows(plan: Plan, arguments: dict, model_kwargs: dict, padded_batch: int
     Appends dummy rows up to `padded_batch` (the batch bucket `decision.choose_side` chose): one unmasked pad token
     each (a fully masked row would give NaNs), no other inputs; on the right, a row of unmasked pad tokens as long as
     the prompt (all rows one length). A stopping criterion marks them finished from the first step, so they never keep
-    generation going, and `output.strip_output` drops them.
+    generation going, and `views.strip_output` drops them.
     """
     model, settings = plan.model, plan.settings
     if plan.right is not None and arguments.get("inputs") is not None:

@@ -1,22 +1,99 @@
 """Step 1 of a bucketed call: its inputs resolved once (`resolve_call`), into one frozen record every later step reads.
 
 `generate` binds its arguments as upstream's `generate` binds them, takes the bucket fields out, resolves the settings
-(`settings.py`), reads the cache it passes (`kvcache.record.PassedCache`), and finds the prompt. The support decision and the
-side (`decision.choose_side`), the plan (`plan.plan_call`) and the advice for an unbucketed call read the
-`ResolvedCall`; none digs into the keyword arguments again.
+(`CallSettings`, below), reads the cache it passes (`kvcache.record.PassedCache`), and finds the prompt. The support
+decision and the side (`decision.choose_side`), the plan (`plan.plan_call`) and the advice for an unbucketed call read
+the `ResolvedCall`; none digs into the keyword arguments again.
+
+The settings are the bucket fields and the generation values padding needs. They resolve by upstream `generate`'s
+priority, in one rule (`resolve`): a `generate` keyword argument (even `None`, which turns a field off for the call) >
+the `generation_config` argument > `model.generation_config`. A call that continues from a cache a bucketed call
+filled, and sets no bucket field itself, takes the fields recorded with that cache instead (`call_sets_fields`), so a
+conversation stays bucketed without repeating them.
 """
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from transformers import GenerationConfig
 
 from ..buckets import BucketPolicy
-from ..config import FIELDS
+from ..config import FIELDS, batch_policy_from_fields, padding_side_from_fields, policy_from_fields
 from ..kvcache.record import PassedCache
 from ..upstream import transformers_api
-from .settings import CallSettings, call_sets_fields, prompt_rows, resolve_settings
+from ..upstream.transformers_api import max_positions, vocabulary_size
+
+
+@dataclass(frozen=True)
+class CallSettings:
+    """What one `generate` call asks for, as far as padding is concerned."""
+
+    policy: BucketPolicy | None  # prompt-length buckets; `None`: the call is not bucketed
+    batch_policy: BucketPolicy | None  # batch-size buckets (`prefill_batch_buckets`)
+    pad_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    num_beams: int
+    num_return_sequences: int
+    cache_implementation: str | None
+    stop_strings: str | list[str] | None
+    vocab_size: int | None
+    max_positions: int | None
+    # What decides the padding side (`padding_side.RULE`).
+    padding_side: str = "auto"  # the `prefill_padding_side` asked for: "auto", "left" or "right"
+    prefill_chunk_size: int | None = None
+    max_cache_len: int | None = None
+    use_cache: bool = True
+    output_hidden_states: bool = False
+    output_attentions: bool = False
+    prompt_lookup_num_tokens: int | None = None
+    max_new_tokens: int | None = None
+    max_length: int | None = None
+    config_pad_token_id: int | None = None  # the model config's own, which its forward checks unmasked inputs for
+
+    @property
+    def bucketing(self) -> tuple:
+        """The bucket fields as resolved (`policy, batch_policy, padding_side`): what a cache records for a later turn."""
+        return self.policy, self.batch_policy, self.padding_side
+
+    def new_tokens(self, prompt_length: int) -> int:
+        """The most tokens the call generates after a prompt of `prompt_length`, as upstream resolves it."""
+        if self.max_new_tokens is not None:
+            return self.max_new_tokens
+        return (self.max_length if self.max_length is not None else 20) - prompt_length
+
+    @property
+    def rows_per_prompt(self) -> int:
+        """Output rows per prompt: `max(num_beams, num_return_sequences)`."""
+        return max(self.num_beams, self.num_return_sequences)
+
+    @property
+    def pad_token_is_inferable(self) -> bool:
+        """Whether pad tokens in `input_ids` tell the padding, as upstream infers it: a pad token that is not eos."""
+        return self.pad_token_id is not None and self.pad_token_id not in self.eos_token_ids
+
+    def in_vocabulary(self, token_id) -> bool:
+        return isinstance(token_id, int) and token_id >= 0 and (self.vocab_size is None or token_id < self.vocab_size)
+
+    @property
+    def fill_token_id(self) -> int:
+        """The id that fills added positions. They are masked, so any id in the vocabulary gives the same output."""
+        candidates = (self.pad_token_id, *self.eos_token_ids, 0)
+        return next(c for c in candidates if self.in_vocabulary(c))
+
+    @property
+    def unmasked_fill_token_id(self) -> int:
+        """
+        The id that fills the positions a right-padded prefill adds after the prompt, which runs with no mask. They
+        follow every real token, so any id gives the same output; this one is never a pad token, so the model's check
+        for unmasked padding (transformers' `warn_if_padding_and_no_attention_mask`) does not take them for the user's.
+        """
+        pads = (self.pad_token_id, self.config_pad_token_id)
+        candidates = (*self.eos_token_ids, self.bos_token_id, 0, 1, 2, 3)
+        return next((c for c in candidates if self.in_vocabulary(c) and c not in pads), self.fill_token_id)
 
 
 @dataclass(frozen=True)
@@ -124,3 +201,133 @@ def _bind(model, args: tuple, kwargs: dict) -> tuple[dict, dict]:
         else:
             model_kwargs[name] = value
     return {name: passed[name] for name in _NAMED if name in passed}, model_kwargs
+
+
+# The settings: each value by the rule of the module docstring.
+
+_MISSING = object()
+
+
+def resolve(name: str, kwargs: dict, generation_config: GenerationConfig | None, model) -> Any:
+    """The value of one generation field for a call (see the module docstring for the priority)."""
+    value = kwargs.get(name, _MISSING)
+    if value is not _MISSING:
+        return value
+    value = getattr(generation_config, name, None) if generation_config is not None else None
+    if value is None:
+        value = getattr(getattr(model, "generation_config", None), name, None)
+    return value
+
+
+def resolve_fields(model, generation_config: GenerationConfig | None, field_kwargs: dict) -> dict[str, Any]:
+    """The bucket fields' values for one call, by name."""
+    return {field: resolve(field, field_kwargs, generation_config, model) for field in FIELDS}
+
+
+def bucketing_of(fields: dict[str, Any]) -> tuple[BucketPolicy | None, BucketPolicy | None, str]:
+    """
+    `(policy, batch policy, padding side)` of the bucket fields' values (`resolve_fields`), validated: raises
+    `ValueError` naming an invalid field. Values of plain types (ints, strings, `None`, and lists or tuples of them) are
+    validated once per process and their policies reused, as every call of a workload passes the same fields.
+    """
+    key = tuple(_typed(fields[field]) for field in FIELDS)
+    if _UNKEYED in key:  # a value of another type (a tensor, a subclass): validated on every call
+        return _bucketing(fields)
+    return _bucketing_of_key(key)
+
+
+_UNKEYED = object()
+_PLAIN = (int, str, bool, type(None))
+
+
+def _typed(value):
+    """A hashable key that tells `value` from every value of another type (`True` from `1`), or `_UNKEYED`."""
+    if type(value) in _PLAIN:
+        return type(value), value
+    if type(value) in (list, tuple) and all(type(item) in _PLAIN for item in value):
+        return type(value), tuple((type(item), item) for item in value)
+    return _UNKEYED
+
+
+def _untyped(key):
+    """The value `_typed` made `key` of (a list or tuple anew, so the policies hold no list of the user's)."""
+    kind, value = key
+    return kind(_untyped(item) for item in value) if kind in (list, tuple) else value
+
+
+@functools.lru_cache(maxsize=64)
+def _bucketing_of_key(key: tuple):
+    """`_bucketing` of the fields whose typed values are `key` (in `FIELDS` order): validated once per key."""
+    return _bucketing({field: _untyped(typed) for field, typed in zip(FIELDS, key)})
+
+
+def _bucketing(fields: dict[str, Any]):
+    return policy_from_fields(**fields), batch_policy_from_fields(**fields), padding_side_from_fields(**fields)
+
+
+def call_sets_fields(generation_config: GenerationConfig | None, field_kwargs: dict) -> bool:
+    """Whether the call itself sets a bucket field: as a keyword argument (even `None`) or on its `generation_config`."""
+    return bool(field_kwargs) or any(getattr(generation_config, field, None) is not None for field in FIELDS)
+
+
+def _token_ids(value) -> tuple[int, ...]:
+    """A special token id, list of ids or tensor of ids, as a tuple of plain ints (empty when unset)."""
+    if value is None:
+        return ()
+    if isinstance(value, torch.Tensor):
+        value = value.flatten().tolist()
+    if isinstance(value, (list, tuple)):
+        return tuple(int(v) for v in value)
+    return (int(value),)
+
+
+def resolve_settings(
+    model, generation_config: GenerationConfig | None, field_kwargs: dict, model_kwargs: dict
+) -> CallSettings:
+    """Resolves everything a call's padding depends on, once. Raises `ValueError` for an invalid bucket field."""
+    fields = resolve_fields(model, generation_config, field_kwargs)
+
+    def value(name):
+        return resolve(name, model_kwargs, generation_config, model)
+
+    policy, batch_policy, padding_side = bucketing_of(fields)
+    pad_token_ids = _token_ids(value("pad_token_id"))
+    bos_token_ids = _token_ids(value("bos_token_id"))
+    return CallSettings(
+        policy=policy,
+        batch_policy=batch_policy,
+        pad_token_id=pad_token_ids[0] if pad_token_ids else None,
+        eos_token_ids=_token_ids(value("eos_token_id")),
+        bos_token_id=bos_token_ids[0] if bos_token_ids else None,
+        num_beams=value("num_beams") or 1,
+        num_return_sequences=value("num_return_sequences") or 1,
+        cache_implementation=value("cache_implementation"),
+        stop_strings=value("stop_strings"),
+        vocab_size=vocabulary_size(model),
+        max_positions=max_positions(model),
+        padding_side=padding_side,
+        prefill_chunk_size=value("prefill_chunk_size"),
+        max_cache_len=value("max_cache_len"),
+        use_cache=value("use_cache") is not False,
+        output_hidden_states=bool(value("output_hidden_states")),
+        output_attentions=bool(value("output_attentions")),
+        prompt_lookup_num_tokens=value("prompt_lookup_num_tokens"),
+        max_new_tokens=value("max_new_tokens"),
+        max_length=value("max_length"),
+        config_pad_token_id=next(iter(_token_ids(getattr(model.config, "pad_token_id", None))), None),
+    )
+
+
+def prompt_rows(model_kwargs: dict) -> int:
+    """The rows of a call that passes no prompt, as upstream counts them: those of its first tensor input (or 1)."""
+    return next((v.shape[0] for v in model_kwargs.values() if isinstance(v, torch.Tensor)), 1)
+
+
+def bos_prompt(model, settings: CallSettings, model_kwargs: dict) -> torch.Tensor:
+    """
+    The prompt upstream starts from when a call passes none, `[rows, 1]`: one BOS token per row. Raises upstream's
+    `ValueError` when there is no `bos_token_id`.
+    """
+    if settings.bos_token_id is None:
+        raise ValueError("`bos_token_id` has to be defined when no `input_ids` are provided.")
+    return torch.full((prompt_rows(model_kwargs), 1), settings.bos_token_id, dtype=torch.long, device=model.device)

@@ -8,7 +8,7 @@ its positions from `position_ids` or the mask, and passes the mask on. `decision
 import torch
 
 from ..state import state_of
-from .settings import forward_takes, max_positions
+from ..upstream.transformers_api import forward_takes, max_positions
 
 
 def _attention_is_bidirectional(model) -> bool:

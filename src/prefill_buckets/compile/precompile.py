@@ -14,7 +14,7 @@ from ..buckets import BucketPolicy, check_positive_int, is_positive_int
 from ..call.budget import budget_of, make_room
 from ..call.decision import capped_bucket
 from ..call.generation import generate
-from ..call.settings import resolve_fields, resolve_settings
+from ..call.resolved import resolve_fields, resolve_settings
 from ..config import PREFILL_BUCKETS, PREFILL_PAD_TO_MULTIPLE_OF
 from ..forgotten_enable import generation_configs, warn_if_enable_forgotten
 from ..kvcache.sizing import pinned_cache_length

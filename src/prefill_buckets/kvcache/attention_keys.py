@@ -21,7 +21,7 @@ upstream's row has `1 / keys` on its keys, and so does the returned one (`place_
 from a dynamic cache's key axis).
 
 The layout of each layer is noted when the call's cache is made (`key_layouts`, in `Plan.key_layouts`); the tokens
-a forward leaves in the cache come from its step (`output.strip_output`). A weight tensor whose key axis is not the
+a forward leaves in the cache come from its step (`views.strip_output`). A weight tensor whose key axis is not the
 one its layer reads at that step is left as it is (with a warning, once): its layout is unknown.
 """
 

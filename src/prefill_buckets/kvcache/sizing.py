@@ -33,7 +33,7 @@ that made its cache and did not hand it back leaves its tensors on the model (`k
 cache of the same shape takes them (`early_initialize`), with the slots the last call wrote zeroed, so the cache holds
 what a new one would.
 
-`settings` arguments are the call's `call.settings.CallSettings` (read by attribute: this package sits below `call/`).
+`settings` arguments are the call's `call.resolved.CallSettings` (read by attribute: this package sits below `call/`).
 """
 
 from dataclasses import dataclass

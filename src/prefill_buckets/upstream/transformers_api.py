@@ -1,6 +1,7 @@
 """Every private transformers name the package reads or changes, behind an accessor each, and the public ones it relies
 on in ways upstream does not promise: the `generate` it wraps, its static caches and their layers, masking, tensor
-parallelism, the output-capture registry, and `transformers serve`.
+parallelism, the output-capture registry, and `transformers serve`; and what a model says of itself (its forward's
+parameters, its vocabulary, its positions), read where each call needs it.
 
 `checks.upstream_problems` checks, for each model class before its first bucketed call, that the hook targets and the
 other private names read here exist and still take what the package passes.
@@ -8,6 +9,8 @@ other private names read here exist and still take what the package passes.
 
 import contextlib
 import inspect
+import weakref
+from typing import Any
 
 import torch.distributed as dist
 import transformers
@@ -282,3 +285,52 @@ def serve_model_manager():
     from transformers.cli.serving.model_manager import ModelManager
 
     return ModelManager
+
+
+# What a model says of itself: its forward's parameters, its vocabulary, its positions.
+
+# The parameters of each function a call asks about (a forward, a logits processor's `__call__`), read once: bound
+# methods by their function (a bound method is new on every lookup, its function is not; its signature has no `self`),
+# other callables by themselves.
+_BOUND_PARAMETERS: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+_PARAMETERS: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+
+
+def parameters_of(function):
+    """`inspect.signature(function).parameters`, read once per function."""
+    bound = getattr(function, "__func__", None)
+    known, key = (_BOUND_PARAMETERS, bound) if bound is not None else (_PARAMETERS, function)
+    try:
+        return known[key]
+    except (KeyError, TypeError):  # TypeError: a callable that can't be a weak key; read every time
+        pass
+    parameters = inspect.signature(function).parameters
+    try:
+        known[key] = parameters
+    except TypeError:
+        pass
+    return parameters
+
+
+def forward_parameters(model):
+    """The parameters of `model.forward`."""
+    return parameters_of(model.forward)
+
+
+def forward_takes(model, name: str) -> bool:
+    """Whether `model.forward` takes a parameter `name`."""
+    return name in forward_parameters(model)
+
+
+def vocabulary_size(model) -> int | None:
+    """The number of ids the input embedding can look up, when it tells."""
+    size = getattr(model.get_input_embeddings(), "num_embeddings", None)
+    return size if isinstance(size, int) else None
+
+
+def max_positions(model) -> int | None:
+    """The model's `max_position_embeddings`, when its config states one."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    value = getattr(config, "max_position_embeddings", None)
+    positive = isinstance(value, int) and not isinstance(value, bool) and value > 0
+    return value if positive else None  # XLNet: -1
