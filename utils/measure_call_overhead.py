@@ -1,7 +1,7 @@
 """Per-call overhead of a bucketed call against upstream `generate`: tiny Llama, eager, 1 thread, side by side.
 
     python utils/measure_call_overhead.py [--rounds 200] [--cache dynamic|static] [--compile] [--clock wall|cpu]
-        [--profile N]
+        [--new-tokens 4] [--side auto|left|right] [--profile N]
 
 A prompt that exactly fits its bucket (16 tokens, bucket 16) and 4 new tokens, so both calls run the same forwards
 on the same shapes: the difference is what bucketing adds around upstream `generate` (resolving, padding, hooks,
@@ -16,7 +16,11 @@ median of each round's difference and ratio (steadier on a shared machine).
 - `--compile`: `model.compile(backend="eager", dynamic=False)` first (implies `--cache static`): dynamo's guards and
   graphs with torch's eager kernels, so the difference is what bucketing adds around compiled forwards, the path a
   bucketed static-cache call takes (inductor's kernels would cost the same on both sides). The bucketed call's
-  forwards get the mask its bucket compiles with; upstream's exact prompt gets none.
+  forwards get the mask its bucket compiles with; upstream's exact prompt gets none. The time inside the compiled
+  forwards is measured apart (the same forwards on both sides, but for that mask), so the rest is what each call does
+  around them; runs with `--new-tokens 1` and a larger count split that rest into per call and per decode step.
+- `--new-tokens`: the tokens each call generates (4 by default); `--side`: the bucketed call's
+  `prefill_padding_side` (`auto` by default, which pads a static-cache call on the right here).
 - `--clock cpu`: times each call by the process's CPU time, which other processes on a busy machine don't add to.
 - `--profile N`: after the timing, samples the stack (by CPU time) while the two calls alternate N more times, and
   prints the package's own time per function and per call (torch and standard-library code it calls included,
@@ -37,6 +41,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=200)
     parser.add_argument("--cache", choices=("dynamic", "static"), default="dynamic")
     parser.add_argument("--compile", action="store_true", help="compiled forwards (dynamo, eager backend)")
+    parser.add_argument("--new-tokens", type=int, default=4)
+    parser.add_argument("--side", choices=("auto", "left", "right"), default="auto")
     parser.add_argument("--profile", type=int, default=0, metavar="N", help="sample the stacks of N more rounds")
     parser.add_argument(
         "--clock",
@@ -63,11 +69,14 @@ def main() -> None:
         model.compile(backend="eager", dynamic=False, fullgraph=True)
     input_ids = torch.randint(3, 128, (1, 16), generator=torch.Generator().manual_seed(0))
     cache = {"cache_implementation": "static"} if args.cache == "static" else {}
-    generation_config = GenerationConfig(max_new_tokens=4, min_new_tokens=4, do_sample=False, **cache)
+    new_tokens = args.new_tokens
+    generation_config = GenerationConfig(
+        max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, **cache
+    )
     calls = {
         "upstream": lambda: model.generate(input_ids, generation_config=generation_config),
         "bucketed": lambda: prefill_buckets.generate(
-            model, input_ids, generation_config=generation_config, prefill_buckets=[16]
+            model, input_ids, generation_config=generation_config, prefill_buckets=[16], prefill_padding_side=args.side
         ),
     }
     times = {name: [] for name in calls}
@@ -76,11 +85,17 @@ def main() -> None:
     if not torch.equal(outputs["upstream"], outputs["bucketed"]):
         raise SystemExit("the bucketed call's tokens differ from upstream's")
     clock = time.perf_counter if args.clock == "wall" else time.process_time
+    forwards = _time_compiled_forwards(model, clock) if args.compile else None
+    inside = {name: [] for name in calls}
     for round_ in range(args.rounds):
         for name in sorted(calls, reverse=round_ % 2 == 1):  # each goes first every other round
+            if forwards is not None:
+                forwards[0] = 0.0
             start = clock()
             calls[name]()
             times[name].append(clock() - start)
+            if forwards is not None:
+                inside[name].append(forwards[0])
     medians = {name: statistics.median(values) * 1000 for name, values in times.items()}
     if args.cache == "static":
         print(f"static cache of {model._previous_max_cache_length} slots on both calls")
@@ -95,8 +110,38 @@ def main() -> None:
     paired = statistics.median(b - u for b, u in pairs) * 1000
     ratio = statistics.median(b / u for b, u in pairs)
     print(f"overhead, median of the rounds' pairs: {paired:.2f} ms per call ({ratio:.3f}x)")
+    if forwards is not None:
+        for name in calls:
+            within = statistics.median(inside[name]) * 1000
+            print(
+                f"{name:9s} inside the compiled forwards {within:.2f} ms, around them {medians[name] - within:.2f} ms"
+            )
+        rounds = list(zip(times["bucketed"], inside["bucketed"], times["upstream"], inside["upstream"]))
+        around = statistics.median((b - bi) - (u - ui) for b, bi, u, ui in rounds) * 1000
+        within = statistics.median(bi - ui for _, bi, _, ui in rounds) * 1000
+        print(f"median of the rounds' pairs: {around:+.2f} ms around the forwards, {within:+.2f} ms inside them")
     if args.profile:
         print_profile(calls, args.profile)
+
+
+def _time_compiled_forwards(model, clock) -> list[float]:
+    """
+    Wraps `model`'s compiled call so that the time spent in it adds up in the returned `[seconds]` (a bucketed call
+    runs the same compiled call, inside the eager fallback it puts around it).
+    """
+    from prefill_buckets.upstream import torch_api
+
+    compiled, spent = torch_api.compiled_call_impl(model), [0.0]
+
+    def timed(*args, **kwargs):
+        start = clock()
+        try:
+            return compiled(*args, **kwargs)
+        finally:
+            spent[0] += clock() - start
+
+    torch_api.set_compiled_call_impl(model, timed)
+    return spent
 
 
 def _owner(frame) -> tuple[str, str]:
