@@ -234,6 +234,19 @@ class ConversationStaysBucketedTest(unittest.TestCase):
         _, graphs, _ = self.converse(bucketed=True, side=side)
         self.assertEqual(graphs[2:], [graphs[1]] * (self.TURNS - 2), graphs)
 
+    def test_a_right_padded_turn_onto_cached_tokens_makes_room_for_its_graph(self):
+        # A right-padded prefill onto an empty cache and one onto cached tokens are two graphs, of one length (the
+        # first reads its query offset as 0). With torch's limit at the first turn's two graphs, the second turn makes
+        # room for its prefill graph in the budget: with `fullgraph=True`, a graph torch refused would raise.
+        with torch._dynamo.config.patch(recompile_limit=2):
+            sequences, graphs, warnings = self.converse(bucketed=True, side="right")
+            self.assertEqual(torch._dynamo.config.recompile_limit, 2)  # the user's again once no call is in flight
+        self.assertEqual(graphs[:2], [2, 3], graphs)
+        self.assertIn("Raised the limit", warnings)
+        upstream, _, _ = self.converse(bucketed=False, side="right")
+        for turn, (mine, theirs) in enumerate(zip(sequences, upstream)):
+            torch.testing.assert_close(mine, theirs, rtol=0, atol=0, msg=f"turn {turn}")
+
     def test_a_turn_that_sets_its_own_fields_keeps_them(self):
         # `prefill_buckets=None` on the later turns: they are not bucketed by the cache's policy (each new length of
         # the turn is a prefill graph of its own, as upstream's).

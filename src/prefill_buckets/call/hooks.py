@@ -45,12 +45,10 @@ from ..kvcache.sizing import early_initialize, static_cache_length
 from ..kvcache.windows import close_windows, has_windows, open_windows, set_window, window_length, windows_between
 from ..state import LOCK, PROCESS, state_of
 from ..upstream import torch_api, transformers_api, versions
-from ..upstream.transformers_api import cache_seq_length
 from . import prefill_right, views
 from .budget import budget_of, restore_recompile_limit, restore_user_recompile_limits
 from .hook_registry import _ACTIVE_PLAN, hook, hook_table, hooked_method, wraps
 from .plan import PER_TOKEN_KWARGS
-from .views import strip_left
 
 
 logger = logging.get_logger(__name__)
@@ -74,7 +72,7 @@ def _prepare_generated_length(plan, step):
     # Resolve the lengths as upstream would for the unpadded prompt, then move them by the added columns.
     unpadded_ids_length = step["input_ids_length"] - plan.added_id_columns
     step["input_ids_length"] = unpadded_ids_length
-    step["inputs_tensor"] = strip_left(step["inputs_tensor"], plan.added_positions, dim=1)
+    step["inputs_tensor"] = views.strip_left(step["inputs_tensor"], plan.added_positions, dim=1)
     generation_config = step.call()
     if unpadded_ids_length >= generation_config.max_length:
         # Upstream's own check, made here so that it names the lengths the user passed.
@@ -123,8 +121,8 @@ def _prepare_cache_for_generation(plan, step):
     _learn_compilation(plan, model_kwargs, generation_config)
     if creates_static and plan.run.compiled and cache is not None:
         early_initialize(plan.model, cache, rows)
-    # What prefill runs on: the padded prompt, or, continuing from a cache, the tokens the cache lacks.
-    cached_tokens = (cache_seq_length(cache) or 0) if cache is not None else 0  # `None`: the model keeps no cache
+    # What prefill runs on: the padded prompt, or, continuing from a cache, the tokens it lacks (`None`: none kept).
+    cached_tokens = (transformers_api.cache_seq_length(cache) or 0) if cache is not None else 0
     prefill = plan.right.bucket if plan.right is not None else plan.padded_length - cached_tokens
     _prefill_through_compiled_call(plan, generation_config, prefill)
     if plan.run.compiled:
@@ -200,8 +198,10 @@ def _account_graphs(plan, rows: int, prefill: int, chunk: int | None, max_cache_
     if plan.run.reads_windows:  # from the first decode step (at least) to the last
         first = (plan.prompt_slots if plan.right is None else plan.right.past_length) + 1
         decode_windows = windows_between(first, max(first, max_cache_length), cache_length)
+    # On the right, a prefill onto an empty cache reads its query offset as 0 (`prefill_right`): a graph of its own.
+    side = "right, onto cached tokens" if plan.right is not None and cached else plan.side
     budget = budget_of(plan.model)
-    plan.run.expected_graphs = budget.account(plan.model, rows, shapes, cache_length, plan.side, decode_windows)
+    plan.run.expected_graphs = budget.account(plan.model, rows, shapes, cache_length, side, decode_windows)
 
 
 def _window_of(plan, tokens: int, cache_length: int) -> int | None:
