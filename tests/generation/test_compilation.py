@@ -623,6 +623,29 @@ class GraphCountTest(CompilationTestCase):
         self.assertEqual(torch._dynamo.config.recompile_limit, 4)
         self.assertEqual(captured.out.count("recompile_limit"), 1, captured.out)
 
+    def test_returned_hidden_states_are_graphs_of_their_own(self):
+        # `output_hidden_states` is another argument of every forward: graphs of its own, at the shapes a call without
+        # it compiled. With the limit at that call's 2 graphs, the call asking for hidden states makes room for them.
+        # (transformers' output capture takes a lock dynamo can't trace: the forward breaks its graph there, so
+        # `fullgraph=True` can't compile it, and a graph torch refused would run eagerly, which the package says.)
+        torch._dynamo.config.recompile_limit = 2
+        model = make_model()
+        reference = make_reference(model)
+        counter = GraphCounter()
+        model.compile(backend=counter, dynamic=False)
+        prompt = make_prompt(11)
+        with CaptureLogger(logger) as captured:
+            for outputs in ({}, {"output_hidden_states": True}):
+                config = make_config(max_cache_len=64, return_dict_in_generate=True, **outputs)
+                got = prefill_buckets.generate(model, prompt, generation_config=config, prefill_buckets=[16])
+                expected = reference.generate(prompt, generation_config=config)
+                torch.testing.assert_close(got.sequences, expected.sequences, rtol=0, atol=0)
+                for step, (mine, theirs) in enumerate(zip(got.hidden_states or (), expected.hidden_states or ())):
+                    torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5, msg=f"step {step}")
+        self.assertIn("Raised the limit", captured.out)
+        self.assertNotIn("may have run some of its forwards eagerly", captured.out)
+        self.assertEqual(torch._dynamo.config.recompile_limit, 2)  # the user's again
+
 
 class SharedRecompileLimitTest(CompilationTestCase):
     """

@@ -39,6 +39,7 @@ class CallGraphs:
     new_shapes: list[str]  # the shapes of the graphs the model had not compiled yet, in words
     rows: int = 1
     cache_length: int = -1
+    outputs: tuple[str, ...] = ()  # what the forwards return besides the logits (`GraphBudget.add`)
 
 
 class GraphBudget:
@@ -46,9 +47,10 @@ class GraphBudget:
     The graphs a compiled model has needed so far, by shape, for one static-cache generation workload.
 
     A compiled forward compiles one graph per distinct input shape: a prefill graph per `(rows, prompt length,
-    cache length, side, window)` (a right-padded prefill has no mask: another graph) and a decode graph per `(rows,
-    cache length, window)`, where rows are `batch * max(num_beams, num_return_sequences)` and the window is the slots
-    the forward reads (`kvcache/windows.py`; `None` where the cache has no windowed layers). A 1-token prefill is a decode
+    cache length, side, window, outputs)` (a right-padded prefill has no mask: another graph, and another again onto
+    cached tokens) and a decode graph per `(rows, cache length, window, outputs)`, where rows are `batch * max(num_beams, num_return_sequences)` and the window is the slots
+    the forward reads (`kvcache/windows.py`; `None` where the cache has no windowed layers), and outputs what the
+    forwards return besides the logits (`output_attentions`, `output_hidden_states`: other graphs). A 1-token prefill is a decode
     step: the decode graph. Sliding-window layers add no shape (`kvcache/ring.py`: their graphs depend on none of these).
 
     A call's prefill shapes are recorded when it is accounted for: prefill runs. Its decode windows are recorded once
@@ -58,17 +60,16 @@ class GraphBudget:
     """
 
     def __init__(self):
-        self.prefill: set[tuple[int, int, int, str, int | None]] = (
-            set()
-        )  # (rows, prompt length, cache length, side, window)
-        self.decode: set[tuple[int, int, int | None]] = set()  # (rows, cache length, window)
+        # (rows, prompt length, cache length, side, window, outputs)
+        self.prefill: set[tuple[int, int, int, str, int | None, tuple]] = set()
+        self.decode: set[tuple[int, int, int | None, tuple]] = set()  # (rows, cache length, window, outputs)
 
     @property
     def graphs(self) -> int:
         return len(self.prefill) + len(self.decode)
 
     def add(
-        self, rows: int, prefill_shapes, cache_length: int, side: str = "left", decode_windows=(None,)
+        self, rows: int, prefill_shapes, cache_length: int, side: str = "left", decode_windows=(None,), outputs=()
     ) -> list[str]:
         """
         Records one call's prefill shapes, `(prompt length, window)` per prefill forward, and returns, in words, those
@@ -76,22 +77,24 @@ class GraphBudget:
         """
         new = []
         decode_windows = set(decode_windows)
+        returning = f", returning {' and '.join(outputs)}" if outputs else ""
         for prompt_length, window in sorted(prefill_shapes, key=str):
             if prompt_length == 1:  # a 1-token prefill into the allocated cache is a decode step: its graph
                 decode_windows.add(window)
-            elif (rows, prompt_length, cache_length, side, window) not in self.prefill:
-                self.prefill.add((rows, prompt_length, cache_length, side, window))
+            elif (rows, prompt_length, cache_length, side, window, outputs) not in self.prefill:
+                self.prefill.add((rows, prompt_length, cache_length, side, window, outputs))
                 new.append(
-                    f"prefill [{rows}, {prompt_length}] with a {cache_length}-slot cache ({side}{_read(window)})"
+                    f"prefill [{rows}, {prompt_length}] with a {cache_length}-slot cache "
+                    f"({side}{_read(window)}{returning})"
                 )
         for window in sorted(decode_windows, key=str):
-            if (rows, cache_length, window) not in self.decode:
-                new.append(f"decode [{rows}, 1] with a {cache_length}-slot cache{_read(window)}")
+            if (rows, cache_length, window, outputs) not in self.decode:
+                new.append(f"decode [{rows}, 1] with a {cache_length}-slot cache{_read(window)}{returning}")
         return new
 
-    def reached(self, rows: int, cache_length: int, decode_windows) -> None:
+    def reached(self, rows: int, cache_length: int, decode_windows, outputs=()) -> None:
         """Records the windows a call's decode steps read (`None`: a cache without windows): graphs torch now holds."""
-        self.decode.update((rows, cache_length, window) for window in decode_windows)
+        self.decode.update((rows, cache_length, window, outputs) for window in decode_windows)
 
     def held_graphs(self, model) -> int:
         """
@@ -103,7 +106,14 @@ class GraphBudget:
         return torch_api.forward_graphs(model) or self.graphs
 
     def account(
-        self, model, rows: int, prefill_shapes, cache_length: int, side: str = "left", decode_windows=(None,)
+        self,
+        model,
+        rows: int,
+        prefill_shapes,
+        cache_length: int,
+        side: str = "left",
+        decode_windows=(None,),
+        outputs=(),
     ) -> CallGraphs:
         """
         A bucketed call's shapes (as `add` takes them): keeps the recompile limit above the graphs the process needs
@@ -112,12 +122,12 @@ class GraphBudget:
         """
         with _LIMIT_LOCK:
             held = self.held_graphs(model)
-            new = self.add(rows, prefill_shapes, cache_length, side, decode_windows)
+            new = self.add(rows, prefill_shapes, cache_length, side, decode_windows, outputs)
             # New graphs of calls still running, which torch's count may not hold yet: concurrent calls, on one model
             # or several, make room for each other's too.
             make_room(model, held + PROCESS.graphs_in_flight, len(new), "Bucketed calls")
             PROCESS.graphs_in_flight += len(new)
-        return CallGraphs(held_before=held, new_shapes=new, rows=rows, cache_length=cache_length)
+        return CallGraphs(held, new, rows, cache_length, outputs)
 
     def account_unbucketed(self, model, rows: int, prompt_length: int, cache_length: int) -> None:
         """
@@ -195,7 +205,7 @@ def check_compiled(model, expected: CallGraphs | None, limit: int | None = None,
         return
     with _LIMIT_LOCK:
         PROCESS.graphs_in_flight -= len(expected.new_shapes)
-        budget_of(model).reached(expected.rows, expected.cache_length, decode_windows_read)
+        budget_of(model).reached(expected.rows, expected.cache_length, decode_windows_read, expected.outputs)
     held = torch_api.forward_graphs(model)
     limit = recompile_limit() if limit is None else limit  # the call's own, once it has put the user's back
     if held >= limit and held != expected.held_before + len(expected.new_shapes):

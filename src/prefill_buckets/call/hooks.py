@@ -200,8 +200,8 @@ def _account_graphs(plan, rows: int, prefill: int, chunk: int | None, max_cache_
         decode_windows = windows_between(first, max(first, max_cache_length), cache_length)
     # On the right, a prefill onto an empty cache reads its query offset as 0 (`prefill_right`): a graph of its own.
     side = "right, onto cached tokens" if plan.right is not None and cached else plan.side
-    budget = budget_of(plan.model)
-    plan.run.expected_graphs = budget.account(plan.model, rows, shapes, cache_length, side, decode_windows)
+    budget, outputs = budget_of(plan.model), plan.settings.returned_outputs
+    plan.run.expected_graphs = budget.account(plan.model, rows, shapes, cache_length, side, decode_windows, outputs)
 
 
 def _window_of(plan, tokens: int, cache_length: int) -> int | None:

@@ -66,6 +66,15 @@ class CallSettings:
         return (self.max_length if self.max_length is not None else 20) - prompt_length
 
     @property
+    def returned_outputs(self) -> tuple[str, ...]:
+        """What the forwards return besides the logits (`"attentions"`, `"hidden states"`): a compiled graph of its own."""
+        return tuple(
+            name
+            for name, on in (("attentions", self.output_attentions), ("hidden states", self.output_hidden_states))
+            if on
+        )
+
+    @property
     def rows_per_prompt(self) -> int:
         """Output rows per prompt: `max(num_beams, num_return_sequences)`."""
         return max(self.num_beams, self.num_return_sequences)
