@@ -128,6 +128,25 @@ class CallWorkTest(unittest.TestCase):
                 self.assertEqual(counts[0], counts[1])
                 self.assertLessEqual(counts[1][1], 2)  # the prompt's forward, and the first decode step
 
+    def test_a_decode_step_reads_the_cache_length_only_for_windows(self):
+        # Read from a static cache, the length is a 0-d tensor: `int()` of it is a device sync on every decode step.
+        # Only windows need it (the window a step reads); a 64-slot cache has none: as many reads with 12 new tokens
+        # as with 2. The positive control: a 512-slot cache's windows are set on every step. (A model per side: after
+        # a 512-slot cache, upstream makes every later static cache of the model that long.)
+        for side in ("left", "right"):
+            model, counts = tiny_llama(), {}
+            for slots, new_tokens in ((64, 2), (64, 12), (512, 2), (512, 12)):
+                config = static_config(new_tokens, max_cache_len=slots)
+                with Counter(cache_record_module, "cache_seq_length") as reads:
+                    prefill_buckets.generate(
+                        model, prompt(5), generation_config=config, prefill_buckets=[16], prefill_padding_side=side
+                    )
+                counts[slots, new_tokens] = reads.calls
+            with self.subTest(side):
+                self.assertEqual(counts[64, 2], counts[64, 12], counts)
+                if side == "right":  # the left-padded call passes a mask, whose length says it
+                    self.assertGreater(counts[512, 12], counts[512, 2], counts)
+
 
 if __name__ == "__main__":
     unittest.main()

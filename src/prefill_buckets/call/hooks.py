@@ -135,8 +135,7 @@ def _bucketed_cache_length(plan, max_cache_length: int) -> int:
     """
     The length of the static cache the call makes (`sizing.static_cache_length`), from the `max_cache_length` upstream
     computed for the padded call. On the right the bucket is filled on top of the cached tokens: the new tokens' slots
-    come after it, as on the left (more than the `max(bucket, prompt + new tokens)` the call needs, so both sides size
-    caches alike).
+    come after it, as on the left (more than the `max(bucket, prompt + new tokens)` it needs: both sides size alike).
     """
     new_slots = max_cache_length - plan.prompt_length
     needed = plan.prompt_slots + new_slots if plan.right is not None else max_cache_length
@@ -211,13 +210,14 @@ def _window_of(plan, tokens: int, cache_length: int) -> int | None:
 
 @hook("prepare_inputs_for_generation", reads=("input_ids", "attention_mask", "inputs_embeds"))
 def prepare_inputs_for_generation(plan, step):
-    input_ids = step["input_ids"]
-    tokens = sequence_length(input_ids, step.kwargs)  # what the cache holds after this forward
+    input_ids, windowed = step["input_ids"], plan.run.windowed_cache
+    # What the cache holds after this forward, for the windows (read from a static cache it syncs: only when needed).
+    tokens = sequence_length(input_ids, step.kwargs) if windowed is not None else None
     if plan.right is not None or plan.run.compiled is False:
         # On the right, decode as upstream decodes an unpadded prompt: its graph is shared with those calls. Eager
         # forwards need no one signature per bucket: upstream's inputs as they are (an exact fit runs as upstream's).
-        if plan.run.windowed_cache is not None:
-            set_window(plan.run.windowed_cache, tokens)
+        if windowed is not None:
+            set_window(windowed, tokens)
         model_inputs = step.call()
         if plan.right is None:
             _check_mask_passed_on(plan, step["attention_mask"], model_inputs)
@@ -226,10 +226,11 @@ def prepare_inputs_for_generation(plan, step):
     attention_mask = step["attention_mask"]
     if attention_mask is None:
         # Upstream dropped an all-ones mask. Put it back, with the length upstream would have carried.
-        attention_mask = torch.ones(input_ids.shape[0], tokens, dtype=torch.long, device=input_ids.device)
+        length = tokens if tokens is not None else sequence_length(input_ids, step.kwargs)
+        attention_mask = torch.ones(input_ids.shape[0], length, dtype=torch.long, device=input_ids.device)
         step["attention_mask"] = attention_mask
-    if plan.run.windowed_cache is not None:  # before upstream builds the 4D mask, which reads the window's length
-        set_window(plan.run.windowed_cache, tokens)
+    if windowed is not None:  # before upstream builds the 4D mask, which reads the window's length
+        set_window(windowed, tokens)
     token = _MATERIALIZE_SDPA_MASK.set(True)
     try:
         model_inputs = step.call()
@@ -257,12 +258,12 @@ def _check_mask_passed_on(plan, attention_mask, model_inputs: dict) -> None:
         )
 
 
-def _before_forward(plan, model_inputs: dict, tokens: int) -> None:
+def _before_forward(plan, model_inputs: dict, tokens: int | None) -> None:
     """
-    Before each forward upstream prepared (`model_inputs`), after which the cache holds `tokens` tokens: torch's
-    recompile limit put back to the call's before every prompt forward and the first decode step (upstream lowers it
-    before a chunked prefill, on transformers < 5.23); the window a decode step reads, for the budget
-    (`check_compiled`: the windows reached, not predicted); the slots written, which the next call's cache zeroes.
+    Before each forward upstream prepared (`model_inputs`), after which the cache holds `tokens` tokens (`None` for a
+    cache without windows): torch's recompile limit put back to the call's before every prompt forward and the first
+    decode step (upstream lowers it before a chunked prefill, on transformers < 5.23); the window a decode step reads,
+    for the budget (`check_compiled`: the windows reached, not predicted).
     """
     new_tokens = model_inputs.get("input_ids")
     if new_tokens is None:
@@ -271,7 +272,6 @@ def _before_forward(plan, model_inputs: dict, tokens: int) -> None:
     if not (decode and plan.run.decoding):
         restore_recompile_limit(plan.run.recompile_limit)
     plan.run.decoding = decode
-    plan.run.slots_written = max(plan.run.slots_written, tokens)
     if decode:
         plan.run.decode_windows_read.add(_window_of(plan, tokens, plan.run.static_cache_length))
 

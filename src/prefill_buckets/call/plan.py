@@ -60,8 +60,9 @@ class CallRun:
     key_layouts: tuple | None = None
     # The windows the call's decode steps (1-token forwards) read (`None`: a cache without windows), for the budget.
     decode_windows_read: set = field(default_factory=set)
-    # The static cache upstream made for the call (`None`: a cache passed in, or none), and the slots its forwards
-    # have written, from the first: the next call's cache takes its tensors (`kvcache.sizing.keep_storage`).
+    # The static cache upstream made for the call (`None`: a cache passed in, or none): the next call's cache takes its
+    # tensors (`kvcache.sizing.keep_storage`), zeroed up to the tokens it holds once the call returns, or up to the
+    # slots a right-padded prefill wrote past the prompt (`slots_written`, its pads), when that is more.
     made_cache: Any = None
     slots_written: int = 0
 
