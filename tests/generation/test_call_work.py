@@ -128,6 +128,14 @@ class CallWorkTest(unittest.TestCase):
                 self.assertEqual(counts[0], counts[1])
                 self.assertLessEqual(counts[1][1], 2)  # the prompt's forward, and the first decode step
 
+    def test_an_eager_call_keeps_no_graph_accounts(self):
+        # Torch's recompile limit and the windows decode steps read are kept for compiled forwards' graphs: an eager
+        # call (a dynamic cache, padded on the left, no compiled forward) keeps neither, on any step.
+        with Counter(hooks, "restore_recompile_limit") as limits:
+            out = prefill_buckets.generate(self.model, prompt(5), max_new_tokens=6, prefill_buckets=[16])
+        self.assertEqual(limits.calls, 0)
+        self.assertEqual(out.shape, (1, 11))
+
     def test_a_decode_step_reads_the_cache_length_only_for_windows(self):
         # Read from a static cache, the length is a 0-d tensor: `int()` of it is a device sync on every decode step.
         # Only windows need it (the window a step reads); a 64-slot cache has none: as many reads with 12 new tokens

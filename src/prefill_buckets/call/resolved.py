@@ -107,7 +107,10 @@ class CallSettings:
 
 @dataclass(frozen=True)
 class ResolvedCall:
-    """One `generate` call's inputs, as step 1 resolved them. Its dicts are the call's own: no step modifies them."""
+    """
+    One `generate` call's inputs, as step 1 resolved them, each fact read once (`resolve_call`). Its dicts are the
+    call's own: no step modifies them.
+    """
 
     model: Any  # the model (unwrapped from a `torch.compile(model)` wrapper)
     wrapper: Any  # the `torch.compile(model)` wrapper the call was made on, or `None`
@@ -119,38 +122,21 @@ class ResolvedCall:
     passed: PassedCache  # the cache the call passes (`passed.cache`: `None` when none), read before the call writes it
     input_ids: torch.Tensor | None  # `inputs` or `input_ids`, as passed
     inputs_embeds: torch.Tensor | None
-
-    @property
-    def prompt(self) -> torch.Tensor | None:
-        """What the prompt's length and rows are read from: `inputs_embeds` when passed, else the ids (or `None`)."""
-        return self.inputs_embeds if self.inputs_embeds is not None else self.input_ids
-
-    @property
-    def prompt_length(self) -> int:
-        """Tokens in the prompt as passed (1 without one: upstream starts from one BOS token per row)."""
-        prompt = self.prompt
-        return prompt.shape[1] if prompt is not None and prompt.ndim >= 2 else 1
-
-    @property
-    def rows(self) -> int:
-        """The prompts the call passes (as upstream counts them when it passes none)."""
-        prompt = self.prompt
-        return prompt.shape[0] if prompt is not None and prompt.ndim >= 1 else prompt_rows(self.model_kwargs)
-
-    @property
-    def cache(self):
-        """The cache object the call passes, or `None`."""
-        return self.passed.cache
+    # What the prompt's length and rows are read from: `inputs_embeds` when passed, else the ids (or `None`).
+    prompt: torch.Tensor | None
+    prompt_length: int  # tokens in the prompt as passed (1 without one: upstream starts from one BOS token per row)
+    rows: int  # the prompts the call passes (as upstream counts them when it passes none)
+    cache: Any  # the cache object the call passes, or `None`
+    # `(columns added in front, padded batch)` of the bucketed call that filled the cache, when it left padding.
+    continued: tuple[int, int] | None
 
     @property
     def past_length(self) -> int:
-        """The tokens the cache passed in already holds (0 without one, or when it can't tell)."""
+        """
+        The tokens the cache passed in already holds (0 without one, or when it can't tell): read when first asked
+        (`passed.tokens`), as reading it from a static cache syncs the device, which an unbucketed call never does.
+        """
         return self.passed.tokens or 0
-
-    @property
-    def continued(self) -> tuple[int, int] | None:
-        """`(columns added in front, padded batch)` of the bucketed call that filled the cache, when it left padding."""
-        return self.passed.continued
 
 
 def bind_call(model, args: tuple, kwargs: dict) -> tuple[dict, dict, dict]:
@@ -182,7 +168,23 @@ def resolve_call(model, wrapper, arguments: dict, model_kwargs: dict, field_kwar
     input_ids = arguments.get("inputs")
     input_ids = input_ids if input_ids is not None else model_kwargs.get("input_ids")
     inputs_embeds = model_kwargs.get("inputs_embeds")
-    return ResolvedCall(model, wrapper, arguments, model_kwargs, settings, passed, input_ids, inputs_embeds)
+    prompt = inputs_embeds if inputs_embeds is not None else input_ids
+    has_length, has_rows = prompt is not None and prompt.ndim >= 2, prompt is not None and prompt.ndim >= 1
+    return ResolvedCall(
+        model,
+        wrapper,
+        arguments,
+        model_kwargs,
+        settings,
+        passed,
+        input_ids,
+        inputs_embeds,
+        prompt=prompt,
+        prompt_length=prompt.shape[1] if has_length else 1,
+        rows=prompt.shape[0] if has_rows else prompt_rows(model_kwargs),
+        cache=passed.cache,
+        continued=passed.continued,
+    )
 
 
 # `generate`'s parameters after `self`, in order, and those that may come by position.
