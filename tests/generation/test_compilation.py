@@ -646,6 +646,27 @@ class GraphCountTest(CompilationTestCase):
         self.assertNotIn("may have run some of its forwards eagerly", captured.out)
         self.assertEqual(torch._dynamo.config.recompile_limit, 2)  # the user's again
 
+    def test_a_prompt_given_as_embeddings_is_a_prefill_graph_of_its_own(self):
+        # `inputs_embeds` is another input of the prefill forward than `input_ids`: a graph of its own at a bucket ids
+        # compiled already. With the limit at the ids calls' 3 graphs (prefill 16, prefill 32, decode), the embeddings
+        # call makes room for its prefill graph and runs it compiled (with `fullgraph=True`, a graph torch refused
+        # would raise `FailOnRecompileLimitHit`).
+        torch._dynamo.config.recompile_limit = 3
+        model = make_model()
+        reference = make_reference(model)
+        counter = GraphCounter()
+        model.compile(backend=counter, dynamic=False, fullgraph=True)
+        config = make_config(max_cache_len=64)
+        embeds = reference.get_input_embeddings()(make_prompt(11)).detach()
+        with CaptureLogger(logger) as captured:
+            for inputs in ({"input_ids": make_prompt(11)}, {"input_ids": make_prompt(20)}, {"inputs_embeds": embeds}):
+                got = prefill_buckets.generate(model, **inputs, generation_config=config, prefill_buckets=[16, 32])
+                expected = reference.generate(**inputs, generation_config=config)
+                torch.testing.assert_close(got, expected, rtol=0, atol=0)
+        self.assertEqual(counter.graphs, 4, counter.shapes)  # prefill 16 and 32 from ids, 16 from embeddings, decode
+        self.assertIn("Raised the limit to 6", captured.out)
+        self.assertEqual(torch._dynamo.config.recompile_limit, 3)  # the user's again
+
 
 class SharedRecompileLimitTest(CompilationTestCase):
     """

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from transformers.utils import logging
 
+from ..kvcache.windows import window_length, windows_between
 from ..state import PROCESS, state_of
 from ..upstream import torch_api
 
@@ -48,7 +49,7 @@ class GraphBudget:
 
     A compiled forward compiles one graph per distinct input shape: a prefill graph per `(rows, prompt length,
     cache length, side, window, outputs)` (a right-padded prefill has no mask: another graph, and another again onto
-    cached tokens) and a decode graph per `(rows, cache length, window, outputs)`, where rows are `batch * max(num_beams, num_return_sequences)` and the window is the slots
+    cached tokens; a prompt given as embeddings, another input: another graph) and a decode graph per `(rows, cache length, window, outputs)`, where rows are `batch * max(num_beams, num_return_sequences)` and the window is the slots
     the forward reads (`kvcache/windows.py`; `None` where the cache has no windowed layers), and outputs what the
     forwards return besides the logits (`output_attentions`, `output_hidden_states`: other graphs). A 1-token prefill is a decode
     step: the decode graph. Sliding-window layers add no shape (`kvcache/ring.py`: their graphs depend on none of these).
@@ -136,6 +137,36 @@ class GraphBudget:
         calls, and torch says when it reaches its limit.)
         """
         self.add(rows, ((prompt_length, None),), cache_length)
+
+
+def account_call(plan, rows: int, prefill: int, chunk: int | None, max_cache_length: int, embeds: bool) -> None:
+    """
+    A bucketed call's graphs, accounted for in its model's budget (`GraphBudget.account`) once its cache is made: one
+    per prefill forward's (length, window), the chunks and a shorter last chunk, and one per window the decode steps
+    reach. A prompt given as `inputs_embeds` (`embeds`) is another input of the prefill forwards than ids: other
+    graphs.
+    """
+    cache_length = plan.run.static_cache_length
+    cached = plan.prompt_slots - prefill
+    chunks = [prefill] if chunk is None else [min(chunk, prefill - start) for start in range(0, prefill, chunk)]
+    shapes, filled = set(), cached
+    for length in chunks:
+        filled += length
+        shapes.add((length, window_of(plan, filled, cache_length)))
+    decode_windows = {None}
+    if plan.run.reads_windows:  # from the first decode step (at least) to the last
+        first = (plan.prompt_slots if plan.right is None else plan.right.past_length) + 1
+        decode_windows = windows_between(first, max(first, max_cache_length), cache_length)
+    # On the right, a prefill onto an empty cache reads its query offset as 0 (`prefill_right`): a graph of its own.
+    side = "right, onto cached tokens" if plan.right is not None and cached else plan.side
+    side += ", from embeddings" if embeds else ""
+    budget, outputs = budget_of(plan.model), plan.settings.returned_outputs
+    plan.run.expected_graphs = budget.account(plan.model, rows, shapes, cache_length, side, decode_windows, outputs)
+
+
+def window_of(plan, tokens: int, cache_length: int) -> int | None:
+    """The window a forward reads after which the cache holds `tokens` tokens (`None`: no windowed layers)."""
+    return window_length(tokens, cache_length) if plan.run.reads_windows else None
 
 
 def _read(window: int | None) -> str:

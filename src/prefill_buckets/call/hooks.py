@@ -6,7 +6,7 @@ must see through the padding. Each is declared with `@hook` (`hook_registry.py`)
   by the padding, so they keep their meaning.
 - `_prepare_cache_for_generation`: a static cache without `max_cache_len` gets a bucketed length (`kvcache/sizing.py`), so
   calls with different prompt lengths share one cache shape, and so one decode graph; its layers read windows
-  (`kvcache/windows.py`), and the call's graphs are accounted for (`budget.py`).
+  (`kvcache/windows.py`), and the call's graphs are accounted for (`budget.account_call`).
 - `prepare_inputs_for_generation`: a prompt that exactly fits its bucket has no padding, and upstream uses that twice
   to skip the mask: it drops an all-ones 2D attention mask before prefill, and with SDPA it builds no 4D mask for an
   unpadded prefill (`is_causal` instead). Either way the prompt would reach the model without a mask, a different
@@ -41,11 +41,11 @@ from ..config import PREFILL_PAD_TO_MULTIPLE_OF, PREFILL_PADDING_SIDE
 from ..kvcache.attention_keys import key_layouts
 from ..kvcache.record import passed_cache, sequence_length
 from ..kvcache.sizing import early_initialize, static_cache_length
-from ..kvcache.windows import close_windows, has_windows, open_windows, set_window, window_length, windows_between
+from ..kvcache.windows import close_windows, has_windows, open_windows, set_window
 from ..state import LOCK, PROCESS, state_of
 from ..upstream import torch_api, transformers_api, versions
 from . import prefill_right, views
-from .budget import budget_of, restore_recompile_limit, restore_user_recompile_limits
+from .budget import account_call, restore_recompile_limit, restore_user_recompile_limits, window_of
 from .hook_registry import _ACTIVE_PLAN, hook, hook_table, hooked_method, wraps
 from .plan import PER_TOKEN_KWARGS
 
@@ -125,7 +125,8 @@ def _prepare_cache_for_generation(plan, step):
     prefill = plan.right.bucket if plan.right is not None else plan.padded_length - cached_tokens
     _prefill_through_compiled_call(plan, generation_config, prefill)
     if plan.run.compiled:
-        _account_graphs(plan, rows, prefill, generation_config.prefill_chunk_size, step["max_cache_length"])
+        embeds = model_kwargs.get("inputs_embeds") is not None
+        account_call(plan, rows, prefill, generation_config.prefill_chunk_size, step["max_cache_length"], embeds)
     plan.run.recompile_limit = torch_api.recompile_limit()
     return result
 
@@ -178,33 +179,6 @@ def _prefill_through_compiled_call(plan, generation_config, prefill: int) -> Non
             f"has its own shape, and its own compiled graph. Set `{PREFILL_PAD_TO_MULTIPLE_OF}` to a multiple of "
             f"{chunk}: then every chunk of every prompt shares one prefill graph."
         )
-
-
-def _account_graphs(plan, rows: int, prefill: int, chunk: int | None, max_cache_length: int) -> None:
-    """
-    The graphs the compiled call needs, accounted for in the model's budget (`budget.py`): one per prefill forward's
-    (length, window), the chunks and a shorter last chunk, and one per window the decode steps reach.
-    """
-    cache_length = plan.run.static_cache_length
-    cached = plan.prompt_slots - prefill
-    chunks = [prefill] if chunk is None else [min(chunk, prefill - start) for start in range(0, prefill, chunk)]
-    shapes, filled = set(), cached
-    for length in chunks:
-        filled += length
-        shapes.add((length, _window_of(plan, filled, cache_length)))
-    decode_windows = {None}
-    if plan.run.reads_windows:  # from the first decode step (at least) to the last
-        first = (plan.prompt_slots if plan.right is None else plan.right.past_length) + 1
-        decode_windows = windows_between(first, max(first, max_cache_length), cache_length)
-    # On the right, a prefill onto an empty cache reads its query offset as 0 (`prefill_right`): a graph of its own.
-    side = "right, onto cached tokens" if plan.right is not None and cached else plan.side
-    budget, outputs = budget_of(plan.model), plan.settings.returned_outputs
-    plan.run.expected_graphs = budget.account(plan.model, rows, shapes, cache_length, side, decode_windows, outputs)
-
-
-def _window_of(plan, tokens: int, cache_length: int) -> int | None:
-    """The window a forward reads after which the cache holds `tokens` tokens (`None`: no windowed layers)."""
-    return window_length(tokens, cache_length) if plan.run.reads_windows else None
 
 
 @hook("prepare_inputs_for_generation", reads=("input_ids", "attention_mask", "inputs_embeds"))
@@ -273,7 +247,7 @@ def _before_forward(plan, model_inputs: dict, tokens: int | None) -> None:
         restore_recompile_limit(plan.run.recompile_limit)
     plan.run.decoding = decode
     if decode:
-        plan.run.decode_windows_read.add(_window_of(plan, tokens, plan.run.static_cache_length))
+        plan.run.decode_windows_read.add(window_of(plan, tokens, plan.run.static_cache_length))
 
 
 def _materialize_recurrent_masks(model_inputs: dict, attention_mask) -> None:
