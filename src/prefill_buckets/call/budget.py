@@ -49,10 +49,12 @@ class GraphBudget:
 
     A compiled forward compiles one graph per distinct input shape: a prefill graph per `(rows, prompt length,
     cache length, side, window, outputs)` (a right-padded prefill has no mask: another graph, and another again onto
-    cached tokens; a prompt given as embeddings, another input: another graph) and a decode graph per `(rows, cache length, window, outputs)`, where rows are `batch * max(num_beams, num_return_sequences)` and the window is the slots
-    the forward reads (`kvcache/windows.py`; `None` where the cache has no windowed layers), and outputs what the
-    forwards return besides the logits (`output_attentions`, `output_hidden_states`: other graphs). A 1-token prefill is a decode
-    step: the decode graph. Sliding-window layers add no shape (`kvcache/ring.py`: their graphs depend on none of these).
+    cached tokens; a prompt given as embeddings is another input: another graph) and a decode graph per `(rows, cache
+    length, window, outputs)`, where rows are `batch * max(num_beams, num_return_sequences)` and the window is the
+    slots the forward reads (`kvcache/windows.py`; `None` where the cache has no windowed layers), and outputs what
+    the forwards return besides the logits (`output_attentions`, `output_hidden_states`: other graphs). A 1-token
+    prefill is a decode step: the decode graph. Sliding-window layers add no shape (`kvcache/ring.py`: their graphs
+    depend on none of these).
 
     A call's prefill shapes are recorded when it is accounted for: prefill runs. Its decode windows are recorded once
     it has run, those its decode steps read (`reached`): a call predicts every window its new tokens could reach, and

@@ -18,7 +18,8 @@ must see through the padding. Each is declared with `@hook` (`hook_registry.py`)
 - `_get_logits_processor`, `_get_stopping_criteria`, `_get_candidate_generator` (`views.py`): what reads token
   content sees the ids without padding.
 - `_prefill` (`prefill_right.py`), on a right-padded call only: one forward of the prompt padded after its end to the
-  bucket, with no mask, then the cache's length set to the prompt's. Upstream, seeing the unpadded prompt, does the rest.
+  bucket, with no mask, then the cache's length set to the prompt's. Upstream, which sees the unpadded prompt, does
+  everything else; the hooks above have nothing to undo (`added_id_columns == 0`).
 
 Every hook acts only for the model and the context whose plan is active (`bucketed_call`), so concurrent calls, on
 one model or several, don't see each other's plans.
@@ -236,7 +237,8 @@ def _before_forward(plan, model_inputs: dict, tokens: int | None) -> None:
     Before each compiled forward upstream prepared (`model_inputs`), after which the cache holds `tokens` tokens
     (`None` for a cache without windows): torch's recompile limit put back to the call's before every prompt forward
     and the first decode step (upstream lowers it before a chunked prefill, on transformers < 5.23); the window a
-    decode step reads, for the budget (`check_compiled`: the windows reached, not predicted)."""
+    decode step reads, for the budget (`check_compiled`: the windows reached, not predicted).
+    """
     if plan.run.compiled is False:
         return
     new_tokens = model_inputs.get("input_ids")
