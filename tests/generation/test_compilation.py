@@ -21,6 +21,7 @@ from transformers.utils import logging
 import prefill_buckets
 from prefill_buckets import GraphCounter
 from prefill_buckets.buckets import BucketPolicy
+from prefill_buckets.compile.compiled_calls import forward_compiled_with_fullgraph
 from prefill_buckets.compile.precompile import bucket_lengths
 
 
@@ -210,6 +211,18 @@ class CompileEntryPointTest(CompilationTestCase):
             return prefill_buckets.generate(model, ids, generation_config=config, prefill_buckets=BUCKETS, **kwargs)
 
         self.check_lengths(counter, generate, reference, make_config(), model)
+
+    def test_whether_a_forward_was_compiled_with_fullgraph_is_read(self):
+        # Without `fullgraph=True`, a bucketed call runs with room for the frames graph breaks start (`budget.py`):
+        # read from torch's compiled function, whichever way the user compiled the forward.
+        for fullgraph in (True, False):
+            model = make_model()
+            model.compile(backend=GraphCounter(), dynamic=False, fullgraph=fullgraph)
+            self.assertIs(forward_compiled_with_fullgraph(model), fullgraph, "model.compile()")
+            model = make_model()
+            model.forward = torch.compile(model.forward, backend=GraphCounter(), dynamic=False, fullgraph=fullgraph)
+            self.assertIs(forward_compiled_with_fullgraph(model), fullgraph, "torch.compile(model.forward)")
+        self.assertFalse(forward_compiled_with_fullgraph(make_model()))
 
     def test_compile_config(self):
         # Upstream's auto-compile (`compile_config` + static cache) runs prefill eagerly and compiles decode only.
@@ -643,6 +656,8 @@ class GraphCountTest(CompilationTestCase):
                 for step, (mine, theirs) in enumerate(zip(got.hidden_states or (), expected.hidden_states or ())):
                     torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5, msg=f"step {step}")
         self.assertIn("Raised the limit", captured.out)
+        # Compiled without `fullgraph=True`: room for the frames its graph breaks start, said with the limit.
+        self.assertIn("more while its calls run: a forward compiled without `fullgraph=True`", captured.out)
         self.assertNotIn("may have run some of its forwards eagerly", captured.out)
         self.assertEqual(torch._dynamo.config.recompile_limit, 2)  # the user's again
 
@@ -664,7 +679,8 @@ class GraphCountTest(CompilationTestCase):
                 expected = reference.generate(**inputs, generation_config=config)
                 torch.testing.assert_close(got, expected, rtol=0, atol=0)
         self.assertEqual(counter.graphs, 4, counter.shapes)  # prefill 16 and 32 from ids, 16 from embeddings, decode
-        self.assertIn("Raised the limit to 6", captured.out)
+        # `fullgraph=True`: no room for frames of graph breaks (`test_returned_hidden_states_are_graphs_of_their_own`).
+        self.assertIn("Raised the limit to 6. To need fewer graphs", captured.out)
         self.assertEqual(torch._dynamo.config.recompile_limit, 3)  # the user's again
 
 
@@ -734,6 +750,40 @@ class SharedRecompileLimitTest(CompilationTestCase):
         self.assertIn("The compiled forward of `Qwen2ForCausalLM` holds 8 graphs", captured.out)
         self.assertIn("may have run some of its forwards eagerly", captured.out)
         self.assertIn("prefill [1, 4] with a 128-slot cache", captured.out)
+
+    def test_a_forward_that_breaks_its_graph_leaves_room_for_its_frames(self):
+        # Compiled without `fullgraph=True`, a forward that breaks its graph (`output_hidden_states`: transformers'
+        # capture lock) resumes in frames of its own, and those that start in a decorated function (`wrapped_func`
+        # around `create_causal_mask`) are entries on the forward's code object: torch's limit counts them, and the
+        # budget can't predict them. With the limit at exactly the graphs predicted, the frame past it made torch mark
+        # the code object run-only for good: a later model's new shapes then ran eagerly (with `fullgraph=True`,
+        # "found no compiled frames"). A call whose forward may break its graph runs with room for such frames.
+        config = make_config(max_cache_len=128, prefill_buckets=self.BUCKETS)
+        first, breaking, last = self.three_models()
+        first.compile(backend=GraphCounter(), dynamic=False, fullgraph=True)
+        for length in self.LENGTHS:  # 3 prefill graphs and 1 decode graph
+            prefill_buckets.generate(first, make_prompt(length), generation_config=config)
+        torch._dynamo.config.recompile_limit = 6  # and 2 for the next call: the graphs predicted, nothing more
+        reference = make_reference(breaking)
+        breaking.compile(backend=GraphCounter(), dynamic=False)
+        hidden = make_config(max_cache_len=128, return_dict_in_generate=True, output_hidden_states=True)
+        got = prefill_buckets.generate(breaking, make_prompt(13), generation_config=hidden, prefill_buckets=[16])
+        expected = reference.generate(make_prompt(13), generation_config=hidden)
+        torch.testing.assert_close(got.sequences, expected.sequences, rtol=0, atol=0)
+        self.assertEqual(torch._dynamo.config.recompile_limit, 6)  # the user's again
+        # The last model's new shapes compile (every forward a compiled call), and give upstream's tokens.
+        counter = GraphCounter()
+        last.compile(backend=counter, dynamic=False, fullgraph=True)
+        reference = make_reference(last)
+        for length in self.LENGTHS:
+            self.check_call(
+                counter,
+                lambda ids: prefill_buckets.generate(last, ids, generation_config=config),
+                make_prompt(length),
+                reference,
+                make_config(),
+            )
+        self.assertEqual(counter.graphs, len(self.BUCKETS) + 1, counter.shapes)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -9,6 +9,13 @@ and, when that passes the limit, raises it, with a warning, never below what the
 is in flight the limits are the user's again (`restore_user_recompile_limits`): each call raises them for itself.
 After a call, a code object at the limit with other graphs than the call should have made means torch refused some:
 that is said too.
+
+A forward compiled without `fullgraph=True` may break its graph (`output_hidden_states`: transformers' capture lock),
+and resumes in frames of its own; those that start in a decorated function (`create_causal_mask`, in the same
+`wrapped_func` as the forward) are entries on the forward's code object, which no shape predicts. One frame past the
+limit and torch marks the code object run-only for good: every model's new shapes on it then run eagerly. So such a
+call runs with room above the graphs it needs: the user's limit again, or the most unpredicted entries one call of
+the model has added, if more.
 """
 
 import threading
@@ -41,6 +48,7 @@ class CallGraphs:
     rows: int = 1
     cache_length: int = -1
     outputs: tuple[str, ...] = ()  # what the forwards return besides the logits (`GraphBudget.add`)
+    frames_room: bool = False  # whether the forward may break its graph: the call ran with room for its frames
 
 
 class GraphBudget:
@@ -66,6 +74,8 @@ class GraphBudget:
         # (rows, prompt length, cache length, side, window, outputs)
         self.prefill: set[tuple[int, int, int, str, int | None, tuple]] = set()
         self.decode: set[tuple[int, int, int | None, tuple]] = set()  # (rows, cache length, window, outputs)
+        # The most entries one call of a forward that breaks its graph added on its code objects beyond its new shapes.
+        self.unpredicted_frames = 0
 
     @property
     def graphs(self) -> int:
@@ -117,20 +127,21 @@ class GraphBudget:
         side: str = "left",
         decode_windows=(None,),
         outputs=(),
+        fullgraph: bool = True,
     ) -> CallGraphs:
         """
         A bucketed call's shapes (as `add` takes them): keeps the recompile limit above the graphs the process needs
-        on the model's forward, and says so when it raises it. Returns what the call expects to compile, for
-        `check_compiled`.
+        on the model's forward, and says so when it raises it; a forward compiled without `fullgraph` gets room for the
+        frames its graph breaks start. Returns what the call expects to compile, for `check_compiled`.
         """
         with _LIMIT_LOCK:
             held = self.held_graphs(model)
             new = self.add(rows, prefill_shapes, cache_length, side, decode_windows, outputs)
             # New graphs of calls still running, which torch's count may not hold yet: concurrent calls, on one model
             # or several, make room for each other's too.
-            make_room(model, held + PROCESS.graphs_in_flight, len(new), "Bucketed calls")
+            make_room(model, held + PROCESS.graphs_in_flight, len(new), "Bucketed calls", breaks_graph=not fullgraph)
             PROCESS.graphs_in_flight += len(new)
-        return CallGraphs(held, new, rows, cache_length, outputs)
+        return CallGraphs(held, new, rows, cache_length, outputs, not fullgraph)
 
     def account_unbucketed(self, model, rows: int, prompt_length: int, cache_length: int) -> None:
         """
@@ -163,12 +174,23 @@ def account_call(plan, rows: int, prefill: int, chunk: int | None, max_cache_len
     side = "right, onto cached tokens" if plan.right is not None and cached else plan.side
     side += ", from embeddings" if embeds else ""
     budget, outputs = budget_of(plan.model), plan.settings.returned_outputs
-    plan.run.expected_graphs = budget.account(plan.model, rows, shapes, cache_length, side, decode_windows, outputs)
+    plan.run.expected_graphs = budget.account(
+        plan.model, rows, shapes, cache_length, side, decode_windows, outputs, plan.run.fullgraph
+    )
 
 
 def window_of(plan, tokens: int, cache_length: int) -> int | None:
     """The window a forward reads after which the cache holds `tokens` tokens (`None`: no windowed layers)."""
     return window_length(tokens, cache_length) if plan.run.reads_windows else None
+
+
+def _room(frames_room: int) -> str:
+    if not frames_room:
+        return ""
+    return (
+        f" (and {frames_room} more while its calls run: a forward compiled without `fullgraph=True` starts frames "
+        "after a graph break, which torch counts against the same limit)"
+    )
 
 
 def _read(window: int | None) -> str:
@@ -185,8 +207,12 @@ def budget_of(model) -> "GraphBudget":
     return state.budget
 
 
-def make_room(model, held: int, graphs: int, who: str) -> None:
-    """Raises torch's recompile limits, if needed, so `model`'s forward can hold `held` graphs plus `graphs` more."""
+def make_room(model, held: int, graphs: int, who: str, breaks_graph: bool = False) -> None:
+    """
+    Raises torch's recompile limits, if needed, so `model`'s forward can hold `held` graphs plus `graphs` more; if its
+    forward may break its graph, with room for the frames that starts while calls run (entries, not graphs the process
+    needs: the user's limit again, or the most one call added, if more).
+    """
     needed = held + graphs
     with _LIMIT_LOCK:
         limit = recompile_limit()
@@ -195,6 +221,7 @@ def make_room(model, held: int, graphs: int, who: str) -> None:
         if PROCESS.saved_recompile_limits is None and PROCESS.raised_recompile_limit[0] != limit:
             PROCESS.raised_recompile_limit = (limit, limit)
         user_limit, highest = PROCESS.raised_recompile_limit
+        frames_room = max(user_limit, budget_of(model).unpredicted_frames) if breaks_graph else 0
         effective = max(limit, highest)
         raised = effective
         if needed > effective:
@@ -203,16 +230,18 @@ def make_room(model, held: int, graphs: int, who: str) -> None:
                 f"{who} need {needed} compiled graphs of the forward of `{model_name(model)}` (the "
                 f"graphs of every model whose forward is the same code, as torch counts them), more than torch's "
                 f"`torch._dynamo.config.recompile_limit` ({effective}), past which torch silently runs the forward "
-                f"eagerly. Raised the limit to {raised}. To need fewer graphs: pin `max_cache_len` (one decode graph "
+                f"eagerly. Raised the limit to {raised}{_room(frames_room)}. To need fewer graphs: pin `max_cache_len` (one decode graph "
                 "per batch size), use fewer buckets, or call `prefill_buckets.precompile` to compile them all up front."
             )
             PROCESS.raised_recompile_limit = (user_limit, raised)
         # While calls run, the limit is the highest it was raised to: a call doesn't lower it under graphs another
         # call counted on.
+        raised = max(raised, needed + frames_room)
         if raised > limit:
             _save_user_recompile_limits()
             PROCESS.recompile_limit_set = raised
             torch_api.set_recompile_limit(raised)
+        needed += frames_room
         accumulated = torch_api.accumulated_recompile_limit()
         if accumulated is not None and max(needed, PROCESS.raised_accumulated_limit) > accumulated:
             # The cap on any one code object's graphs (256), raised alike.
@@ -238,8 +267,12 @@ def check_compiled(model, expected: CallGraphs | None, limit: int | None = None,
         return
     with _LIMIT_LOCK:
         PROCESS.graphs_in_flight -= len(expected.new_shapes)
-        budget_of(model).reached(expected.rows, expected.cache_length, decode_windows_read, expected.outputs)
+        budget = budget_of(model)
+        budget.reached(expected.rows, expected.cache_length, decode_windows_read, expected.outputs)
     held = torch_api.forward_graphs(model)
+    if expected.frames_room:  # what its graph breaks added, room for the next call's
+        unpredicted = held - expected.held_before - len(expected.new_shapes)
+        budget.unpredicted_frames = max(budget.unpredicted_frames, unpredicted)
     limit = recompile_limit() if limit is None else limit  # the call's own, once it has put the user's back
     if held >= limit and held != expected.held_before + len(expected.new_shapes):
         shapes = "; ".join(expected.new_shapes) or "shapes the package did not predict"

@@ -34,6 +34,7 @@ from transformers.utils import logging
 from ..compile.compiled_calls import (
     EagerFallback,
     compiled_forward,
+    forward_compiled_with_fullgraph,
     install_fallbacks,
     is_aot_forward,
     remove_fallbacks,
@@ -154,10 +155,17 @@ def _learn_cache(plan, cache) -> None:
 
 
 def _learn_compilation(plan, model_kwargs: dict, generation_config) -> None:
-    """Whether upstream compiles the forward itself, and whether the call's forwards are compiled at all."""
+    """
+    Whether upstream compiles the forward itself, whether the call's forwards are compiled at all, and whether with
+    `fullgraph=True` (upstream compiles with `compile_config`'s, `False` by default).
+    """
     auto_compile = transformers_api.valid_auto_compile(plan.model, model_kwargs, generation_config)
     plan.run.auto_compile = auto_compile
     plan.run.compiled = auto_compile or compiled_forward(plan.model) is not None
+    if auto_compile:
+        plan.run.fullgraph = bool(getattr(generation_config.compile_config, "fullgraph", False))
+    elif plan.run.compiled:
+        plan.run.fullgraph = forward_compiled_with_fullgraph(plan.model)
 
 
 def _prefill_through_compiled_call(plan, generation_config, prefill: int) -> None:

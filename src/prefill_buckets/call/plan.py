@@ -52,6 +52,9 @@ class CallRun:
     # get upstream's inputs as they are (`hooks.prepare_inputs_for_generation`).
     auto_compile: bool | None = None
     compiled: bool | None = None
+    # Whether the compiled forward was compiled with `fullgraph=True`; without, a graph break starts frames that torch
+    # counts against the forward's recompile limit, which the budget leaves room for (`budget.make_room`).
+    fullgraph: bool = False
     windowed_cache: Any = None  # the static cache whose full-attention layers read windows (`kvcache/windows.py`)
     reads_windows: bool = False  # whether its full-attention layers read windows (`windows.has_windows`)
     decoding: bool = False  # whether the last forward prepared was a decode step (`hooks._before_forward`)

@@ -103,6 +103,14 @@ def compiled_forward(model) -> str | None:
     return None
 
 
+def forward_compiled_with_fullgraph(model) -> bool:
+    """Whether the user compiled `model`'s forward with `fullgraph=True` (`compiled_forward`'s ways; `False` if not)."""
+    for compiled in (torch_api.compiled_call_impl(model), model.__dict__.get("forward")):
+        if compiled is not None and torch_api.compiled_with_fullgraph(compiled):
+            return True
+    return False
+
+
 @contextlib.contextmanager
 def compiled_wrapper_forward(wrapper):
     """

@@ -70,7 +70,11 @@ PRIVATE_TORCH_NAMES = (
     "torch.nn.Module._call_impl",
 )
 # Read where torch has them, with a stated fallback where it has not (see their accessors in `torch_api.py`).
-OPTIONAL_TORCH_NAMES = ("torch._dynamo.config.accumulated_recompile_limit", "torch._inductor.cpu_vec_isa")
+OPTIONAL_TORCH_NAMES = (
+    "torch._dynamo.config.accumulated_recompile_limit",
+    "torch._inductor.cpu_vec_isa",
+    "torch._dynamo.eval_frame._TorchDynamoContext",
+)
 # What `aot_forward` alone reads: `aot_compile_problem` checks them when one is made.
 AOT_TORCH_NAMES = (
     "torch._dynamo.guards.CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES",

@@ -42,6 +42,8 @@ def _torch_class(path: str) -> type:
 OptimizedModule = _torch_class("torch._dynamo.eval_frame.OptimizedModule")  # what `torch.compile(model)` returns
 # A compiler backend raised while compiling a graph.
 BackendCompilerFailed = _torch_class("torch._dynamo.exc.BackendCompilerFailed")
+# The dynamo context a `torch.compile`d function closes over: its `fullgraph` (optional: without it, `False`).
+TorchDynamoContext = _torch_class("torch._dynamo.eval_frame._TorchDynamoContext")
 
 
 def recompile_limit() -> int:
@@ -147,6 +149,24 @@ def forward_graphs(model) -> int:
                 codes.add(code)
             function = getattr(function, "__wrapped__", None)
     return max((len(entries(code)) for code in codes), default=0)
+
+
+def compiled_with_fullgraph(compiled) -> bool:
+    """
+    Whether `compiled`, a `torch.compile`d function (or a wrapper whose `__wrapped__` leads to one), was compiled with
+    `fullgraph=True`: then its forwards never break their graph, and compile no frame but the one they start in.
+    `False` where torch can't tell (read from the dynamo context its wrapper closes over).
+    """
+    for _ in range(8):
+        code, closure = getattr(compiled, "__code__", None), getattr(compiled, "__closure__", None)
+        if code is not None and closure and "self" in code.co_freevars:
+            context = closure[code.co_freevars.index("self")].cell_contents
+            if isinstance(context, TorchDynamoContext):
+                return bool(context.fullgraph)
+        compiled = getattr(compiled, "__wrapped__", None)
+        if compiled is None:
+            break
+    return False
 
 
 def compile_counters():
