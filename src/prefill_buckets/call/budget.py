@@ -221,7 +221,7 @@ def make_room(model, held: int, graphs: int, who: str, breaks_graph: bool = Fals
         if PROCESS.saved_recompile_limits is None and PROCESS.raised_recompile_limit[0] != limit:
             PROCESS.raised_recompile_limit = (limit, limit)
         user_limit, highest = PROCESS.raised_recompile_limit
-        frames_room = max(user_limit, budget_of(model).unpredicted_frames) if breaks_graph else 0
+        frames_room = max(user_limit or limit, budget_of(model).unpredicted_frames) if breaks_graph else 0
         effective = max(limit, highest)
         raised = effective
         if needed > effective:
