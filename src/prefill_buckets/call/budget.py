@@ -48,7 +48,7 @@ class CallGraphs:
     rows: int = 1
     cache_length: int = -1
     outputs: tuple[str, ...] = ()  # what the forwards return besides the logits (`GraphBudget.add`)
-    frames_room: bool = False  # whether the forward may break its graph: the call ran with room for its frames
+    breaks_graph: bool = False  # whether the forward may break its graph: the call ran with room for its frames
 
 
 class GraphBudget:
@@ -230,8 +230,9 @@ def make_room(model, held: int, graphs: int, who: str, breaks_graph: bool = Fals
                 f"{who} need {needed} compiled graphs of the forward of `{model_name(model)}` (the "
                 f"graphs of every model whose forward is the same code, as torch counts them), more than torch's "
                 f"`torch._dynamo.config.recompile_limit` ({effective}), past which torch silently runs the forward "
-                f"eagerly. Raised the limit to {raised}{_room(frames_room)}. To need fewer graphs: pin `max_cache_len` (one decode graph "
-                "per batch size), use fewer buckets, or call `prefill_buckets.precompile` to compile them all up front."
+                f"eagerly. Raised the limit to {raised}{_room(frames_room)}. To need fewer graphs: pin `max_cache_len` "
+                "(one decode graph per batch size), use fewer buckets, or call `prefill_buckets.precompile` to compile "
+                "them all up front."
             )
             PROCESS.raised_recompile_limit = (user_limit, raised)
         # While calls run, the limit is the highest it was raised to: a call doesn't lower it under graphs another
@@ -270,7 +271,7 @@ def check_compiled(model, expected: CallGraphs | None, limit: int | None = None,
         budget = budget_of(model)
         budget.reached(expected.rows, expected.cache_length, decode_windows_read, expected.outputs)
     held = torch_api.forward_graphs(model)
-    if expected.frames_room:  # what its graph breaks added, room for the next call's
+    if expected.breaks_graph:  # what its graph breaks added, room for the next call's
         unpredicted = held - expected.held_before - len(expected.new_shapes)
         budget.unpredicted_frames = max(budget.unpredicted_frames, unpredicted)
     limit = recompile_limit() if limit is None else limit  # the call's own, once it has put the user's back
