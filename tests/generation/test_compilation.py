@@ -751,6 +751,21 @@ class SharedRecompileLimitTest(CompilationTestCase):
         self.assertIn("may have run some of its forwards eagerly", captured.out)
         self.assertIn("prefill [1, 4] with a 128-slot cache", captured.out)
 
+    def test_a_code_object_past_the_limit_compiles_nothing_new_for_good(self):
+        # The torch fact the room below exists for (and the guide states): once a frame passes the limit, torch runs
+        # that code object's new shapes eagerly from then on, even after the limit is raised.
+        def double(x):
+            return x * 2
+
+        counter = GraphCounter()
+        compiled = torch.compile(double, backend=counter, dynamic=False)
+        torch._dynamo.config.recompile_limit = 1
+        compiled(torch.ones(1))
+        compiled(torch.ones(2))  # past the limit: eager
+        torch._dynamo.config.recompile_limit = 8
+        compiled(torch.ones(3))
+        self.assertEqual(counter.graphs, 1, counter.shapes)
+
     def test_a_forward_that_breaks_its_graph_leaves_room_for_its_frames(self):
         # Compiled without `fullgraph=True`, a forward that breaks its graph (`output_hidden_states`: transformers'
         # capture lock) resumes in frames of its own, and those that start in a decorated function (`wrapped_func`
