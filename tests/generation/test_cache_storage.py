@@ -8,6 +8,7 @@
 # - Conversations and several models: a chat's own cache beside one-off calls, two models each with their own.
 # - Not shared: a cache handed back (`return_dict_in_generate=True`) is never reused, nor a cache passed in; a change
 #   of batch size or cache length allocates anew; an eager call keeps nothing, as upstream.
+# - Modes: a call under `torch.inference_mode()` and one outside it each take tensors made in their own mode.
 
 import unittest
 
@@ -130,6 +131,23 @@ class CacheStorageTest(unittest.TestCase):
                 expected = reference.generate(prompt(length), max_new_tokens=NEW_TOKENS, do_sample=False)
                 self.assertEqual(out.tolist(), expected.tolist())
         self.assertIsNot(kept_keys(self.model), kept_keys(other))
+
+    @parameterized.expand([("left",), ("right",)])
+    def test_each_mode_writes_tensors_of_its_own(self, side):
+        # Tensors made under `torch.inference_mode()` can't be written outside it (torch raises), and tensors of the
+        # other mode are other graph inputs (dynamo compiles again): a call takes kept tensors of its own mode only.
+        modes = (torch.inference_mode, torch.no_grad, torch.inference_mode, torch.no_grad)
+        for length, mode in zip((7, 9, 5, 12), modes):
+            with mode():
+                out = prefill_buckets.generate(self.model, prompt(length), generation_config=config(side))
+            expected = self.reference.generate(prompt(length), max_new_tokens=NEW_TOKENS, do_sample=False)
+            self.assertEqual(out.tolist(), expected.tolist())
+            self.assertEqual(kept_keys(self.model).is_inference(), mode is torch.inference_mode)
+        with torch.inference_mode():
+            prefill_buckets.generate(self.model, prompt(7), generation_config=config(side))
+            inference_keys = kept_keys(self.model)
+            prefill_buckets.generate(self.model, prompt(9), generation_config=config(side))
+        self.assertIs(kept_keys(self.model), inference_keys, "calls in one mode share one allocation")
 
     def test_an_eager_call_keeps_nothing(self):
         model = tiny_llama()

@@ -23,6 +23,7 @@ from prefill_buckets import GraphCounter
 from prefill_buckets.buckets import BucketPolicy
 from prefill_buckets.compile.compiled_calls import forward_compiled_with_fullgraph
 from prefill_buckets.compile.precompile import bucket_lengths
+from prefill_buckets.testing_utils import as_new_process
 
 
 PAD, EOS, BOS = 0, 1, 2
@@ -682,6 +683,32 @@ class GraphCountTest(CompilationTestCase):
         # `fullgraph=True`: no room for frames of graph breaks (`test_returned_hidden_states_are_graphs_of_their_own`).
         self.assertIn("Raised the limit to 6. To need fewer graphs", captured.out)
         self.assertEqual(torch._dynamo.config.recompile_limit, 3)  # the user's again
+
+    def test_calls_under_inference_mode_are_graphs_of_their_own(self):
+        # dynamo guards on `torch.inference_mode()`, and a call's cache is made of tensors of its own mode
+        # (`kvcache.sizing`): a call in the other mode compiles its own graphs at shapes compiled already. With the
+        # limit at the first call's 2 graphs (prefill 16, decode), the call in the other mode makes room for its 2
+        # (with `fullgraph=True`, a graph torch refused would raise), and later calls in either mode compile nothing.
+        self.enterContext(as_new_process())  # the limit raised here is not remembered by the tests after
+        torch._dynamo.config.recompile_limit = 2
+        model = make_model()
+        reference = make_reference(model)
+        counter = GraphCounter()
+        model.compile(backend=counter, dynamic=False, fullgraph=True)
+        config = make_config(max_cache_len=64)
+        modes = (torch.no_grad, torch.inference_mode, torch.no_grad, torch.inference_mode)
+        with CaptureLogger(logger) as captured:
+            for length, mode in zip((11, 9, 13, 6), modes):
+                with mode():
+                    got = prefill_buckets.generate(
+                        model, make_prompt(length), generation_config=config, prefill_buckets=[16]
+                    )
+                expected = reference.generate(make_prompt(length), generation_config=config)
+                torch.testing.assert_close(got, expected, rtol=0, atol=0)
+        self.assertEqual(counter.graphs, 4, counter.shapes)
+        self.assertIn("Raised the limit to 4. To need fewer graphs", captured.out)
+        self.assertNotIn("may have run some of its forwards eagerly", captured.out)
+        self.assertEqual(torch._dynamo.config.recompile_limit, 2)  # the user's again
 
 
 class SharedRecompileLimitTest(CompilationTestCase):

@@ -21,6 +21,7 @@ the model has added, if more.
 import threading
 from dataclasses import dataclass
 
+import torch
 from transformers.utils import logging
 
 from ..kvcache.windows import window_length, windows_between
@@ -47,7 +48,7 @@ class CallGraphs:
     new_shapes: list[str]  # the shapes of the graphs the model had not compiled yet, in words
     rows: int = 1
     cache_length: int = -1
-    outputs: tuple[str, ...] = ()  # what the forwards return besides the logits (`GraphBudget.add`)
+    variant: tuple[str, ...] = ()  # what else makes its graphs their own (`graph_variant`)
     breaks_graph: bool = False  # whether the forward may break its graph: the call ran with room for its frames
 
 
@@ -56,11 +57,11 @@ class GraphBudget:
     The graphs a compiled model has needed so far, by shape, for one static-cache generation workload.
 
     A compiled forward compiles one graph per distinct input shape: a prefill graph per `(rows, prompt length,
-    cache length, side, window, outputs)` (a right-padded prefill has no mask: another graph, and another again onto
+    cache length, side, window, variant)` (a right-padded prefill has no mask: another graph, and another again onto
     cached tokens; a prompt given as embeddings is another input: another graph) and a decode graph per `(rows, cache
-    length, window, outputs)`, where rows are `batch * max(num_beams, num_return_sequences)` and the window is the
-    slots the forward reads (`kvcache/windows.py`; `None` where the cache has no windowed layers), and outputs what
-    the forwards return besides the logits (`output_attentions`, `output_hidden_states`: other graphs). A 1-token
+    length, window, variant)`, where rows are `batch * max(num_beams, num_return_sequences)` and the window is the
+    slots the forward reads (`kvcache/windows.py`; `None` where the cache has no windowed layers), and the variant is
+    what else dynamo compiles other graphs for (`graph_variant`: outputs besides the logits, inference mode). A 1-token
     prefill is a decode step: the decode graph. Sliding-window layers add no shape (`kvcache/ring.py`: their graphs
     depend on none of these).
 
@@ -71,9 +72,9 @@ class GraphBudget:
     """
 
     def __init__(self):
-        # (rows, prompt length, cache length, side, window, outputs)
+        # (rows, prompt length, cache length, side, window, variant)
         self.prefill: set[tuple[int, int, int, str, int | None, tuple]] = set()
-        self.decode: set[tuple[int, int, int | None, tuple]] = set()  # (rows, cache length, window, outputs)
+        self.decode: set[tuple[int, int, int | None, tuple]] = set()  # (rows, cache length, window, variant)
         # The most entries one call of a forward that breaks its graph added on its code objects beyond its new shapes.
         self.unpredicted_frames = 0
 
@@ -82,7 +83,7 @@ class GraphBudget:
         return len(self.prefill) + len(self.decode)
 
     def add(
-        self, rows: int, prefill_shapes, cache_length: int, side: str = "left", decode_windows=(None,), outputs=()
+        self, rows: int, prefill_shapes, cache_length: int, side: str = "left", decode_windows=(None,), variant=()
     ) -> list[str]:
         """
         Records one call's prefill shapes, `(prompt length, window)` per prefill forward, and returns, in words, those
@@ -90,24 +91,24 @@ class GraphBudget:
         """
         new = []
         decode_windows = set(decode_windows)
-        returning = f", returning {' and '.join(outputs)}" if outputs else ""
+        returning = "".join(f", {what}" for what in variant)
         for prompt_length, window in sorted(prefill_shapes, key=str):
             if prompt_length == 1:  # a 1-token prefill into the allocated cache is a decode step: its graph
                 decode_windows.add(window)
-            elif (rows, prompt_length, cache_length, side, window, outputs) not in self.prefill:
-                self.prefill.add((rows, prompt_length, cache_length, side, window, outputs))
+            elif (rows, prompt_length, cache_length, side, window, variant) not in self.prefill:
+                self.prefill.add((rows, prompt_length, cache_length, side, window, variant))
                 new.append(
                     f"prefill [{rows}, {prompt_length}] with a {cache_length}-slot cache "
                     f"({side}{_read(window)}{returning})"
                 )
         for window in sorted(decode_windows, key=str):
-            if (rows, cache_length, window, outputs) not in self.decode:
+            if (rows, cache_length, window, variant) not in self.decode:
                 new.append(f"decode [{rows}, 1] with a {cache_length}-slot cache{_read(window)}{returning}")
         return new
 
-    def reached(self, rows: int, cache_length: int, decode_windows, outputs=()) -> None:
+    def reached(self, rows: int, cache_length: int, decode_windows, variant=()) -> None:
         """Records the windows a call's decode steps read (`None`: a cache without windows): graphs torch now holds."""
-        self.decode.update((rows, cache_length, window, outputs) for window in decode_windows)
+        self.decode.update((rows, cache_length, window, variant) for window in decode_windows)
 
     def held_graphs(self, model) -> int:
         """
@@ -126,7 +127,7 @@ class GraphBudget:
         cache_length: int,
         side: str = "left",
         decode_windows=(None,),
-        outputs=(),
+        variant=(),
         fullgraph: bool = True,
     ) -> CallGraphs:
         """
@@ -136,12 +137,12 @@ class GraphBudget:
         """
         with _LIMIT_LOCK:
             held = self.held_graphs(model)
-            new = self.add(rows, prefill_shapes, cache_length, side, decode_windows, outputs)
+            new = self.add(rows, prefill_shapes, cache_length, side, decode_windows, variant)
             # New graphs of calls still running, which torch's count may not hold yet: concurrent calls, on one model
             # or several, make room for each other's too.
             make_room(model, held + PROCESS.graphs_in_flight, len(new), "Bucketed calls", breaks_graph=not fullgraph)
             PROCESS.graphs_in_flight += len(new)
-        return CallGraphs(held, new, rows, cache_length, outputs, not fullgraph)
+        return CallGraphs(held, new, rows, cache_length, variant, not fullgraph)
 
     def account_unbucketed(self, model, rows: int, prompt_length: int, cache_length: int) -> None:
         """
@@ -149,7 +150,7 @@ class GraphBudget:
         counted, but the limit is left alone. (What they cost is said once, by `generate`'s advice for unbucketed
         calls, and torch says when it reaches its limit.)
         """
-        self.add(rows, ((prompt_length, None),), cache_length)
+        self.add(rows, ((prompt_length, None),), cache_length, variant=graph_variant())
 
 
 def account_call(plan, rows: int, prefill: int, chunk: int | None, max_cache_length: int, embeds: bool) -> None:
@@ -173,10 +174,20 @@ def account_call(plan, rows: int, prefill: int, chunk: int | None, max_cache_len
     # On the right, a prefill onto an empty cache reads its query offset as 0 (`prefill_right`): a graph of its own.
     side = "right, onto cached tokens" if plan.right is not None and cached else plan.side
     side += ", from embeddings" if embeds else ""
-    budget, outputs = budget_of(plan.model), plan.settings.returned_outputs
-    plan.run.expected_graphs = budget.account(
-        plan.model, rows, shapes, cache_length, side, decode_windows, outputs, plan.run.fullgraph
+    variant = graph_variant(plan.settings.returned_outputs)
+    plan.run.expected_graphs = budget_of(plan.model).account(
+        plan.model, rows, shapes, cache_length, side, decode_windows, variant, plan.run.fullgraph
     )
+
+
+def graph_variant(returned_outputs: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """
+    What else makes a call's graphs their own, besides its shapes, in words: the outputs its forwards return besides
+    the logits (`output_attentions`, `output_hidden_states`), and `torch.inference_mode()`, which dynamo guards on
+    (a static cache's tensors are made in the call's mode: `kvcache.sizing`).
+    """
+    variant = tuple(f"returning {name}" for name in returned_outputs)
+    return variant + ("under `torch.inference_mode()`",) if torch.is_inference_mode_enabled() else variant
 
 
 def window_of(plan, tokens: int, cache_length: int) -> int | None:
@@ -269,7 +280,7 @@ def check_compiled(model, expected: CallGraphs | None, limit: int | None = None,
     with _LIMIT_LOCK:
         PROCESS.graphs_in_flight -= len(expected.new_shapes)
         budget = budget_of(model)
-        budget.reached(expected.rows, expected.cache_length, decode_windows_read, expected.outputs)
+        budget.reached(expected.rows, expected.cache_length, decode_windows_read, expected.variant)
     held = torch_api.forward_graphs(model)
     if expected.breaks_graph:  # what its graph breaks added, room for the next call's
         unpredicted = held - expected.held_before - len(expected.new_shapes)

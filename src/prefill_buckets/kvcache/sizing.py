@@ -256,13 +256,18 @@ def _take_storage(model, cache, rows: int, heads: list, dims: list, dtype, devic
     """
     The tensors kept on `model` (`keep_storage`), taken, when they fit every layer of `cache` (lazily initialized),
     for `rows` rows, each layer's `heads` and `dims`, and the model's `dtype` and `device`; else `None`, and tensors
-    that don't fit are dropped (the cache grew, the batch changed).
+    that don't fit are dropped (the cache grew, the batch changed, or the call runs in another mode than the one that
+    made them: outside `torch.inference_mode()` torch forbids writing its tensors, and inside it other tensors are
+    other graph inputs than upstream's fresh cache, which dynamo compiles again).
     """
     state = state_of(model)
     with LOCK:  # two calls in flight never take the same tensors
         kept, state.kept_cache_storage = state.kept_cache_storage, None
     layers = cache.layers
     if kept is None or len(kept.tensors) != len(layers) or len(heads) != len(layers) or len(dims) != len(layers):
+        return None
+    inference_mode = torch.is_inference_mode_enabled()
+    if any(keys.is_inference() != inference_mode for keys, _ in kept.tensors):
         return None
     for layer, (keys, values), layer_heads, layer_dim in zip(layers, kept.tensors, heads, dims):
         shape = (rows, layer_heads, layer.max_cache_len, layer_dim)
