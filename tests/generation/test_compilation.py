@@ -463,6 +463,26 @@ class PrecompileTest(CompilationTestCase):
             )
         self.assertEqual(counter.graphs, len(buckets) + 1, f"graphs: {counter.shapes}")
 
+    def test_precompile_in_the_mode_calls_run_in(self):
+        # The guide: precompile in the mode you serve in. Under `torch.inference_mode()`, calls after a warm-up in that
+        # mode compile nothing; a call outside it compiles graphs of its own.
+        model = make_model()
+        reference = make_reference(model)
+        counter = GraphCounter()
+        model.compile(backend=counter, dynamic=False, fullgraph=True)
+        config = make_config(prefill_buckets=[8, 16])
+        with torch.inference_mode():
+            prefill_buckets.precompile(model, config, max_prompt_length=16, progress=False)
+            warm = counter.graphs
+            for length in (3, 16, 9):
+                got = prefill_buckets.generate(model, make_prompt(length), generation_config=config)
+                torch.testing.assert_close(
+                    got, reference.generate(make_prompt(length), generation_config=make_config())
+                )
+        self.assertEqual(counter.graphs, warm, counter.shapes)
+        prefill_buckets.generate(model, make_prompt(9), generation_config=config)
+        self.assertGreater(counter.graphs, warm)
+
     def test_min_prompt_length_skips_smaller_buckets(self):
         model = make_model()
         reference = make_reference(model)
