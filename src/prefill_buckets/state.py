@@ -111,6 +111,9 @@ class ProcessState:
     sdpa_skip_original: Any = None
     # Graphs that calls in flight expect to compile (`budget.GraphBudget.account`), on top of those torch holds.
     graphs_in_flight: int = 0
+    # Graphs every bucketed call has expected to compile, since the process started: what calls beside one call added
+    # to torch's count is told from graphs nobody predicted (`budget.check_compiled`).
+    graphs_accounted: int = 0
     # torch's `(recompile_limit, accumulated_recompile_limit)` before the package raised them, restored when no bucketed
     # call is in flight; `None` while they are the user's.
     saved_recompile_limits: tuple[int, int | None] | None = None

@@ -8,6 +8,7 @@
 # recompile limit, where torch silently falls back to eager).
 
 import random
+import threading
 import unittest
 from unittest import mock
 
@@ -797,6 +798,55 @@ class SharedRecompileLimitTest(CompilationTestCase):
         self.assertIn("The compiled forward of `Qwen2ForCausalLM` holds 8 graphs", captured.out)
         self.assertIn("may have run some of its forwards eagerly", captured.out)
         self.assertIn("prefill [1, 4] with a 128-slot cache", captured.out)
+
+    def test_a_call_that_overlaps_another_is_not_said_to_run_eagerly(self):
+        # Two threads: call A is accounted for (bucket 16: prefill and decode, within the limit of 3) and pauses after
+        # its prefill, while call B (bucket 32) runs whole and raises the limit for both. A's forward then holds B's
+        # graphs too, at A's limit: graphs another call predicted, not refused ones, so nothing is said of eager
+        # forwards (every forward ran compiled).
+        self.enterContext(as_new_process())
+        torch._dynamo.config.recompile_limit = 3
+        model = make_model()
+        reference = make_reference(model)
+        counter = GraphCounter()
+        model.compile(backend=counter, dynamic=False, fullgraph=True)
+        config = make_config(max_cache_len=64, prefill_buckets=[16, 32])
+        prefilled, release = threading.Event(), threading.Event()
+
+        class PausingStreamer:
+            puts = 0
+
+            def put(self, value):
+                self.puts += 1
+                if self.puts == 2:  # the first new token: A's prefill ran
+                    prefilled.set()
+                    release.wait(timeout=120)
+
+            def end(self):
+                pass
+
+        results = {}
+
+        def call_a():
+            torch._dynamo.config.recompile_limit = 3  # torch >= 2.13 keeps the config per thread
+            results[11] = prefill_buckets.generate(
+                model, make_prompt(11), generation_config=config, streamer=PausingStreamer()
+            )
+
+        with CaptureLogger(logger) as captured:
+            thread = threading.Thread(target=call_a)
+            thread.start()
+            self.assertTrue(prefilled.wait(timeout=120))
+            results[20] = prefill_buckets.generate(model, make_prompt(20), generation_config=config)
+            release.set()
+            thread.join(timeout=120)
+        for length, got in results.items():
+            expected = reference.generate(make_prompt(length), generation_config=make_config(max_cache_len=64))
+            torch.testing.assert_close(got, expected, rtol=0, atol=0)
+        self.assertEqual(counter.graphs, 3, counter.shapes)  # prefill 16 and 32, decode
+        self.assertEqual(counter.calls, 2 * MAX_NEW_TOKENS, "every forward ran compiled")
+        self.assertIn("Raised the limit", captured.out)  # the premise: B needed more than the limit A ran under
+        self.assertNotIn("may have run some of its forwards eagerly", captured.out)
 
     def test_a_code_object_past_the_limit_compiles_nothing_new_for_good(self):
         # The torch fact the room below exists for (and the guide states): once a frame passes the limit, torch runs

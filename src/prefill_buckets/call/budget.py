@@ -50,6 +50,10 @@ class CallGraphs:
     cache_length: int = -1
     variant: tuple[str, ...] = ()  # what else makes its graphs their own (`graph_variant`)
     breaks_graph: bool = False  # whether the forward may break its graph: the call ran with room for its frames
+    # Graphs calls beside it expected: those in flight when it was accounted for, and `PROCESS.graphs_accounted` then,
+    # to add those accounted for since (threads: torch's count may hold them by the time the call ends).
+    in_flight_before: int = 0
+    accounted: int = 0
 
 
 class GraphBudget:
@@ -140,9 +144,12 @@ class GraphBudget:
             new = self.add(rows, prefill_shapes, cache_length, side, decode_windows, variant)
             # New graphs of calls still running, which torch's count may not hold yet: concurrent calls, on one model
             # or several, make room for each other's too.
-            make_room(model, held + PROCESS.graphs_in_flight, len(new), "Bucketed calls", breaks_graph=not fullgraph)
+            in_flight = PROCESS.graphs_in_flight
+            make_room(model, held + in_flight, len(new), "Bucketed calls", breaks_graph=not fullgraph)
             PROCESS.graphs_in_flight += len(new)
-        return CallGraphs(held, new, rows, cache_length, variant, not fullgraph)
+            PROCESS.graphs_accounted += len(new)
+            accounted = PROCESS.graphs_accounted
+        return CallGraphs(held, new, rows, cache_length, variant, not fullgraph, in_flight, accounted)
 
     def account_unbucketed(self, model, rows: int, prompt_length: int, cache_length: int) -> None:
         """
@@ -273,25 +280,27 @@ def check_compiled(model, expected: CallGraphs | None, limit: int | None = None,
     Ends a bucketed call's accounting (`GraphBudget.account`): records the windows its decode steps read, and warns
     when torch may have run forwards of the call eagerly: its forward's code objects are at the recompile limit, with
     other graphs than the call expected to add (torch refused some, or the call compiled graphs the budget did not
-    predict, and the next will be refused).
+    predict, and the next will be refused). Calls beside it (threads) may have added up to the graphs they expected.
     """
     if expected is None:
         return
     with _LIMIT_LOCK:
         PROCESS.graphs_in_flight -= len(expected.new_shapes)
+        beside = expected.in_flight_before + PROCESS.graphs_accounted - expected.accounted
         budget = budget_of(model)
         budget.reached(expected.rows, expected.cache_length, decode_windows_read, expected.variant)
     held = torch_api.forward_graphs(model)
+    own = expected.held_before + len(expected.new_shapes)
     if expected.breaks_graph:  # what its graph breaks added, room for the next call's
-        unpredicted = held - expected.held_before - len(expected.new_shapes)
-        budget.unpredicted_frames = max(budget.unpredicted_frames, unpredicted)
+        budget.unpredicted_frames = max(budget.unpredicted_frames, held - own - beside)
     limit = recompile_limit() if limit is None else limit  # the call's own, once it has put the user's back
-    if held >= limit and held != expected.held_before + len(expected.new_shapes):
+    if held >= limit and not own <= held <= own + beside:
         shapes = "; ".join(expected.new_shapes) or "shapes the package did not predict"
+        others = f" (and up to {beside} of calls beside it)" if beside else ""
         logger.warning(
             f"The compiled forward of `{model_name(model)}` holds {held} graphs, torch's "
             f"`torch._dynamo.config.recompile_limit` ({limit}), where this call expected {expected.held_before} plus "
-            f"{len(expected.new_shapes)} new ({shapes}): torch may have run some of its forwards eagerly (same "
+            f"{len(expected.new_shapes)} new ({shapes}){others}: torch may have run some of its forwards eagerly (same "
             "outputs, uncompiled). Raise `torch._dynamo.config.recompile_limit`, or call `prefill_buckets.precompile`."
         )
 
