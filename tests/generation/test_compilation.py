@@ -25,6 +25,7 @@ from prefill_buckets.buckets import BucketPolicy
 from prefill_buckets.compile.compiled_calls import forward_compiled_with_fullgraph
 from prefill_buckets.compile.precompile import bucket_lengths
 from prefill_buckets.testing_utils import as_new_process
+from prefill_buckets.upstream import versions
 
 
 PAD, EOS, BOS = 0, 1, 2
@@ -847,6 +848,33 @@ class SharedRecompileLimitTest(CompilationTestCase):
         self.assertEqual(counter.calls, 2 * MAX_NEW_TOKENS, "every forward ran compiled")
         self.assertIn("Raised the limit", captured.out)  # the premise: B needed more than the limit A ran under
         self.assertNotIn("may have run some of its forwards eagerly", captured.out)
+
+    def test_a_limit_raised_in_a_thread_is_said_to_be_the_threads(self):
+        # From torch 2.13 dynamo's config is per thread (`versions.DYNAMO_CONFIG_PER_THREAD`): a limit set in the main
+        # thread is not a worker's. The raise warning of a call in a worker thread says whose limit it raised.
+        self.enterContext(as_new_process())
+        torch._dynamo.config.recompile_limit = 1
+        seen = {}
+        worker = threading.Thread(target=lambda: seen.setdefault("limit", torch._dynamo.config.recompile_limit))
+        worker.start()
+        worker.join(timeout=60)
+        self.assertEqual(seen["limit"] != 1, versions.DYNAMO_CONFIG_PER_THREAD)  # the torch fact the constant states
+
+        model = make_model()
+        model.compile(backend=GraphCounter(), dynamic=False, fullgraph=True)
+        config = make_config(max_cache_len=64, prefill_buckets=[16])
+
+        def call():
+            torch._dynamo.config.recompile_limit = 1  # the worker's own (global before torch 2.13)
+            prefill_buckets.generate(model, make_prompt(11), generation_config=config)
+
+        with CaptureLogger(logger) as captured:
+            worker = threading.Thread(target=call)
+            worker.start()
+            worker.join(timeout=120)
+        self.assertIn("Raised the limit to 2", captured.out)
+        said = "recompile_limit` (1 in this thread: from torch 2.13 each thread has its own" in captured.out
+        self.assertEqual(said, versions.DYNAMO_CONFIG_PER_THREAD, captured.out)
 
     def test_a_code_object_past_the_limit_compiles_nothing_new_for_good(self):
         # The torch fact the room below exists for (and the guide states): once a frame passes the limit, torch runs

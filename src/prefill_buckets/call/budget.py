@@ -26,7 +26,7 @@ from transformers.utils import logging
 
 from ..kvcache.windows import window_length, windows_between
 from ..state import PROCESS, state_of
-from ..upstream import torch_api
+from ..upstream import torch_api, versions
 
 
 logger = logging.get_logger(__name__)
@@ -211,6 +211,15 @@ def _room(frames_room: int) -> str:
     )
 
 
+def _in_this_thread() -> str:
+    """Where torch keeps its config per thread, and this is not the main thread: says whose limit it is."""
+    if not versions.DYNAMO_CONFIG_PER_THREAD or threading.current_thread() is threading.main_thread():
+        return ""
+    return (
+        " in this thread: from torch 2.13 each thread has its own, and a limit set in another thread is not this one's"
+    )
+
+
 def _read(window: int | None) -> str:
     return "" if window is None else f", reading {window} slots"
 
@@ -247,10 +256,10 @@ def make_room(model, held: int, graphs: int, who: str, breaks_graph: bool = Fals
             logger.warning_once(
                 f"{who} need {needed} compiled graphs of the forward of `{model_name(model)}` (the "
                 f"graphs of every model whose forward is the same code, as torch counts them), more than torch's "
-                f"`torch._dynamo.config.recompile_limit` ({effective}), past which torch silently runs the forward "
-                f"eagerly. Raised the limit to {raised}{_room(frames_room)}. To need fewer graphs: pin `max_cache_len` "
-                "(one decode graph per batch size), use fewer buckets, or call `prefill_buckets.precompile` to compile "
-                "them all up front."
+                f"`torch._dynamo.config.recompile_limit` ({effective}{_in_this_thread()}), past which torch silently "
+                f"runs the forward eagerly. Raised the limit to {raised}{_room(frames_room)}. To need fewer graphs: pin "
+                "`max_cache_len` (one decode graph per batch size), use fewer buckets, or call "
+                "`prefill_buckets.precompile` to compile them all up front."
             )
             PROCESS.raised_recompile_limit = (user_limit, raised)
         # While calls run, the limit is the highest it was raised to: a call doesn't lower it under graphs another
