@@ -100,6 +100,12 @@ class ModelState:
     wrapper_compiled_call: Any = None
     wrapper_users: int = 0
 
+    def __reduce__(self):
+        # What bucketed calls keep on a model is about that object in this process (its hooked methods, its kept cache
+        # tensors, its graph accounts): a pickled (`torch.save(model)`) or deep-copied model starts afresh, and so
+        # stays as picklable as upstream's.
+        return ModelState, ()
+
 
 @dataclass
 class ProcessState:

@@ -2,15 +2,19 @@
 # it all with one `testing_utils.as_new_process`.
 
 import ast
+import copy
+import io
 import tempfile
 import unittest
 from pathlib import Path
 
 import torch
+from transformers import GenerationConfig
 
 import prefill_buckets
+from prefill_buckets import GraphCounter
 from prefill_buckets.compile import aot_forward
-from prefill_buckets.state import PROCESS, SELF_TEST_PENDING
+from prefill_buckets.state import PROCESS, SELF_TEST_PENDING, state_of
 from prefill_buckets.testing_utils import as_new_process
 from prefill_buckets.upstream import checks
 
@@ -84,6 +88,32 @@ class StateInOnePlaceTest(unittest.TestCase):
         with as_new_process():
             self.assertTrue(prefill_buckets.is_enabled())
         self.assertTrue(prefill_buckets.is_enabled())
+
+
+class ModelStateTest(unittest.TestCase):
+    def test_a_pickled_or_copied_model_starts_afresh(self):
+        # Upstream's model pickles (`torch.save(model)`) and deep-copies after `generate`; so does one after bucketed
+        # calls, whose state (hooked methods, kept cache tensors, graph accounts) is about the original object.
+        torch._dynamo.reset()
+        self.addCleanup(torch._dynamo.reset)
+        model = tiny_llama()
+        model.compile(backend=GraphCounter(), dynamic=False, fullgraph=True)
+        config = GenerationConfig(
+            cache_implementation="static", max_new_tokens=4, min_new_tokens=4, do_sample=False, prefill_buckets=[16]
+        )
+        prompt = torch.arange(5, 12).unsqueeze(0)
+        expected = prefill_buckets.generate(model, prompt, generation_config=config)
+        self.assertIsNotNone(state_of(model).kept_cache_storage)  # the premise: what the state holds
+        self.assertNotEqual(state_of(model).hooked, {})
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        buffer.seek(0)
+        for other in (torch.load(buffer, weights_only=False), copy.deepcopy(model)):
+            self.assertIsNone(state_of(other).kept_cache_storage)
+            self.assertEqual(state_of(other).hooked, {})
+            self.assertEqual(
+                prefill_buckets.generate(other, prompt, generation_config=config).tolist(), expected.tolist()
+            )
 
 
 if __name__ == "__main__":
