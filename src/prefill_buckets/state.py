@@ -47,6 +47,7 @@ The rest must live where it is, each for its reason:
 
 import threading
 import weakref
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -120,12 +121,13 @@ class ProcessState:
     # Graphs every bucketed call has expected to compile, since the process started: what calls beside one call added
     # to torch's count is told from graphs nobody predicted (`budget.check_compiled`).
     graphs_accounted: int = 0
-    # torch's `(recompile_limit, accumulated_recompile_limit)` before the package raised them, restored when no bucketed
-    # call is in flight; `None` while they are the user's.
-    saved_recompile_limits: tuple[int, int | None] | None = None
-    # The values the package set them to: restored only if nobody has changed them since.
-    recompile_limit_set: int | None = None
-    accumulated_recompile_limit_set: int | None = None
+    # torch's recompile limits before the package raised them, and the values it set (`budget.SavedLimits`), restored
+    # when no bucketed call is in flight; `None` while they are the user's. From torch 2.13 torch keeps them per thread
+    # (`torch_api.DYNAMO_CONFIG_PER_THREAD`), and so does this: the context variable's value, each call's thread's own.
+    saved_recompile_limits: Any = None
+    saved_recompile_limits_per_thread: ContextVar = field(
+        default_factory=lambda: ContextVar("prefill_buckets_saved_recompile_limits", default=None)
+    )
     # `(the user's recompile limit, the highest the package raised it to)`: a call that needs more raises it further,
     # and says so (`budget.make_room`).
     raised_recompile_limit: tuple[int | None, int] = (None, 0)

@@ -25,7 +25,7 @@ from prefill_buckets.buckets import BucketPolicy
 from prefill_buckets.compile.compiled_calls import forward_compiled_with_fullgraph
 from prefill_buckets.compile.precompile import bucket_lengths
 from prefill_buckets.testing_utils import as_new_process
-from prefill_buckets.upstream import versions
+from prefill_buckets.upstream import torch_api
 
 
 PAD, EOS, BOS = 0, 1, 2
@@ -833,6 +833,7 @@ class SharedRecompileLimitTest(CompilationTestCase):
             results[11] = prefill_buckets.generate(
                 model, make_prompt(11), generation_config=config, streamer=PausingStreamer()
             )
+            results["a's limit after"] = torch._dynamo.config.recompile_limit
 
         with CaptureLogger(logger) as captured:
             thread = threading.Thread(target=call_a)
@@ -841,16 +842,18 @@ class SharedRecompileLimitTest(CompilationTestCase):
             results[20] = prefill_buckets.generate(model, make_prompt(20), generation_config=config)
             release.set()
             thread.join(timeout=120)
-        for length, got in results.items():
+        for length in (11, 20):
             expected = reference.generate(make_prompt(length), generation_config=make_config(max_cache_len=64))
-            torch.testing.assert_close(got, expected, rtol=0, atol=0)
+            torch.testing.assert_close(results[length], expected, rtol=0, atol=0)
+        # Each thread's limit is its user's again once its calls are done, whichever call ended last.
+        self.assertEqual((results["a's limit after"], torch._dynamo.config.recompile_limit), (3, 3))
         self.assertEqual(counter.graphs, 3, counter.shapes)  # prefill 16 and 32, decode
         self.assertEqual(counter.calls, 2 * MAX_NEW_TOKENS, "every forward ran compiled")
         self.assertIn("Raised the limit", captured.out)  # the premise: B needed more than the limit A ran under
         self.assertNotIn("may have run some of its forwards eagerly", captured.out)
 
     def test_a_limit_raised_in_a_thread_is_said_to_be_the_threads(self):
-        # From torch 2.13 dynamo's config is per thread (`versions.DYNAMO_CONFIG_PER_THREAD`): a limit set in the main
+        # From torch 2.13 dynamo's config is per thread (`torch_api.DYNAMO_CONFIG_PER_THREAD`): a limit set in the main
         # thread is not a worker's. The raise warning of a call in a worker thread says whose limit it raised.
         self.enterContext(as_new_process())
         torch._dynamo.config.recompile_limit = 1
@@ -858,7 +861,7 @@ class SharedRecompileLimitTest(CompilationTestCase):
         worker = threading.Thread(target=lambda: seen.setdefault("limit", torch._dynamo.config.recompile_limit))
         worker.start()
         worker.join(timeout=60)
-        self.assertEqual(seen["limit"] != 1, versions.DYNAMO_CONFIG_PER_THREAD)  # the torch fact the constant states
+        self.assertEqual(seen["limit"] != 1, torch_api.DYNAMO_CONFIG_PER_THREAD)  # the torch fact the probe reads
 
         model = make_model()
         model.compile(backend=GraphCounter(), dynamic=False, fullgraph=True)
@@ -874,7 +877,7 @@ class SharedRecompileLimitTest(CompilationTestCase):
             worker.join(timeout=120)
         self.assertIn("Raised the limit to 2", captured.out)
         said = "recompile_limit` (1 in this thread: from torch 2.13 each thread has its own" in captured.out
-        self.assertEqual(said, versions.DYNAMO_CONFIG_PER_THREAD, captured.out)
+        self.assertEqual(said, torch_api.DYNAMO_CONFIG_PER_THREAD, captured.out)
 
     def test_a_code_object_past_the_limit_compiles_nothing_new_for_good(self):
         # The torch fact the room below exists for (and the guide states): once a frame passes the limit, torch runs

@@ -26,7 +26,7 @@ from transformers.utils import logging
 
 from ..kvcache.windows import window_length, windows_between
 from ..state import PROCESS, state_of
-from ..upstream import torch_api, versions
+from ..upstream import torch_api
 
 
 logger = logging.get_logger(__name__)
@@ -213,7 +213,7 @@ def _room(frames_room: int) -> str:
 
 def _in_this_thread() -> str:
     """Where torch keeps its config per thread, and this is not the main thread: says whose limit it is."""
-    if not versions.DYNAMO_CONFIG_PER_THREAD or threading.current_thread() is threading.main_thread():
+    if not torch_api.DYNAMO_CONFIG_PER_THREAD or threading.current_thread() is threading.main_thread():
         return ""
     return (
         " in this thread: from torch 2.13 each thread has its own, and a limit set in another thread is not this one's"
@@ -245,7 +245,7 @@ def make_room(model, held: int, graphs: int, who: str, breaks_graph: bool = Fals
         limit = recompile_limit()
         # The limit as it would be had the package never put it back between calls: raised once per new high, and
         # said then, not again for each call. A limit the user changed starts over.
-        if PROCESS.saved_recompile_limits is None and PROCESS.raised_recompile_limit[0] != limit:
+        if _saved_limits() is None and PROCESS.raised_recompile_limit[0] != limit:
             PROCESS.raised_recompile_limit = (limit, limit)
         user_limit, highest = PROCESS.raised_recompile_limit
         frames_room = max(user_limit or limit, budget_of(model).unpredicted_frames) if breaks_graph else 0
@@ -266,21 +266,20 @@ def make_room(model, held: int, graphs: int, who: str, breaks_graph: bool = Fals
         # call counted on.
         raised = max(raised, needed + frames_room)
         if raised > limit:
-            _save_user_recompile_limits()
-            PROCESS.recompile_limit_set = raised
+            _save_user_recompile_limits().limit_set = raised
             torch_api.set_recompile_limit(raised)
         needed += frames_room
         accumulated = torch_api.accumulated_recompile_limit()
         if accumulated is not None and max(needed, PROCESS.raised_accumulated_limit) > accumulated:
             # The cap on any one code object's graphs (256), raised alike.
-            _save_user_recompile_limits()
+            saved = _save_user_recompile_limits()
             if needed > max(accumulated, PROCESS.raised_accumulated_limit):
                 logger.warning_once(
                     f"Raised torch's `torch._dynamo.config.accumulated_recompile_limit` from {accumulated} to "
                     f"{needed}, the compiled graphs the forward of `{model_name(model)}` needs."
                 )
             PROCESS.raised_accumulated_limit = max(needed, PROCESS.raised_accumulated_limit)
-            PROCESS.accumulated_recompile_limit_set = PROCESS.raised_accumulated_limit
+            saved.accumulated_set = PROCESS.raised_accumulated_limit
             torch_api.set_accumulated_recompile_limit(PROCESS.raised_accumulated_limit)
 
 
@@ -329,28 +328,55 @@ def restore_recompile_limit(at_least: int | None) -> None:
         torch_api.set_recompile_limit(at_least)
 
 
-def _save_user_recompile_limits() -> None:
-    if PROCESS.saved_recompile_limits is None:
-        PROCESS.saved_recompile_limits = (
-            recompile_limit(),
-            torch_api.accumulated_recompile_limit(),
-        )
+@dataclass
+class SavedLimits:
+    """torch's recompile limits before the package raised them (the user's), and the values it set them to."""
+
+    limit: int
+    accumulated: int | None
+    limit_set: int | None = None  # restored only if nobody has changed them since
+    accumulated_set: int | None = None
+
+
+def _saved_limits() -> SavedLimits | None:
+    """The user's limits the package raised, where torch keeps them: this thread's (torch >= 2.13), or the process's."""
+    if torch_api.DYNAMO_CONFIG_PER_THREAD:
+        return PROCESS.saved_recompile_limits_per_thread.get()
+    return PROCESS.saved_recompile_limits
+
+
+def _set_saved_limits(saved: SavedLimits | None) -> None:
+    if torch_api.DYNAMO_CONFIG_PER_THREAD:
+        PROCESS.saved_recompile_limits_per_thread.set(saved)
+    else:
+        PROCESS.saved_recompile_limits = saved
+
+
+def _save_user_recompile_limits() -> SavedLimits:
+    """The user's limits, saved before the first raise (kept until they are restored)."""
+    saved = _saved_limits()
+    if saved is None:
+        saved = SavedLimits(recompile_limit(), torch_api.accumulated_recompile_limit())
+        _set_saved_limits(saved)
+    return saved
 
 
 def restore_user_recompile_limits() -> None:
     """
-    Puts torch's recompile limits back to the user's once no bucketed call is in flight (`hooks.bucketed_call` calls
-    it): the graphs compiled stay, and the next call raises the limits again for what it needs. A limit set by anyone
-    else since is left as it is.
+    Puts torch's recompile limits back to the user's once no bucketed call that counts on them is in flight
+    (`hooks.bucketed_call` calls it at the end of each call): any call, where torch keeps one limit for the process;
+    from torch 2.13, which keeps them per thread, those of the thread whose call ends. The graphs compiled stay, and
+    the next call raises the limits again for what it needs. A limit set by anyone else since is left as it is.
     """
     with _LIMIT_LOCK:
-        saved, PROCESS.saved_recompile_limits = PROCESS.saved_recompile_limits, None
+        if PROCESS.calls_in_flight and not torch_api.DYNAMO_CONFIG_PER_THREAD:
+            return
+        saved = _saved_limits()
         if saved is None:
             return
-        limit, accumulated = saved
-        if recompile_limit() == PROCESS.recompile_limit_set:
-            torch_api.set_recompile_limit(limit)
+        _set_saved_limits(None)
+        if recompile_limit() == saved.limit_set:
+            torch_api.set_recompile_limit(saved.limit)
         current = torch_api.accumulated_recompile_limit()
-        if accumulated is not None and current == PROCESS.accumulated_recompile_limit_set:
-            torch_api.set_accumulated_recompile_limit(accumulated)
-        PROCESS.recompile_limit_set = PROCESS.accumulated_recompile_limit_set = None
+        if saved.accumulated is not None and current == saved.accumulated_set:
+            torch_api.set_accumulated_recompile_limit(saved.accumulated)

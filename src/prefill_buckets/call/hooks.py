@@ -356,7 +356,7 @@ def _uninstall(model, state) -> None:
     if PROCESS.calls_in_flight == 0:
         transformers_api.set_sdpa_mask_skip(PROCESS.sdpa_skip_original)
         PROCESS.sdpa_skip_original = None
-        restore_user_recompile_limits()  # the graphs compiled stay: the next call raises the limits for what it needs
+    restore_user_recompile_limits()  # once no call counts on them: the next call raises them for what it needs
 
 
 @contextlib.contextmanager

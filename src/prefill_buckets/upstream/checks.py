@@ -74,6 +74,7 @@ OPTIONAL_TORCH_NAMES = (
     "torch._dynamo.config.accumulated_recompile_limit",
     "torch._inductor.cpu_vec_isa",
     "torch._dynamo.eval_frame._TorchDynamoContext",
+    "torch._dynamo.config._config",  # its entries say whether the config is per thread (`DYNAMO_CONFIG_PER_THREAD`)
 )
 # What `aot_forward` alone reads: `aot_compile_problem` checks them when one is made.
 AOT_TORCH_NAMES = (

@@ -8,6 +8,7 @@ read here).
 """
 
 import contextlib
+import contextvars
 import importlib
 
 import torch
@@ -53,6 +54,19 @@ def recompile_limit() -> int:
 
 def set_recompile_limit(limit: int) -> None:
     torch._dynamo.config.recompile_limit = limit
+
+
+def _dynamo_config_is_per_thread() -> bool:
+    """
+    Whether dynamo's config keeps what a user sets per thread: from torch 2.13 in a `ContextVar`, so a limit set in one
+    thread is not another's, which starts from torch's default. Read from the config's entry (`False` where torch keeps
+    one value for the process, or the entry can't tell).
+    """
+    entry = getattr(torch._dynamo.config, "_config", {}).get("recompile_limit")
+    return isinstance(getattr(entry, "user_override", None), contextvars.ContextVar)
+
+
+DYNAMO_CONFIG_PER_THREAD = _dynamo_config_is_per_thread()
 
 
 def accumulated_recompile_limit() -> int | None:

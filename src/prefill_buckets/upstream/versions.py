@@ -18,10 +18,6 @@ TORCH_VERSION = version.parse(torch.__version__)
 # holds their start: a call continuing from a cache must then prefill in one (eager) forward.
 CHUNKED_PREFILL_RESUMES = TRANSFORMERS_VERSION.release >= (5, 21)
 
-# From torch 2.13, dynamo's config keeps what a user sets per thread (a `ContextVar`): `recompile_limit` set in one
-# thread is not another's, which starts from torch's default.
-DYNAMO_CONFIG_PER_THREAD = TORCH_VERSION.release >= (2, 13)
-
 # The oldest torch whose ahead-of-time compiled graphs `aot_forward` can run and save. Measured on torch 2.11.0: an
 # `aot_eager` graph can't be saved (its forward is no `OutputCode`), and a graph of a transformers forward fails to
 # compile ("Missing required external references: ['type']").
