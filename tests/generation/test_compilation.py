@@ -7,6 +7,7 @@
 # decode). "compiled calls == forwards" is then the proof that no forward ran eagerly (for example past torch's
 # recompile limit, where torch silently falls back to eager).
 
+import contextlib
 import random
 import threading
 import unittest
@@ -731,6 +732,41 @@ class GraphCountTest(CompilationTestCase):
         self.assertIn("Raised the limit to 4. To need fewer graphs", captured.out)
         self.assertNotIn("may have run some of its forwards eagerly", captured.out)
         self.assertEqual(torch._dynamo.config.recompile_limit, 2)  # the user's again
+
+    @parameterized.expand([("autocast",), ("threads",)])
+    def test_calls_in_another_global_state_are_graphs_of_their_own(self, change):
+        # dynamo guards every graph on torch's global state (autocast, threads, default dtype, ...): a call in another
+        # state compiles its own graphs at shapes compiled already. With the limit at the first call's 2 graphs, the
+        # call in the other state makes room for its 2 (with `fullgraph=True`, a graph torch refused would raise).
+        self.enterContext(as_new_process())
+        torch._dynamo.config.recompile_limit = 2
+
+        @contextlib.contextmanager
+        def other_threads():
+            threads = torch.get_num_threads()
+            torch.set_num_threads(2 if threads == 1 else 1)
+            try:
+                yield
+            finally:
+                torch.set_num_threads(threads)
+
+        states = {"autocast": lambda: torch.autocast("cpu", dtype=torch.bfloat16), "threads": other_threads}
+        model = make_model()
+        reference = make_reference(model)
+        counter = GraphCounter()
+        model.compile(backend=counter, dynamic=False, fullgraph=True)
+        config = make_config(max_cache_len=64)
+        with CaptureLogger(logger) as captured:
+            for length, other_state in ((11, False), (9, True), (13, True)):
+                with states[change]() if other_state else contextlib.nullcontext():
+                    got = prefill_buckets.generate(
+                        model, make_prompt(length), generation_config=config, prefill_buckets=[16]
+                    )
+                    expected = reference.generate(make_prompt(length), generation_config=config)
+                torch.testing.assert_close(got, expected, rtol=0, atol=0)
+        self.assertEqual(counter.graphs, 4, counter.shapes)
+        self.assertIn("Raised the limit to 4. To need fewer graphs", captured.out)
+        self.assertNotIn("may have run some of its forwards eagerly", captured.out)
 
 
 class SharedRecompileLimitTest(CompilationTestCase):

@@ -27,6 +27,7 @@ from transformers.utils import logging
 from ..kvcache.windows import window_length, windows_between
 from ..state import PROCESS, state_of
 from ..upstream import torch_api
+from ..upstream.torch_api import recompile_limit
 
 
 logger = logging.get_logger(__name__)
@@ -36,8 +37,15 @@ logger = logging.get_logger(__name__)
 _LIMIT_LOCK = threading.RLock()
 
 
-def recompile_limit() -> int:
-    return torch_api.recompile_limit()
+@dataclass(frozen=True)
+class GraphVariant:
+    """
+    What else makes a call's graphs their own, besides its shapes (`graph_variant`): in words, and torch's global
+    state as dynamo's guard reads it.
+    """
+
+    words: tuple[str, ...] = ()
+    global_state: str = ""
 
 
 @dataclass
@@ -48,7 +56,7 @@ class CallGraphs:
     new_shapes: list[str]  # the shapes of the graphs the model had not compiled yet, in words
     rows: int = 1
     cache_length: int = -1
-    variant: tuple[str, ...] = ()  # what else makes its graphs their own (`graph_variant`)
+    variant: GraphVariant = GraphVariant()  # what else makes its graphs their own (`graph_variant`)
     breaks_graph: bool = False  # whether the forward may break its graph: the call ran with room for its frames
     # Graphs calls beside it expected: those in flight when it was accounted for, and `PROCESS.graphs_accounted` then,
     # to add those accounted for since (threads: torch's count may hold them by the time the call ends).
@@ -65,9 +73,9 @@ class GraphBudget:
     cached tokens; a prompt given as embeddings is another input: another graph) and a decode graph per `(rows, cache
     length, window, variant)`, where rows are `batch * max(num_beams, num_return_sequences)` and the window is the
     slots the forward reads (`kvcache/windows.py`; `None` where the cache has no windowed layers), and the variant is
-    what else dynamo compiles other graphs for (`graph_variant`: outputs besides the logits, inference mode). A 1-token
-    prefill is a decode step: the decode graph. Sliding-window layers add no shape (`kvcache/ring.py`: their graphs
-    depend on none of these).
+    what else dynamo compiles other graphs for (`graph_variant`: outputs besides the logits, inference mode, torch's
+    global state). A 1-token prefill is a decode step: the decode graph. Sliding-window layers add no shape
+    (`kvcache/ring.py`: their graphs depend on none of these).
 
     A call's prefill shapes are recorded when it is accounted for: prefill runs. Its decode windows are recorded once
     it has run, those its decode steps read (`reached`): a call predicts every window its new tokens could reach, and
@@ -78,7 +86,7 @@ class GraphBudget:
     def __init__(self):
         # (rows, prompt length, cache length, side, window, variant)
         self.prefill: set[tuple[int, int, int, str, int | None, tuple]] = set()
-        self.decode: set[tuple[int, int, int | None, tuple]] = set()  # (rows, cache length, window, variant)
+        self.decode: set[tuple[int, int, int | None, GraphVariant]] = set()  # (rows, cache length, window, variant)
         # The most entries one call of a forward that breaks its graph added on its code objects beyond its new shapes.
         self.unpredicted_frames = 0
 
@@ -87,7 +95,13 @@ class GraphBudget:
         return len(self.prefill) + len(self.decode)
 
     def add(
-        self, rows: int, prefill_shapes, cache_length: int, side: str = "left", decode_windows=(None,), variant=()
+        self,
+        rows: int,
+        prefill_shapes,
+        cache_length: int,
+        side: str = "left",
+        decode_windows=(None,),
+        variant=GraphVariant(),
     ) -> list[str]:
         """
         Records one call's prefill shapes, `(prompt length, window)` per prefill forward, and returns, in words, those
@@ -95,7 +109,7 @@ class GraphBudget:
         """
         new = []
         decode_windows = set(decode_windows)
-        returning = "".join(f", {what}" for what in variant)
+        returning = "".join(f", {what}" for what in variant.words)
         for prompt_length, window in sorted(prefill_shapes, key=str):
             if prompt_length == 1:  # a 1-token prefill into the allocated cache is a decode step: its graph
                 decode_windows.add(window)
@@ -110,7 +124,7 @@ class GraphBudget:
                 new.append(f"decode [{rows}, 1] with a {cache_length}-slot cache{_read(window)}{returning}")
         return new
 
-    def reached(self, rows: int, cache_length: int, decode_windows, variant=()) -> None:
+    def reached(self, rows: int, cache_length: int, decode_windows, variant=GraphVariant()) -> None:
         """Records the windows a call's decode steps read (`None`: a cache without windows): graphs torch now holds."""
         self.decode.update((rows, cache_length, window, variant) for window in decode_windows)
 
@@ -131,7 +145,7 @@ class GraphBudget:
         cache_length: int,
         side: str = "left",
         decode_windows=(None,),
-        variant=(),
+        variant=GraphVariant(),
         fullgraph: bool = True,
     ) -> CallGraphs:
         """
@@ -187,14 +201,19 @@ def account_call(plan, rows: int, prefill: int, chunk: int | None, max_cache_len
     )
 
 
-def graph_variant(returned_outputs: tuple[str, ...] = ()) -> tuple[str, ...]:
+def graph_variant(returned_outputs: tuple[str, ...] = ()) -> GraphVariant:
     """
-    What else makes a call's graphs their own, besides its shapes, in words: the outputs its forwards return besides
-    the logits (`output_attentions`, `output_hidden_states`), and `torch.inference_mode()`, which dynamo guards on
-    (a static cache's tensors are made in the call's mode: `kvcache.sizing`).
+    The `GraphVariant` of a call: the outputs its forwards return besides the logits (`output_attentions`,
+    `output_hidden_states`), `torch.inference_mode()` (a static cache's tensors are made in the call's mode:
+    `kvcache.sizing`), and torch's global state (autocast, default dtype, deterministic algorithms, matmul precision,
+    threads: `torch_api.global_state`). Dynamo guards on each, so a call that differs in one compiles graphs of its own.
     """
-    variant = tuple(f"returning {name}" for name in returned_outputs)
-    return variant + ("under `torch.inference_mode()`",) if torch.is_inference_mode_enabled() else variant
+    words = tuple(f"returning {name}" for name in returned_outputs)
+    if torch.is_inference_mode_enabled():
+        words += ("under `torch.inference_mode()`",)
+    if torch_api.autocast_enabled():
+        words += ("under `torch.autocast`",)
+    return GraphVariant(words, torch_api.global_state())
 
 
 def window_of(plan, tokens: int, cache_length: int) -> int | None:
@@ -215,9 +234,7 @@ def _in_this_thread() -> str:
     """Where torch keeps its config per thread, and this is not the main thread: says whose limit it is."""
     if not torch_api.DYNAMO_CONFIG_PER_THREAD or threading.current_thread() is threading.main_thread():
         return ""
-    return (
-        " in this thread: from torch 2.13 each thread has its own, and a limit set in another thread is not this one's"
-    )
+    return " in this thread: from torch 2.13 each thread has its own, and one set in another thread is not this one's"
 
 
 def _read(window: int | None) -> str:

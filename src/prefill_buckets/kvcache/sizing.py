@@ -44,7 +44,7 @@ from transformers.utils import logging
 from ..buckets import BucketPolicy, is_positive_int, round_up
 from ..config import PREFILL_BUCKETS
 from ..state import LOCK, state_of
-from ..upstream.torch_api import submodule
+from ..upstream.torch_api import autocast_enabled, submodule
 from ..upstream.transformers_api import (
     holds_static_storage,
     initializing_without_storage,
@@ -200,12 +200,15 @@ def early_initialize(model, cache, rows: int) -> None:
     static addresses, which CUDA graphs need. Where the shape can't be confirmed (a config that misstates its
     key/value heads: multi-query Falcon and GPT-BigCode, a GPT-NeoX config given an unused `num_key_value_heads`, a
     decoder whose heads differ from the encoder's), the cache initializes from the first keys it gets, as upstream's
-    own lazily allocated cache does: exact, at the cost of one more graph on the first compiled call.
+    own lazily allocated cache does: exact, at the cost of one more graph on the first compiled call. Under
+    `torch.autocast` too: the keys then come in the autocast dtype, which the model's dtype does not tell.
     """
     if not hasattr(cache, "early_initialization") or all(
         getattr(layer, "is_initialized", False) for layer in cache.layers
     ):
         return  # allocated already: the model's cache, reused by a later call
+    if autocast_enabled():
+        return
     state = state_of(model)
     if state.cache_init_shape is None:  # read once per model, as `held_kv_shapes` is, which it must agree with
         state.cache_init_shape = (static_cache_init_shape(model),)

@@ -56,6 +56,30 @@ def set_recompile_limit(limit: int) -> None:
     torch._dynamo.config.recompile_limit = limit
 
 
+def global_state() -> str:
+    """
+    torch's global state that dynamo guards every graph on (autocast, default dtype, deterministic algorithms, matmul
+    precision, threads, grad mode), as its guard reads it: another value compiles other graphs. `""` where torch
+    can't say.
+    """
+    guard = getattr(torch._C._dynamo.guards, "GlobalStateGuard", None)
+    try:
+        return guard().__getstate__() if guard is not None else ""
+    except Exception:  # a torch whose guard keeps its state to itself
+        return ""
+
+
+def autocast_enabled() -> bool:
+    """Whether `torch.autocast` is on for any device type."""
+    for device in ("cpu", "cuda", "xpu", "mps"):
+        try:
+            if torch.is_autocast_enabled(device):
+                return True
+        except Exception:  # a device type this torch has no autocast for
+            continue
+    return False
+
+
 def _dynamo_config_is_per_thread() -> bool:
     """
     Whether dynamo's config keeps what a user sets per thread: from torch 2.13 in a `ContextVar`, so a limit set in one
