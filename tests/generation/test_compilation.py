@@ -707,37 +707,13 @@ class GraphCountTest(CompilationTestCase):
         self.assertIn("Raised the limit to 6. To need fewer graphs", captured.out)
         self.assertEqual(torch._dynamo.config.recompile_limit, 3)  # the user's again
 
-    def test_calls_under_inference_mode_are_graphs_of_their_own(self):
-        # dynamo guards on `torch.inference_mode()`, and a call's cache is made of tensors of its own mode
-        # (`kvcache.sizing`): a call in the other mode compiles its own graphs at shapes compiled already. With the
-        # limit at the first call's 2 graphs (prefill 16, decode), the call in the other mode makes room for its 2
-        # (with `fullgraph=True`, a graph torch refused would raise), and later calls in either mode compile nothing.
-        self.enterContext(as_new_process())  # the limit raised here is not remembered by the tests after
-        torch._dynamo.config.recompile_limit = 2
-        model = make_model()
-        reference = make_reference(model)
-        counter = GraphCounter()
-        model.compile(backend=counter, dynamic=False, fullgraph=True)
-        config = make_config(max_cache_len=64)
-        modes = (torch.no_grad, torch.inference_mode, torch.no_grad, torch.inference_mode)
-        with CaptureLogger(logger) as captured:
-            for length, mode in zip((11, 9, 13, 6), modes):
-                with mode():
-                    got = prefill_buckets.generate(
-                        model, make_prompt(length), generation_config=config, prefill_buckets=[16]
-                    )
-                expected = reference.generate(make_prompt(length), generation_config=config)
-                torch.testing.assert_close(got, expected, rtol=0, atol=0)
-        self.assertEqual(counter.graphs, 4, counter.shapes)
-        self.assertIn("Raised the limit to 4. To need fewer graphs", captured.out)
-        self.assertNotIn("may have run some of its forwards eagerly", captured.out)
-        self.assertEqual(torch._dynamo.config.recompile_limit, 2)  # the user's again
-
-    @parameterized.expand([("autocast",), ("threads",)])
-    def test_calls_in_another_global_state_are_graphs_of_their_own(self, change):
-        # dynamo guards every graph on torch's global state (autocast, threads, default dtype, ...): a call in another
-        # state compiles its own graphs at shapes compiled already. With the limit at the first call's 2 graphs, the
-        # call in the other state makes room for its 2 (with `fullgraph=True`, a graph torch refused would raise).
+    @parameterized.expand([("inference_mode",), ("autocast",), ("threads",)])
+    def test_calls_in_another_state_of_torch_are_graphs_of_their_own(self, change):
+        # dynamo guards every graph on torch's global state (autocast, threads, default dtype, ...) and on
+        # `torch.inference_mode()` (the parameters' dispatch keys; a call's cache is made of tensors of its own mode,
+        # `kvcache.sizing`): a call in another state compiles its own graphs at shapes compiled already. With the limit
+        # at the first call's 2 graphs (prefill 16, decode), the call in the other state makes room for its 2 (with
+        # `fullgraph=True`, a graph torch refused would raise), and later calls in either state compile nothing.
         self.enterContext(as_new_process())
         torch._dynamo.config.recompile_limit = 2
 
@@ -750,14 +726,18 @@ class GraphCountTest(CompilationTestCase):
             finally:
                 torch.set_num_threads(threads)
 
-        states = {"autocast": lambda: torch.autocast("cpu", dtype=torch.bfloat16), "threads": other_threads}
+        states = {
+            "inference_mode": torch.inference_mode,
+            "autocast": lambda: torch.autocast("cpu", dtype=torch.bfloat16),
+            "threads": other_threads,
+        }
         model = make_model()
         reference = make_reference(model)
         counter = GraphCounter()
         model.compile(backend=counter, dynamic=False, fullgraph=True)
         config = make_config(max_cache_len=64)
         with CaptureLogger(logger) as captured:
-            for length, other_state in ((11, False), (9, True), (13, True)):
+            for length, other_state in ((11, False), (9, True), (13, False), (6, True)):
                 with states[change]() if other_state else contextlib.nullcontext():
                     got = prefill_buckets.generate(
                         model, make_prompt(length), generation_config=config, prefill_buckets=[16]
@@ -767,6 +747,7 @@ class GraphCountTest(CompilationTestCase):
         self.assertEqual(counter.graphs, 4, counter.shapes)
         self.assertIn("Raised the limit to 4. To need fewer graphs", captured.out)
         self.assertNotIn("may have run some of its forwards eagerly", captured.out)
+        self.assertEqual(torch._dynamo.config.recompile_limit, 2)  # the user's again
 
 
 class SharedRecompileLimitTest(CompilationTestCase):
