@@ -5,7 +5,7 @@ Everything that outlives a single `generate` call is named here. Most of it live
 - `ModelState`, per model (or `torch.compile(model)` wrapper), stored in the object's `__dict__` (not as a module
   attribute, so `torch.nn.Module.__setattr__` and `state_dict` never see it), and gone with the object: the graphs
   the model has needed, the hooks' bookkeeping, the shapes each compiled callable failed to compile, and what has
-  been warned about.
+  been warned about. A pickled or deep-copied model starts with a fresh one (`ModelState.__reduce__`).
 - `PROCESS`: what the package holds for the whole process. What bucketed calls on every model share, since what it
   counts is process-wide: the calls in flight, the one global patch (`masking_utils._ignore_causal_mask_sdpa`, a
   module function upstream looks up by name), and torch's recompile limits, which count graphs per code object,
@@ -36,7 +36,7 @@ The rest must live where it is, each for its reason:
 - the active plan and the mask flag, in context variables (`call/hook_registry.py`, `call/hooks.py`): they belong to
   one call, and concurrent calls on one model (threads, tasks) must not see each other's;
 - torch's `recompile_limit` itself (raised by `call.budget.make_room` while calls need it, restored when none is in
-  flight);
+  flight; from torch 2.13 torch keeps it per thread, and each thread's is restored when its call ends);
 - `call.hooks.HOOKS`: the table of hook declarations, a constant, not state;
 - checks of the installed torch and transformers, cached with `functools.cache` in `upstream/checks.py`
   (`torch_problems`, `aot_compile_problem`, `sliding_layer_problem`): facts of the code installed, which can't
