@@ -85,7 +85,7 @@ class GraphBudget:
 
     def __init__(self):
         # (rows, prompt length, cache length, side, window, variant)
-        self.prefill: set[tuple[int, int, int, str, int | None, tuple]] = set()
+        self.prefill: set[tuple[int, int, int, str, int | None, GraphVariant]] = set()
         self.decode: set[tuple[int, int, int | None, GraphVariant]] = set()  # (rows, cache length, window, variant)
         # The most entries one call of a forward that breaks its graph added on its code objects beyond its new shapes.
         self.unpredicted_frames = 0
