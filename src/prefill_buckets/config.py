@@ -43,7 +43,8 @@ FIELD_DOCS = """
             `prefill_buckets`. Every batch size is its own set of compiled graphs, so this bounds them too. Not
             applied with beam search, whose rows are not independent. With `do_sample=True` the dummy rows take
             their share of the random stream, so seeded samples differ from an unpadded run (as they would in a
-            batch of another size); greedy outputs are unchanged.
+            batch of another size); greedy outputs are unchanged. A cache the call fills holds the dummy rows after
+            yours: a later call that continues from it brings them back.
         prefill_padding_side (`str`, *optional*, defaults to `"auto"`):
             Which side of the prompt the bucket's pad tokens go, like the tokenizer's `padding_side`. `"right"`: after
             the prompt, with no attention mask (prefill runs causal attention as for an unpadded prompt, the first

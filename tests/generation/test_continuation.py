@@ -11,6 +11,7 @@ from transformers.utils import logging
 
 import prefill_buckets
 from prefill_buckets import GraphCounter
+from prefill_buckets.kvcache.record import cache_record
 from prefill_buckets.state import state_of
 
 from .test_compile_counts import make_model, make_prompt
@@ -155,15 +156,59 @@ class ContinuationTest(unittest.TestCase):
             ours.sequences, self.model.generate(follow_up, generation_config=config).sequences, rtol=0, atol=0
         )
 
-    def test_batch_padded_cache_with_other_batch_raises(self):
+    def test_batch_padded_cache_with_other_prompts_raises(self):
+        # The cache holds the first call's row, then a dummy row whose tokens the user doesn't have: two prompts don't
+        # line up with them (before, two prompts ran, the second continuing the dummy row).
         config = GenerationConfig(max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
         first = prefill_buckets.generate(
             self.model, self.ids(1, 6, 7), generation_config=config, prefill_buckets=[8], prefill_batch_buckets=[2]
         )
-        with self.assertRaisesRegex(ValueError, "prefill_batch_buckets"):
+        follow_up = torch.cat([first.sequences, self.ids(1, 2, 8)], dim=1).repeat(2, 1)
+        with self.assertRaisesRegex(ValueError, r"holds 2 rows \(the 1 row .*, then 1 dummy row of `prefill_batch_"):
             prefill_buckets.generate(
-                self.model, first.sequences, **{CACHE: first[CACHE]}, generation_config=config, prefill_buckets=[8]
+                self.model, follow_up, **{CACHE: first[CACHE]}, generation_config=config, prefill_buckets=[8]
             )
+
+    @parameterized.expand(
+        [
+            ("dynamic_cache", "left", None, None),
+            ("static_cache_left", "left", "static", 64),
+            ("static_cache_right_ragged_rows", "auto", "static", 64),
+        ]
+    )
+    def test_later_turns_bring_back_the_dummy_rows(self, _, side, cache_implementation, max_cache_len):
+        # Three prompts (one left-padded by the user) padded to four rows by `prefill_batch_buckets`: the cache holds
+        # the dummy row, and each later turn, with the same prompts and no field of its own, brings it back.
+        common = {"max_new_tokens": 3, "min_new_tokens": 3, "do_sample": False, "return_dict_in_generate": True}
+        first = GenerationConfig(cache_implementation=cache_implementation, max_cache_len=max_cache_len, **common)
+        later = GenerationConfig(**common)
+        ids, mask = self.ids(3, 7, 12), torch.ones(3, 7, dtype=torch.long)
+        ids[1, :2], mask[1, :2] = 0, 0
+        fields = {"prefill_buckets": [16], "prefill_batch_buckets": [4], "prefill_padding_side": side}
+        ours = prefill_buckets.generate(self.model, ids, attention_mask=mask, generation_config=first, **fields)
+        theirs = self.model.generate(ids, attention_mask=mask, generation_config=first)
+        record = cache_record(ours[CACHE])
+        self.assertEqual((record.padding.rows, record.padding.padded_rows), (3, 4))
+        # On the right, each row's tokens sit at the start of its slots: the record keeps the mask of the user's rows.
+        self.assertEqual(record.ragged_rows is not None, side == "auto")
+        for turn in range(2):
+            user = self.ids(3, 2 + turn, 13 + turn)
+            ours_mask = torch.cat([mask, torch.ones(3, ours.sequences.shape[1] - 7 + user.shape[1])], dim=1)
+            ours = prefill_buckets.generate(
+                self.model,
+                torch.cat([ours.sequences, user], dim=1),
+                attention_mask=ours_mask.long(),
+                **{CACHE: ours[CACHE]},
+                generation_config=later,
+            )
+            theirs = self.model.generate(
+                torch.cat([theirs.sequences, user], dim=1),
+                attention_mask=ours_mask.long(),
+                **{CACHE: theirs[CACHE]},
+                generation_config=later,
+            )
+            torch.testing.assert_close(ours.sequences, theirs.sequences, rtol=0, atol=0, msg=f"turn {turn}")
+            self.assertEqual(ours[CACHE].layers[0].keys.shape[0], 4)
 
 
 class ConversationStaysBucketedTest(unittest.TestCase):

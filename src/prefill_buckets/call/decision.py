@@ -210,25 +210,39 @@ def _left_padded_length(call: ResolvedCall) -> int:
             "one token: start the prompt with the BOS token."
         )
     continued = call.continued
-    if continued is not None and continued[1] != call.rows:
+    if continued is not None and call.rows != continued.rows:
+        # The rows a cache holds are those of the call that filled it, then its dummy rows, whose tokens no user has.
+        dummy_rows = continued.padded_rows - continued.rows
+        dummies = f", then {_count(dummy_rows, 'dummy row')} of `{PREFILL_BATCH_BUCKETS}`" if dummy_rows else ""
         raise ValueError(
-            f"The cache passed in was filled by a call padded to {continued[1]} rows with `{PREFILL_BATCH_BUCKETS}`, "
-            f"but this call has {call.rows}. Continue from a cache with the batch it was filled with: pass "
-            f"`{PREFILL_BATCH_BUCKETS}=None` to the call that fills it."
+            f"The cache passed in holds {continued.padded_rows} rows (the {_count(continued.rows, 'row')} the call "
+            f"that filled it generated{dummies}), but this call has {_count(call.rows, 'prompt')}. Continue a cache "
+            "with the rows that filled it, one prompt each (a returned `sequences`, with your new tokens)."
         )
     if input_ids is not None:
         _check_ids_in_vocabulary(call.settings, input_ids)
     if continued is not None:
-        return prompt_length + continued[0]
+        return prompt_length + continued.columns
     return capped_bucket(call.settings, prompt_length)
 
 
+def _count(number: int, thing: str) -> str:
+    return f"{number} {thing}" + ("" if number == 1 else "s")
+
+
 def _padded_batch(call: ResolvedCall) -> int:
-    """The rows the call's batch is padded to (step 4): its batch bucket, or its own rows, with the reason logged."""
-    rows, policy = call.rows, call.settings.batch_policy
-    if policy is None or call.continued is not None:  # a cache's rows are fixed when it is filled
+    """
+    The rows the call's batch is padded to (step 4): its batch bucket, or its own rows, with the reason logged. A cache's
+    rows are fixed when it is filled: a call that continues one brings back the dummy rows the call that filled it
+    added (`prefill_batch_buckets`), and raises where it can't.
+    """
+    rows, policy, continued = call.rows, call.settings.batch_policy, call.continued
+    if continued is not None:
+        padded_batch = continued.padded_rows
+    elif policy is not None:
+        padded_batch = policy.bucket(rows)
+    else:
         return rows
-    padded_batch = policy.bucket(rows)
     if padded_batch == rows:
         return rows
     known = {"input_ids", "inputs_embeds", *PER_TOKEN_KWARGS}
@@ -244,6 +258,12 @@ def _padded_batch(call: ResolvedCall) -> int:
         reason = f"it can't pad the per-row input {per_row[0]!r}"
     elif call.arguments.get("negative_prompt_ids") is not None:
         reason = "it can't pad `negative_prompt_ids`"
+    if reason is not None and continued is not None:
+        raise ValueError(
+            f"The cache passed in holds {_count(padded_batch - rows, 'dummy row')} of `{PREFILL_BATCH_BUCKETS}` after "
+            f"the {_count(rows, 'prompt')} of the call that filled it, which this call can't bring back: {reason}. "
+            f"Leave `{PREFILL_BATCH_BUCKETS}` unset on the call that starts a conversation you continue this way."
+        )
     if reason is not None:
         logger.warning_once(f"`{PREFILL_BATCH_BUCKETS}` is not applied to this call: {reason}.")
         return rows

@@ -78,7 +78,8 @@ def generate(model, *args, **kwargs):
         sequence; a static cache's attentions have upstream's key axis on every layer and step), and the dummy rows
         removed from every output. A returned cache records the call's bucket fields and any padding it holds (left
         padding, dummy rows): a later call that continues from it (multi-turn chat) and sets no bucket field of its
-        own is bucketed the same way, its prompt lined up with that padding.
+        own is bucketed the same way, its prompt lined up with that padding (and its batch brought to the cache's
+        rows).
 
     Example:
 

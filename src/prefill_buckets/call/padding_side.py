@@ -225,15 +225,15 @@ RULE = (
         "the cache passed in is a `{call.cache.__class__.__name__}`, not a `StaticCache`",
     ),
     Case(
-        "a cache filled by a left-padded call",
+        "a cache filled by a left-padded call, or with dummy rows (`prefill_batch_buckets`)",
         "left",
-        "the prompt must line up with the padding in the cache",
+        "the prompt must line up with the padding in the cache, and the batch with its rows",
         lambda call: (
             call.cache is not None
             and call.continued is not None
-            and (call.continued[0] > 0 or call.continued[1] != call.rows)
+            and (call.continued.columns > 0 or call.continued.padded_rows != call.rows)
         ),
-        "the cache holds a left-padded call's tokens, and the prompt must line up with them",
+        "the cache holds a left-padded call's tokens or dummy rows, and the prompt must line up with them",
     ),
     Case(
         "a cache filled by rows of different lengths",

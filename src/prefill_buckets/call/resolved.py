@@ -22,7 +22,7 @@ from transformers import GenerationConfig
 
 from ..buckets import BucketPolicy
 from ..config import FIELDS, batch_policy_from_fields, padding_side_from_fields, policy_from_fields
-from ..kvcache.record import PassedCache
+from ..kvcache.record import CachePadding, PassedCache
 from ..upstream import transformers_api
 from ..upstream.transformers_api import max_positions, vocabulary_size
 
@@ -127,8 +127,8 @@ class ResolvedCall:
     prompt_length: int  # tokens in the prompt as passed (1 without one: upstream starts from one BOS token per row)
     rows: int  # the prompts the call passes (as upstream counts them when it passes none)
     cache: Any  # the cache object the call passes, or `None`
-    # `(columns added in front, padded batch)` of the bucketed call that filled the cache, when it left padding.
-    continued: tuple[int, int] | None
+    # The padding the bucketed call that filled the cache left (`kvcache.record.CachePadding`), or `None`.
+    continued: CachePadding | None
 
     @property
     def past_length(self) -> int:

@@ -7,6 +7,7 @@ through `PassedCache` (`call/resolved.py`), which reads each fact of the passed 
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import NamedTuple
 
 import torch
 
@@ -23,6 +24,16 @@ def passed_cache(model_kwargs: dict):
     return cache if hasattr(cache, "get_seq_length") else None
 
 
+class CachePadding(NamedTuple):
+    """The padding a bucketed call left in the cache it filled, which a later call that continues from it repeats."""
+
+    columns: int  # positions added in front of every row (left padding)
+    # The rows the call generated (its prompts, times `num_return_sequences`), which a later call continues: one
+    # prompt each.
+    rows: int
+    padded_rows: int  # the rows the cache holds: `rows`, then the dummy rows of `prefill_batch_buckets`
+
+
 @dataclass(frozen=True)
 class CacheRecord:
     """
@@ -30,10 +41,10 @@ class CacheRecord:
     Every bucketed call writes it (`record_call`); a cache that holds no tokens (reset) has none (`cache_record`).
     """
 
-    # `(columns added in front, batch size with dummy rows)`, when the cache's layout is not an unpadded call's: a
-    # later call pads its prompt by the same columns (and brings the rows), so cache and prompt line up. `None`: the
-    # cache holds what an unpadded call would (a right-padded call of rows of one length).
-    padding: tuple[int, int] | None
+    # The columns added in front and the dummy rows, when the cache's layout is not an unpadded call's: a later call
+    # with the same rows pads its prompt by the same columns and brings the same dummy rows, so cache and prompt line
+    # up. `None`: the cache holds what an unpadded call would (a right-padded call of rows of one length).
+    padding: CachePadding | None
     # A right-padded call of rows of different lengths: its attention mask `[rows, S]`, as the user passed it
     # (left-padded). Row i's `L_i` prompt tokens sit in slots `0..L_i-1` (the mask's ones moved to the front), its
     # generated tokens in the slots of their columns. A later call lines its mask up with that.
@@ -81,8 +92,8 @@ class PassedCache:
         return cache_record(self.cache, self.tokens)
 
     @property
-    def continued(self) -> tuple[int, int] | None:
-        """`(pad, padded batch)` when the cache holds a bucketed call's padding the call must continue, else `None`."""
+    def continued(self) -> CachePadding | None:
+        """The padding the cache holds from a bucketed call, which the call must continue, else `None`."""
         return self.record.padding if self.record is not None else None
 
     @property
@@ -106,11 +117,12 @@ def record_call(cache, plan, attention_mask, continues: bool) -> None:
     right = plan.right
     padding = previous.padding if previous is not None else None
     if right is None or plan.padded_batch > plan.batch_size or right.ragged:
-        padding = (plan.added_positions, plan.padded_batch)
+        padding = CachePadding(plan.added_positions, plan.rows, plan.padded_rows)
     if continues:
         ragged_rows = previous.ragged_rows if previous is not None else None
     else:
-        ragged_rows = attention_mask if right is not None and right.ragged else None
+        # The mask of the call's own rows: after them, the dummy rows of `prefill_batch_buckets` are all ones.
+        ragged_rows = attention_mask[: plan.batch_size] if right is not None and right.ragged else None
     cache.__dict__[_CACHE_RECORD] = CacheRecord(padding, ragged_rows, plan.settings.bucketing)
 
 
