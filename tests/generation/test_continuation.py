@@ -169,6 +169,28 @@ class ContinuationTest(unittest.TestCase):
                 self.model, follow_up, **{CACHE: first[CACHE]}, generation_config=config, prefill_buckets=[8]
             )
 
+    @parameterized.expand([("one_prompt", 1, None), ("with_a_dummy_row", 2, [3])])
+    def test_continues_the_rows_of_num_return_sequences(self, _, prompts, batch_buckets):
+        # Two rows per prompt (sampled), left-padded in a dynamic cache: the later turn passes the rows the first
+        # returned, one prompt each, and gets the tokens of the whole conversation run unbucketed (a misleading
+        # `ValueError` before: the cache's rows were counted as prompts).
+        first = GenerationConfig(
+            max_new_tokens=3, do_sample=True, num_return_sequences=2, return_dict_in_generate=True, top_k=5
+        )
+        torch.manual_seed(0)
+        ours = prefill_buckets.generate(
+            self.model,
+            self.ids(prompts, 7, 20),
+            generation_config=first,
+            prefill_buckets=[16],
+            prefill_batch_buckets=batch_buckets,
+        )
+        conversation = torch.cat([ours.sequences, self.ids(2 * prompts, 2, 21)], dim=1)
+        later = GenerationConfig(max_new_tokens=3, do_sample=False)
+        continued = prefill_buckets.generate(self.model, conversation, **{CACHE: ours[CACHE]}, generation_config=later)
+        expected = self.model.generate(conversation, generation_config=later)
+        torch.testing.assert_close(continued, expected, rtol=0, atol=0)
+
     @parameterized.expand(
         [
             ("dynamic_cache", "left", None, None),
