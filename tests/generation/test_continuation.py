@@ -169,6 +169,32 @@ class ContinuationTest(unittest.TestCase):
                 self.model, follow_up, **{CACHE: first[CACHE]}, generation_config=config, prefill_buckets=[8]
             )
 
+    @parameterized.expand([("left_padded", None), ("with_a_dummy_row", [4])])
+    def test_continues_rows_selected_with_batch_select_indices(self, _, batch_buckets):
+        # A finished conversation dropped from the batch, as upstream does it: the cache keeps the other rows
+        # (`batch_select_indices`, which drops the dummy row too), and the later turn passes theirs.
+        config = GenerationConfig(max_new_tokens=3, min_new_tokens=3, do_sample=False, return_dict_in_generate=True)
+        ids, mask = self.ids(3, 7, 30), torch.ones(3, 7, dtype=torch.long)
+        ids[1, :2], mask[1, :2] = 0, 0
+        first = prefill_buckets.generate(
+            self.model,
+            ids,
+            attention_mask=mask,
+            generation_config=config,
+            prefill_buckets=[16],
+            prefill_batch_buckets=batch_buckets,
+        )
+        keep = torch.tensor([0, 2])
+        cache = first[CACHE]
+        cache.batch_select_indices(keep)
+        conversation = torch.cat([first.sequences[keep], self.ids(2, 2, 31)], dim=1)
+        conversation_mask = torch.cat([mask[keep], torch.ones(2, conversation.shape[1] - 7, dtype=torch.long)], dim=1)
+        ours = prefill_buckets.generate(
+            self.model, conversation, attention_mask=conversation_mask, **{CACHE: cache}, generation_config=config
+        )
+        theirs = self.model.generate(conversation, attention_mask=conversation_mask, generation_config=config)
+        torch.testing.assert_close(ours.sequences, theirs.sequences, rtol=0, atol=0)
+
     @parameterized.expand([("one_prompt", 1, None), ("with_a_dummy_row", 2, [3])])
     def test_continues_the_rows_of_num_return_sequences(self, _, prompts, batch_buckets):
         # Two rows per prompt (sampled), left-padded in a dynamic cache: the later turn passes the rows the first

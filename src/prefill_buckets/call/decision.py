@@ -210,20 +210,35 @@ def _left_padded_length(call: ResolvedCall) -> int:
             "one token: start the prompt with the BOS token."
         )
     continued = call.continued
-    if continued is not None and call.rows != continued.rows:
-        # The rows a cache holds are those of the call that filled it, then its dummy rows, whose tokens no user has.
-        dummy_rows = continued.padded_rows - continued.rows
-        dummies = f", then {_count(dummy_rows, 'dummy row')} of `{PREFILL_BATCH_BUCKETS}`" if dummy_rows else ""
-        raise ValueError(
-            f"The cache passed in holds {continued.padded_rows} rows (the {_count(continued.rows, 'row')} the call "
-            f"that filled it generated{dummies}), but this call has {_count(call.rows, 'prompt')}. Continue a cache "
-            "with the rows that filled it, one prompt each (a returned `sequences`, with your new tokens)."
-        )
     if input_ids is not None:
         _check_ids_in_vocabulary(call.settings, input_ids)
     if continued is not None:
         return prompt_length + continued.columns
     return capped_bucket(call.settings, prompt_length)
+
+
+def _continued_rows(call: ResolvedCall) -> int:
+    """
+    The rows a call that continues a bucketed call's cache runs with: the cache's. Where the cache holds the rows the
+    call that filled it left (the rows it generated, then the dummy rows of `prefill_batch_buckets`), the call passes
+    the rows it generated, and the dummy rows come back; where the user has selected rows since
+    (`batch_select_indices`), it passes those. Raises `ValueError` for any other count: the rows would not line up (a
+    dummy row's tokens are nobody's).
+    """
+    continued = call.continued
+    held = call.passed.rows if call.passed.rows is not None else continued.padded_rows
+    if held == continued.padded_rows:
+        if call.rows == continued.rows:
+            return held
+    elif call.rows == held:
+        return held
+    dummy_rows = continued.padded_rows - continued.rows if held == continued.padded_rows else 0
+    dummies = f", then {_count(dummy_rows, 'dummy row')} of `{PREFILL_BATCH_BUCKETS}`" if dummy_rows else ""
+    raise ValueError(
+        f"The cache passed in holds {held} rows (the {_count(held - dummy_rows, 'row')} of the call that filled it"
+        f"{dummies}), but this call has {_count(call.rows, 'prompt')}. Continue a cache with the rows that filled it, "
+        "one prompt each (a returned `sequences`, with your new tokens)."
+    )
 
 
 def _count(number: int, thing: str) -> str:
@@ -238,7 +253,7 @@ def _padded_batch(call: ResolvedCall) -> int:
     """
     rows, policy, continued = call.rows, call.settings.batch_policy, call.continued
     if continued is not None:
-        padded_batch = continued.padded_rows
+        padded_batch = _continued_rows(call)
     elif policy is not None:
         padded_batch = policy.bucket(rows)
     else:

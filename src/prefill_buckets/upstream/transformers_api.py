@@ -12,6 +12,7 @@ import inspect
 import weakref
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import transformers
 from transformers import StaticCache, StaticLayer, StaticSlidingWindowLayer, masking_utils
@@ -133,6 +134,15 @@ def cache_seq_length(cache) -> int | None:
         return int(cache.get_seq_length())  # a 0-d tensor for a static cache
     except ValueError:
         return None
+
+
+def cache_rows(cache) -> int | None:
+    """The rows a cache holds (its first layer with keys), or `None` when none holds keys yet."""
+    for layer in getattr(cache, "layers", ()):
+        keys = getattr(layer, "keys", None)
+        if isinstance(keys, torch.Tensor) and keys.ndim >= 2:
+            return keys.shape[0]
+    return None
 
 
 def is_static_cache(cache) -> bool:
