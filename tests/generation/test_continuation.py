@@ -169,6 +169,18 @@ class ContinuationTest(unittest.TestCase):
                 self.model, follow_up, **{CACHE: first[CACHE]}, generation_config=config, prefill_buckets=[8]
             )
 
+    def test_a_turn_that_cant_bring_back_the_dummy_rows_raises(self):
+        # Beam search ranks rows together, so no dummy row joins it: the cache's dummy row can't be lined up.
+        config = GenerationConfig(max_new_tokens=3, min_new_tokens=3, do_sample=False, return_dict_in_generate=True)
+        first = prefill_buckets.generate(
+            self.model, self.ids(3, 7, 40), generation_config=config, prefill_buckets=[16], prefill_batch_buckets=[4]
+        )
+        conversation = torch.cat([first.sequences, self.ids(3, 2, 41)], dim=1)
+        with self.assertRaisesRegex(ValueError, "1 dummy row of `prefill_batch_buckets` .* beam search"):
+            prefill_buckets.generate(
+                self.model, conversation, **{CACHE: first[CACHE]}, generation_config=config, num_beams=2
+            )
+
     @parameterized.expand([("left_padded", None), ("with_a_dummy_row", [4])])
     def test_continues_rows_selected_with_batch_select_indices(self, _, batch_buckets):
         # A finished conversation dropped from the batch, as upstream does it: the cache keeps the other rows
