@@ -26,6 +26,12 @@ class ContinuationTest(unittest.TestCase):
     def ids(self, batch, length, seed):
         return torch.randint(3, 128, (batch, length), generator=torch.Generator().manual_seed(seed))
 
+    def ragged_batch(self, seed):
+        """Three prompts of 7 tokens, the second left-padded by the user by 2, and their mask."""
+        ids, mask = self.ids(3, 7, seed), torch.ones(3, 7, dtype=torch.long)
+        ids[1, :2], mask[1, :2] = 0, 0
+        return ids, mask
+
     @parameterized.expand([("dynamic", None, None), ("static", "static", 64)])
     def test_three_turns(self, _, cache_implementation, max_cache_len):
         # A static cache must hold the whole conversation (and, for ours, the padding in front of it).
@@ -186,8 +192,7 @@ class ContinuationTest(unittest.TestCase):
         # A finished conversation dropped from the batch, as upstream does it: the cache keeps the other rows
         # (`batch_select_indices`, which drops the dummy row too), and the later turn passes theirs.
         config = GenerationConfig(max_new_tokens=3, min_new_tokens=3, do_sample=False, return_dict_in_generate=True)
-        ids, mask = self.ids(3, 7, 30), torch.ones(3, 7, dtype=torch.long)
-        ids[1, :2], mask[1, :2] = 0, 0
+        ids, mask = self.ragged_batch(seed=30)
         first = prefill_buckets.generate(
             self.model,
             ids,
@@ -242,8 +247,7 @@ class ContinuationTest(unittest.TestCase):
         common = {"max_new_tokens": 3, "min_new_tokens": 3, "do_sample": False, "return_dict_in_generate": True}
         first = GenerationConfig(cache_implementation=cache_implementation, max_cache_len=max_cache_len, **common)
         later = GenerationConfig(**common)
-        ids, mask = self.ids(3, 7, 12), torch.ones(3, 7, dtype=torch.long)
-        ids[1, :2], mask[1, :2] = 0, 0
+        ids, mask = self.ragged_batch(seed=12)
         fields = {"prefill_buckets": [16], "prefill_batch_buckets": [4], "prefill_padding_side": side}
         ours = prefill_buckets.generate(self.model, ids, attention_mask=mask, generation_config=first, **fields)
         theirs = self.model.generate(ids, attention_mask=mask, generation_config=first)
