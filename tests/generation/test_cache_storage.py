@@ -9,6 +9,8 @@
 # - Not shared: a cache handed back (`return_dict_in_generate=True`) is never reused, nor a cache passed in; a change
 #   of batch size or cache length allocates anew; an eager call keeps nothing, as upstream.
 # - Modes: a call under `torch.inference_mode()` and one outside it each take tensors made in their own mode.
+# - Static addresses: each layer's length counter is kept with its keys and values, so every static input of the
+#   compiled graphs stays where CUDA graphs recorded it.
 
 import unittest
 
@@ -39,6 +41,38 @@ def kept_keys(model):
     """The first layer's keys the model keeps for the next call, or `None`."""
     kept = state_of(model).kept_cache_storage
     return kept.tensors[0][0] if kept is not None else None
+
+
+class StaticAddresses:
+    """
+    A `torch.compile` backend (eager kernels) that checks what CUDA graphs rely on: on every later run of a graph, each
+    input dynamo marks as a static address (`_dynamo_static_input_type`) is at the address of the graph's first run.
+    It holds the first run's tensors, so that no new tensor can be given their memory.
+    """
+
+    def __init__(self):
+        self.first: list[dict[int, torch.Tensor] | None] = []  # per graph: its static inputs at its first run
+        self.moved: list[tuple[int, int]] = []  # (graph, input index) of each static input found elsewhere
+
+    def __call__(self, gm, example_inputs, **kwargs):
+        graph = len(self.first)
+        self.first.append(None)
+
+        def run(*args):
+            static = {
+                i: a
+                for i, a in enumerate(args)
+                if isinstance(a, torch.Tensor) and getattr(a, "_dynamo_static_input_type", None) is not None
+            }
+            if self.first[graph] is None:
+                self.first[graph] = static
+            else:
+                for i, tensor in self.first[graph].items():
+                    if i in static and static[i].data_ptr() != tensor.data_ptr():
+                        self.moved.append((graph, i))
+            return gm.forward(*args)
+
+        return run
 
 
 class CacheStorageTest(unittest.TestCase):
@@ -148,6 +182,23 @@ class CacheStorageTest(unittest.TestCase):
             inference_keys = kept_keys(self.model)
             prefill_buckets.generate(self.model, prompt(9), generation_config=config(side))
         self.assertIs(kept_keys(self.model), inference_keys, "calls in one mode share one allocation")
+
+    @parameterized.expand([("left",), ("right",)])
+    def test_every_static_address_stays_across_calls(self, side):
+        # What CUDA graphs (`mode="reduce-overhead"`) replay needs, checked on CPU: every input a graph takes as a
+        # static address (the parameters, and each layer's keys, values and length counter, which upstream marks with
+        # `mark_static_address`) is where the graph's first run found it. On an H200 a new counter per call made
+        # cudagraph trees re-record (`test_gpu.py`: "static input data pointer changed" for the 4 layers' counters).
+        torch._dynamo.reset()
+        model, addresses = tiny_llama(), StaticAddresses()
+        model.compile(backend=addresses, dynamic=False, fullgraph=True)
+        for length in (30, 7, 20, 3, 12, 7):
+            out = prefill_buckets.generate(model, prompt(length), generation_config=config(side))
+            expected = self.reference.generate(prompt(length), max_new_tokens=NEW_TOKENS, do_sample=False)
+            self.assertEqual(out.tolist(), expected.tolist())
+        counters = [t for first in addresses.first for t in first.values() if t.ndim == 0]
+        self.assertTrue(counters, "the layers' length counters are static inputs of the graphs")
+        self.assertEqual(addresses.moved, [], "static inputs moved between calls: (graph, input index)")
 
     def test_an_eager_call_keeps_nothing(self):
         model = tiny_llama()

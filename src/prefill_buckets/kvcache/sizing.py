@@ -227,17 +227,22 @@ def early_initialize(model, cache, rows: int) -> None:
         return
     with initializing_without_storage(cache.layers):
         cache.early_initialization(**arguments)
-    for layer, (keys, values) in zip(cache.layers, kept.tensors):
+    for layer, (keys, values, counter) in zip(cache.layers, kept.tensors):
         keys[:, :, : kept.written].zero_()  # what the last call wrote: the cache holds what a new one would
         values[:, :, : kept.written].zero_()
-        set_layer_storage(layer, keys, values)
+        if counter is not None:
+            counter.zero_()
+        set_layer_storage(layer, keys, values, counter)
 
 
 @dataclass(frozen=True)
 class KeptStorage:
     """The tensors of a static cache a finished call made and did not hand back (`keep_storage`)."""
 
-    tensors: tuple  # per layer `(keys, values)`, `[rows, heads, slots, head_dim]`
+    # Per layer `(keys, values, length counter)`: `[rows, heads, slots, head_dim]` twice, and the 0-d tensor that holds
+    # the layer's length (`None` where it counts in a Python int). All three are static addresses, which CUDA graphs
+    # read where they were recorded: a call that takes them all replays the graphs of the call before.
+    tensors: tuple
     written: int  # the slots, from the first, that the call may have written: zeroed before a cache takes them
 
 
@@ -270,14 +275,14 @@ def _take_storage(model, cache, rows: int, heads: list, dims: list, dtype, devic
     if kept is None or len(kept.tensors) != len(layers) or len(heads) != len(layers) or len(dims) != len(layers):
         return None
     inference_mode = torch.is_inference_mode_enabled()
-    if any(keys.is_inference() != inference_mode for keys, _ in kept.tensors):
+    if any(keys.is_inference() != inference_mode for keys, _, _ in kept.tensors):
         return None
-    for layer, (keys, values), layer_heads, layer_dim in zip(layers, kept.tensors, heads, dims):
+    for layer, (keys, values, counter), layer_heads, layer_dim in zip(layers, kept.tensors, heads, dims):
         shape = (rows, layer_heads, layer.max_cache_len, layer_dim)
         fits = holds_static_storage(layer) and getattr(layer, "supports_early_init", True) and not layer.is_initialized
         for tensor in (keys, values):
             fits = fits and tuple(tensor.shape) == shape and tensor.dtype == dtype and tensor.device == device
-        if not fits:
+        if not fits or (counter is not None and counter.device != device):
             return None
     return kept
 

@@ -178,8 +178,13 @@ def holds_static_storage(layer) -> bool:
 
 
 def layer_storage(layer) -> tuple:
-    """`(keys, values)` of an initialized static layer."""
-    return layer.keys, layer.values
+    """
+    `(keys, values, length counter)` of an initialized static layer: the tensors `lazy_initialization` marks as static
+    addresses (`mark_static_address`), which CUDA graphs read where they were recorded. The counter is `None` where
+    the layer counts in a Python int.
+    """
+    counter = getattr(layer, "cumulative_length", None)
+    return layer.keys, layer.values, counter if isinstance(counter, torch.Tensor) else None
 
 
 @contextlib.contextmanager
@@ -198,9 +203,14 @@ def initializing_without_storage(layers):
             layer.max_cache_len = length
 
 
-def set_layer_storage(layer, keys, values) -> None:
-    """Gives an initialized static layer the tensors `keys` and `values` (of its shape, dtype and device)."""
+def set_layer_storage(layer, keys, values, counter=None) -> None:
+    """
+    Gives an initialized static layer the tensors `keys` and `values` (of its shape, dtype and device), and `counter`,
+    a 0-d tensor that holds its length (reset to 0 by the caller), when given.
+    """
     layer.keys, layer.values = keys, values
+    if counter is not None:
+        layer.cumulative_length = counter
 
 
 def set_static_cache_length(cache, length: int) -> None:
