@@ -53,6 +53,11 @@ def build_model(quick: bool, device: str) -> LlamaForCausalLM:
     return LlamaForCausalLM(config).to(device=device, dtype=torch.bfloat16).eval()
 
 
+def progress(message: str) -> None:
+    """A line as each part ends, so that a run stopped at its time limit still says where the time went."""
+    print(message, flush=True)
+
+
 def timed(fn):
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -67,6 +72,7 @@ def run_strategy(name, model, prompts, config, counter, warm_up) -> dict:
     prep = 0.0
     if warm_up is not None:
         _, prep = timed(warm_up)
+        progress(f"{name}: warm-up (precompile) {prep:.1f} s, {counter.graphs} graphs")
     graphs_before = counter.graphs
     first_token = copy.deepcopy(config)  # time to first token: the same call, stopped after one token
     first_token.max_new_tokens = first_token.min_new_tokens = 1
@@ -121,7 +127,9 @@ def main() -> None:
     eager_config = GenerationConfig(
         max_new_tokens=args.max_new_tokens, min_new_tokens=args.max_new_tokens, do_sample=False
     )
+    start = time.perf_counter()
     expected = [model.generate(ids, generation_config=eager_config)[:, ids.shape[1] :].cpu() for ids in prompts]
+    progress(f"eager reference: {count} prompts in {time.perf_counter() - start:.1f} s")
 
     torch._dynamo.config.recompile_limit = 64
     rows = []
@@ -156,6 +164,9 @@ def main() -> None:
             row = run_strategy(name, model, prompts, config, counter, warm_up)
         finally:
             prefill_buckets.disable()
+        progress(
+            f"{name}: warm-up {row['warm_up_s']:.1f} s, workload {row['workload_s']:.1f} s, {counter.graphs} graphs"
+        )
         outputs = row.pop("outputs")
         row["exact"] = sum(torch.equal(a, b) for a, b in zip(outputs, expected))
         row["prompts"] = count
