@@ -750,6 +750,55 @@ class GraphCountTest(CompilationTestCase):
         self.assertEqual(torch._dynamo.config.recompile_limit, 2)  # the user's again
 
 
+class GuidanceTest(CompilationTestCase):
+    """
+    Classifier-free guidance (`guidance_scale`) runs the model's forward from its logits processor at every step, on
+    the last token's view of the sequence (its stride is the sequence's length) with a growing cache: a forward the user
+    compiled gets new graphs for those on every call, which no bucket bounds.
+    """
+
+    LENGTHS = (5, 6, 7, 9, 11)
+
+    def guided_config(self, **fields) -> GenerationConfig:
+        return make_config(guidance_scale=1.5, **fields)
+
+    def test_a_forward_the_user_compiled_runs_upstreams_call(self):
+        # Bucketed, the package raised torch's limit for graphs it had not predicted (graph breaks' room, as it reads
+        # them), and every call compiled 5 more: 22 graphs after these 5 calls, against upstream's 8 and eager after.
+        model = make_model()
+        reference = make_reference(model)
+        counter = GraphCounter()
+        model.compile(backend=counter, dynamic=False)  # no fullgraph: torch runs past its limit eagerly
+        config = self.guided_config(prefill_buckets=BUCKETS)
+        with CaptureLogger(logging.get_logger("prefill_buckets.call.generation")) as captured:
+            for length in self.LENGTHS:
+                got = prefill_buckets.generate(model, make_prompt(length), generation_config=config)
+                expected = reference.generate(make_prompt(length), generation_config=self.guided_config())
+                self.assertEqual(got.tolist(), expected.tolist(), f"prompt {length}")
+        self.assertLessEqual(counter.graphs, 8, "torch's own limit: the package raised it for the guidance's graphs")
+        self.assertEqual(torch._dynamo.config.recompile_limit, 8)
+        self.assertIn("are ignored for this call: classifier-free guidance (`guidance_scale=1.5`)", captured.out)
+        self.assertIn("compiled with `model.compile()`", captured.out)
+
+    def test_a_forward_upstream_compiles_is_bucketed(self):
+        # With `compile_config`, the processor calls the model's eager module: every forward `generate` runs is
+        # compiled, one graph per bucket, and the guidance's forwards compile nothing.
+        model = make_model()
+        reference = make_reference(model)
+        counter = self.registered_counter()
+        compile_config = CompileConfig(backend=COUNTER_BACKEND, fullgraph=True, dynamic=False, mode=None)
+        config = self.guided_config(prefill_buckets=BUCKETS, compile_config=compile_config)
+        for length in self.LENGTHS:
+            self.check_call(
+                counter,
+                lambda ids: prefill_buckets.generate(model, ids, generation_config=config),
+                make_prompt(length),
+                reference,
+                self.guided_config(),
+            )
+        self.assertEqual(counter.graphs, 2, counter.shapes)  # prefill 16, decode
+
+
 class SharedRecompileLimitTest(CompilationTestCase):
     """
     torch's recompile limit counts graphs per code object, and transformers' decorators make most classes' `forward`

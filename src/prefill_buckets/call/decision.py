@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 import torch
 from transformers.utils import logging
 
+from ..compile.compiled_calls import compiled_forward, is_aot_forward
 from ..config import (
     BUCKET_FIELDS,
     PREFILL_BATCH_BUCKETS,
@@ -90,6 +91,21 @@ def _window_reason(call: RuleFacts) -> str | None:
     )
 
 
+def _guidance_compiled(call: RuleFacts) -> str | None:
+    """
+    How the user compiled the forward that classifier-free guidance runs from its logits processor, or `None` (no
+    guidance, or a forward upstream compiles itself: its processor then calls the eager module).
+    """
+    if call.settings.guidance_scale is None or call.settings.guidance_scale == 1:
+        return None
+    if call.call.wrapper is not None:
+        return "the `torch.compile(model)` wrapper"
+    if is_aot_forward(call.model):
+        return "`aot_forward`"
+    compiled = compiled_forward(call.model)
+    return f"`{compiled}`" if compiled is not None else None
+
+
 _FIELDS = ", ".join(f"`{field}`" for field in BUCKET_FIELDS)
 
 # Checked in order; the first that applies decides.
@@ -126,6 +142,14 @@ UNSUPPORTED = (
         "a forward without `attention_mask`",
         lambda call: not forward_takes(call.model, "attention_mask"),
         "`{call.model_name}.forward` takes no `attention_mask`, so padding could not be masked",
+    ),
+    Unsupported(
+        "classifier-free guidance (`guidance_scale`) on a forward the user compiled",
+        _guidance_compiled,
+        "classifier-free guidance (`guidance_scale={call.settings.guidance_scale}`) runs the model's forward from its "
+        "logits processor at every step, on a view of the last token whose stride is the sequence's length, with a "
+        "cache that grows: the forward, compiled with {why}, compiles new graphs for those on every call, which no "
+        "bucket bounds. Generate with a forward upstream compiles (`compile_config`) to bucket guided calls",
     ),
     Unsupported(
         "local attention windows counted from the cache's end (GPT-Neo), in a cache longer than the window",

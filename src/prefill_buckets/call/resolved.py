@@ -53,6 +53,7 @@ class CallSettings:
     max_new_tokens: int | None = None
     max_length: int | None = None
     config_pad_token_id: int | None = None  # the model config's own, which its forward checks unmasked inputs for
+    guidance_scale: float | None = None  # classifier-free guidance: on unless `None` or 1
 
     @property
     def bucketing(self) -> tuple:
@@ -326,6 +327,7 @@ def resolve_settings(
         max_new_tokens=value("max_new_tokens"),
         max_length=value("max_length"),
         config_pad_token_id=next(iter(_token_ids(getattr(model.config, "pad_token_id", None))), None),
+        guidance_scale=value("guidance_scale"),
     )
 
 
