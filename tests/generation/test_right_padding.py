@@ -205,6 +205,9 @@ class SideTest(unittest.TestCase):
         self.check(
             "left", random_ids(1, 6), config(output_scores=False, output_logits=False), assistant_model=self.model
         )
+        # Self-speculative decoding, the model's first layer drafting: assisted too (it was padded on the right, and
+        # then ran unpadded, as `generate` made no static cache for it).
+        self.check("left", random_ids(1, 6), config(output_scores=False, output_logits=False, assistant_early_exit=1))
 
     def test_streamer(self):
         class Recorder(BaseStreamer):

@@ -153,11 +153,14 @@ RULE = (
         "{call.right_broken}",
     ),
     Case(
-        "assisted or prompt-lookup decoding",
+        "assisted decoding (`assistant_model`, `assistant_early_exit`, `use_mtp`) or prompt lookup",
         "left",
         "upstream runs the prompt with the first candidates, not through its prefill step",
         lambda call: (
-            call.arguments.get("assistant_model") is not None or call.settings.prompt_lookup_num_tokens is not None
+            call.arguments.get("assistant_model") is not None
+            or call.settings.prompt_lookup_num_tokens is not None
+            or call.settings.assistant_early_exit is not None
+            or call.settings.use_mtp
         ),
         "assisted and prompt-lookup decoding run the prompt together with the first candidates",
     ),

@@ -50,6 +50,8 @@ class CallSettings:
     output_hidden_states: bool = False
     output_attentions: bool = False
     prompt_lookup_num_tokens: int | None = None
+    assistant_early_exit: int | None = None  # self-speculative decoding: the model's first layers draft candidates
+    use_mtp: bool = False  # multi-token prediction heads draft candidates
     max_new_tokens: int | None = None
     max_length: int | None = None
     config_pad_token_id: int | None = None  # the model config's own, which its forward checks unmasked inputs for
@@ -324,6 +326,8 @@ def resolve_settings(
         output_hidden_states=bool(value("output_hidden_states")),
         output_attentions=bool(value("output_attentions")),
         prompt_lookup_num_tokens=value("prompt_lookup_num_tokens"),
+        assistant_early_exit=value("assistant_early_exit"),
+        use_mtp=bool(value("use_mtp")),
         max_new_tokens=value("max_new_tokens"),
         max_length=value("max_length"),
         config_pad_token_id=next(iter(_token_ids(getattr(model.config, "pad_token_id", None))), None),
