@@ -13,6 +13,7 @@ import tempfile
 import textwrap
 import unittest
 import zipfile
+from unittest import mock
 
 import torch
 from torch._dynamo.utils import counters
@@ -288,6 +289,45 @@ class AOTForwardTest(unittest.TestCase):
         model.forward = prefill_buckets.aot_forward(model, backend="aot_eager")
         self.assertEqual(self.run_prompts(model), self.expected())
         self.assertEqual((model.forward.graphs_compiled, model.forward.eager_calls, model.forward.unkeyed), (3, 0, {}))
+
+    def test_objects_of_a_local_type_on_modules_are_in_the_fingerprint(self):
+        # transformers 5.25 (which requires `kernels`) gives each attention module, in its `__init__`, wrappers of its
+        # functions in `_kernel_funcs`, of a type defined in a function, which its forward reads: torch raised a
+        # `TypeError` saving the guard on their type, and every forward of `aot_forward` failed. Played here on
+        # transformers' own classes: an attention forward that reads such a wrapper (the same graphs, one more guard).
+        class Identity(torch.nn.Module):  # defined here: its qualified name is not its name
+            def forward(self, hidden_states):
+                return hidden_states
+
+        expected = self.expected()
+        attention_class = type(tiny_llama().model.layers[0].self_attn)
+        original = attention_class.forward
+
+        def forward(self, *args, **kwargs):
+            output = original(self, *args, **kwargs)
+            return (self._kernel_funcs["identity"](output[0]), *output[1:])
+
+        self.enterContext(mock.patch.object(attention_class, "forward", forward))
+
+        def with_wrappers(model):
+            for layer in model.model.layers:
+                layer.self_attn.__dict__.setdefault("_kernel_funcs", {})["identity"] = Identity()
+            return model
+
+        model = with_wrappers(tiny_llama())
+        self.assertNotEqual(aot_forward.model_fingerprint(model), aot_forward.model_fingerprint(tiny_llama()))
+        model.forward = prefill_buckets.aot_forward(model, backend="aot_eager")
+        tokens = self.run_prompts(model)
+        self.assertEqual(tokens, expected)
+        self.assertEqual((model.forward.graphs_compiled, model.forward.eager_calls, model.forward.unkeyed), (3, 0, {}))
+        saved = prefill_buckets.save_compile_cache(self.path)
+
+        self.new_process()
+        self.assertTrue(prefill_buckets.load_compile_cache(self.path, sha256=saved.sha256))
+        model = with_wrappers(tiny_llama())
+        model.forward = prefill_buckets.aot_forward(model, backend="aot_eager")
+        self.assertEqual(self.run_prompts(model), tokens)
+        self.assertEqual(traced(), 0, dict(counters["stats"]))
 
     def test_dispatch_key(self):
         cache = StaticCache(config=tiny_llama_config(), max_cache_len=64)

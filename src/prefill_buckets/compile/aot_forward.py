@@ -154,17 +154,15 @@ class AOTForward(AheadOfTimeForward):
     def _keep_guard(self, entries, state_guards: list[str]) -> list[bool]:
         """
         The guards a saved graph keeps: none on globals, on the wrapper closures of the model's `forward` (their
-        functions can't be pickled by name), or of the kinds torch can't serialize (object identity and the like).
-        The dropped ones on the state of the inputs, not on the code, go to `state_guards` (see `aot_key.py`).
+        functions can't be pickled by name), or that torch can't serialize (object identity and the like, and the
+        type of an object whose type is local: `torch_api.guard_can_be_saved`). The dropped ones on the state of the inputs, not on the code, go to `state_guards` (see `aot_key.py`).
         """
         unsupported = torch_api.unserializable_guard_types()
         freevars = set(type(self.model).forward.__code__.co_freevars)
         keep = []
         for entry in entries:
             on_code = is_on_code(entry.name, entry.is_global, freevars)
-            serializable = entry.guard_type not in unsupported and not unsupported.intersection(
-                entry.derived_guard_types
-            )
+            serializable = torch_api.guard_can_be_saved(entry, unsupported)
             keep.append(serializable and not on_code)
             if not serializable and not on_code:
                 state_guards.append(entry.name)
@@ -268,7 +266,8 @@ def _no_forward() -> None:
 def model_fingerprint(model) -> str:
     """
     What a compiled graph of `model` depends on besides the code: class, config, parameters, dtypes, device, and the
-    functions set on its modules' instances (`aot_key.module_functions`: tensor parallelism's).
+    functions and helper objects set on its modules' instances (`aot_key.module_functions`: tensor parallelism's, hub
+    kernels' wrappers).
     """
     config = {k: v for k, v in model.config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
     tensors = [

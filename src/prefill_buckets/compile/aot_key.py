@@ -19,8 +19,10 @@ A call is dispatched to the graphs of its key first, then to one whose saved gua
 each new graph: a dropped guard on a state the key doesn't name means that the graph can't be told apart from another
 one's, and `AOTForward` runs the calls of that key eagerly (with a warning) rather than reuse or save it.
 
-Functions set on the model's modules when it is built (tensor parallelism sets `forward` on each sharded layer) are
-part of the model: its fingerprint names them (`module_functions`), and the audit counts guards on them as covered.
+Functions set on the model's modules when it is built (tensor parallelism sets `forward` on each sharded layer), and
+objects of a local type they hold (from transformers 5.25, with `kernels`, each attention module's wrappers of its
+functions, `_kernel_funcs`, whose type torch can't save a guard on), are part of the model: its fingerprint names them
+(`module_functions`), and the audit counts guards on them as covered.
 
 What the package sets on instances while a bucketed call runs, and how each is covered (torch 2.13, transformers
 5.24; the conversations of `test_aot_compiled.py`, right- and left-padded, check that no guard is uncovered):
@@ -47,6 +49,7 @@ import types
 import torch
 
 from ..kvcache.windows import has_windows, windows_read
+from ..upstream import torch_api
 
 
 # Where a name of a guard is on the code, not on the state of an input (torch's guard names are Python expressions):
@@ -133,7 +136,10 @@ def module_functions(model) -> tuple:
     """
     `(module path, attribute, code)` of each function set on the instance of one of `model`'s modules (the model's own
     `forward` excepted): tensor parallelism sets `forward` on every sharded layer, a closure over its mesh and plan.
-    Part of the model's fingerprint: the same class, config and parallel plan set the same closures.
+    And of each object of a local type (defined in a function, `torch_api.is_local_type`) such an instance holds, by
+    itself or in a dict: from transformers 5.25, with `kernels`, each attention module's `__init__` gives it wrappers
+    of its functions (`_kernel_funcs`), which the forward reads, and whose type torch can't save a guard on. Part of
+    the model's fingerprint: the same class, config and parallel plan set the same closures and wrappers.
     """
     found = []
     for path, module in model.named_modules():
@@ -142,7 +148,28 @@ def module_functions(model) -> tuple:
                 function = getattr(member, "__func__", member)
                 code = f"{getattr(function, '__module__', None)}:{getattr(function, '__qualname__', type(function))}"
                 found.append((path, attribute, code))
+            elif attribute not in _MODULE_DICTS:
+                held = member.items() if isinstance(member, dict) else ((None, member),)
+                for key, value in held:
+                    if torch_api.is_local_type(type(value)):
+                        found.append((path, attribute, _local_object(key, value)))
     return tuple(found)
+
+
+# A module's own dicts of what it registers (its submodules, parameters, buffers): not helpers set on it.
+_MODULE_DICTS = ("_modules", "_parameters", "_buffers")
+
+
+def _local_object(key, value) -> str:
+    """An object of a local type, in the fingerprint: its key in the dict holding it, its type, and what it sets on
+    itself (`kernels.kernelize` sets the `forward` of the kernel it picks)."""
+    own = sorted(
+        f"{name}={qualified_name(getattr(f, '__func__', f))}"
+        for name, f in getattr(value, "__dict__", {}).items()
+        if callable(f)
+    )
+    cls = type(value)
+    return f"{'' if key is None else f'[{key!r}] '}{cls.__module__}:{cls.__qualname__}({', '.join(own)})"
 
 
 def is_on_code(guard_name: str, is_global: bool, closure_names: set[str]) -> bool:

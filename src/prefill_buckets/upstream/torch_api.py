@@ -261,6 +261,28 @@ def unserializable_guard_types() -> set[str]:
     return set(CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES)
 
 
+# The guards that check an object's type, which torch saves by the type's qualified name (`TYPE_MATCH` in
+# `torch._dynamo.guards`): it raises a `TypeError` on saving one whose type is defined in a function or a class.
+_TYPE_GUARDS = ("TYPE_MATCH", "BUILTIN_MATCH", "FAKE_SCRIPT_TYPE_MATCH")
+
+
+def guard_can_be_saved(entry, unserializable: set[str]) -> bool:
+    """
+    Whether torch can save a guard (an entry of a `guard_filter_fn`) with an ahead-of-time compiled function: none of
+    the `unserializable` kinds (`unserializable_guard_types`), nor a check of the type of an object whose type is
+    defined in a function or a class (transformers from 5.25, with `kernels`, gives each attention module such wrappers,
+    `_kernel_funcs`).
+    """
+    if entry.guard_type in unserializable or unserializable.intersection(entry.derived_guard_types):
+        return False
+    return not (entry.guard_type in _TYPE_GUARDS and entry.has_value and is_local_type(type(entry.value)))
+
+
+def is_local_type(cls: type) -> bool:
+    """Whether `cls` is defined in a function or a class: torch can't save a guard on it by its name."""
+    return cls.__qualname__ != cls.__name__
+
+
 def serialize_compiled(function, external_data: dict) -> bytes:
     """The bytes `torch.compiler.load_compiled_function` reads back."""
     return type(function).serialize(function, external_data).serialized_data
