@@ -22,10 +22,10 @@ comma := ,
 pin = $(or $(shell sed -n 's/^$(1)==\([^ #]*\).*/\1/p' $(2)),$(error $(2) pins no $(1)))
 
 # The ends of the tested ranges each get an environment: the oldest torch and transformers setup.py claims
-# (constraints/oldest.txt, the GPU machine's pair too) and the newest torch on the index (constraints/newest.txt).
+# (constraints/oldest.txt, the GPU machine's pair too) and the newest torch and transformers (constraints/newest.txt).
 # Both run the tests that check generate's output and compiled graphs against upstream (RANGE_TESTS); the oldest also
-# the robustness and architecture-sample tests, which follow transformers' version (newest's is .venv's); .venv runs
-# them all.
+# the robustness and architecture-sample tests, which follow transformers' version; .venv (the transformers before the
+# newest) runs them all.
 OLDEST_VENV := .venv-oldest
 OLDEST_PYTHON := $(OLDEST_VENV)/bin/python
 OLDEST_CONSTRAINTS := constraints/oldest.txt

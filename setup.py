@@ -68,7 +68,7 @@ setup(
     python_requires=">=3.10.0",
     install_requires=[
         # The lower bounds are the oldest versions CI tests (constraints/oldest.txt); the newest tested are
-        # constraints/dev.txt's transformers and constraints/newest.txt's torch (`TESTED_TRANSFORMERS` and
+        # constraints/newest.txt's (`TESTED_TRANSFORMERS` and
         # `TESTED_TORCH` in `prefill_buckets/upstream/versions.py`). No upper bounds: pip would downgrade a newer
         # release (for torch, a multi-GB download); `upstream.gate.check_upstream` checks a version outside the tested
         # range at run time and self-tests it.
