@@ -35,12 +35,11 @@ from ..config import (
     PREFILL_PADDING_SIDE,
 )
 from ..kvcache.sizing import room_reason
-from ..upstream import transformers_api
 from ..upstream.transformers_api import forward_takes
-from .padding_side import PaddingSide, RuleFacts, is_dynamic, rule_side
+from .padding_side import PaddingSide, RuleFacts, rule_side
 from .plan import PER_TOKEN_KWARGS
 from .resolved import CallSettings, ResolvedCall
-from .side_assumptions import side_assumption_broken, window_from_the_cache_end
+from .side_assumptions import side_assumption_broken, window_reason
 
 
 logger = logging.get_logger(__name__)
@@ -54,41 +53,6 @@ class Unsupported:
     applies: Callable[[RuleFacts], object]  # truthy when the case applies: what it returns is `why` below
     reason: str  # what the call says: `reason.format(call=facts, why=what applies returned)`
     error: bool = False  # a `ValueError`: nothing upstream runs would be what the user asked for
-
-
-def _window_reason(call: RuleFacts) -> str | None:
-    """
-    Why the call must run unpadded for a model whose local window counts from the cache's end (GPT-Neo), or `None`.
-    Upstream's tokens depend on its static cache's length once that is longer than the window; padding shifts the
-    prompt in the cache and bucketing sizes the cache another way, so only a cache no longer than the window (both
-    calls' local layers then attend to every token before the query) is padded.
-    """
-    window = window_from_the_cache_end(call.model)
-    if window is None or not call.settings.use_cache:
-        return None
-    if call.cache is not None:
-        if not transformers_api.is_static_cache(call.cache):
-            return None
-        slots, whose = call.cache_slots, "the cache passed in has"
-    elif is_dynamic(call.settings.cache_implementation):
-        return None
-    elif call.settings.max_cache_len is not None:
-        slots, whose = call.settings.max_cache_len, "`max_cache_len` is"
-    else:
-        # Sized by the package: the model's cache when the call fits it, else at most the model's positions (or
-        # what the call needs, when that is more).
-        needed = call.bucket + call.settings.new_tokens(call.prompt_length)
-        previous = transformers_api.previous_max_cache_length(call.model)
-        slots = previous if previous >= needed else max(needed, call.settings.max_positions or needed + window)
-        whose = "a bucketed call's static cache can have"
-    if slots <= window:
-        return None
-    return (
-        f"`{call.model_name}`'s local attention layers place their window of {window} tokens from the end of the "
-        f"static cache, not from each token, so upstream's tokens depend on the cache's length once it is longer "
-        f"than the window, and {whose} {slots} slots: a padded prompt in a bucketed cache would get other tokens. "
-        "Pin `max_cache_len` to at most the window to bucket, or use a dynamic cache"
-    )
 
 
 def _guidance_compiled(call: RuleFacts) -> str | None:
@@ -153,7 +117,7 @@ UNSUPPORTED = (
     ),
     Unsupported(
         "local attention windows counted from the cache's end (GPT-Neo), in a cache longer than the window",
-        _window_reason,
+        window_reason,
         "{why}",
     ),
 )

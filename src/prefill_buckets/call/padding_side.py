@@ -116,12 +116,6 @@ class RuleFacts:
         )
 
 
-def is_dynamic(implementation) -> bool:
-    return implementation not in transformers_api.ALL_STATIC_CACHE_IMPLEMENTATIONS or "offloaded" in str(
-        implementation
-    )
-
-
 @dataclass(frozen=True)
 class Case:
     """One case of the rule: a call for which `condition` holds is padded on `side`, and says `reason`."""
@@ -217,7 +211,7 @@ RULE = (
         "a dynamic cache (or an offloaded one) for `generate` to make",
         "left",
         "not compiled: there is no graph to share",
-        lambda call: call.cache is None and is_dynamic(call.settings.cache_implementation),
+        lambda call: call.cache is None and transformers_api.is_dynamic(call.settings.cache_implementation),
         "the cache is not a static cache (a dynamic cache is not compiled: no graph to share)",
     ),
     Case(

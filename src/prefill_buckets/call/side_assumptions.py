@@ -3,11 +3,15 @@
 Right padding needs causal attention and positions that don't come from the mask; left padding a model that takes
 its positions from `position_ids` or the mask, and passes the mask on. `decision.choose_side` asks
 `side_assumption_broken` before its rule (right) and after it (left): where neither side holds, the call runs unpadded.
+
+One assumption depends on the call's cache as well: a local window counted from the cache's end (GPT-Neo) gives other
+tokens in a cache longer than the window, on either side (`window_reason`, a case of `decision.UNSUPPORTED`).
 """
 
 import torch
 
 from ..state import state_of
+from ..upstream import transformers_api
 from ..upstream.transformers_api import forward_takes, max_positions
 
 
@@ -64,6 +68,42 @@ def window_from_the_cache_end(model) -> int | None:
     window = getattr(model.config, field, None)
     layers = getattr(model.config, "attention_layers", None) or ()
     return window if isinstance(window, int) and "local" in layers else None
+
+
+def window_reason(call) -> str | None:
+    """
+    Why a call (`padding_side.RuleFacts`) must run unpadded for a model whose local window counts from the cache's end
+    (GPT-Neo), or `None`: the case of `decision.UNSUPPORTED` for it.
+    Upstream's tokens depend on its static cache's length once that is longer than the window; padding shifts the
+    prompt in the cache and bucketing sizes the cache another way, so only a cache no longer than the window (both
+    calls' local layers then attend to every token before the query) is padded.
+    """
+    window = window_from_the_cache_end(call.model)
+    if window is None or not call.settings.use_cache:
+        return None
+    if call.cache is not None:
+        if not transformers_api.is_static_cache(call.cache):
+            return None
+        slots, whose = call.cache_slots, "the cache passed in has"
+    elif transformers_api.is_dynamic(call.settings.cache_implementation):
+        return None
+    elif call.settings.max_cache_len is not None:
+        slots, whose = call.settings.max_cache_len, "`max_cache_len` is"
+    else:
+        # Sized by the package: the model's cache when the call fits it, else at most the model's positions (or
+        # what the call needs, when that is more).
+        needed = call.bucket + call.settings.new_tokens(call.prompt_length)
+        previous = transformers_api.previous_max_cache_length(call.model)
+        slots = previous if previous >= needed else max(needed, call.settings.max_positions or needed + window)
+        whose = "a bucketed call's static cache can have"
+    if slots <= window:
+        return None
+    return (
+        f"`{call.model_name}`'s local attention layers place their window of {window} tokens from the end of the "
+        f"static cache, not from each token, so upstream's tokens depend on the cache's length once it is longer "
+        f"than the window, and {whose} {slots} slots: a padded prompt in a bucketed cache would get other tokens. "
+        "Pin `max_cache_len` to at most the window to bucket, or use a dynamic cache"
+    )
 
 
 def _ignores_the_mask(model) -> bool:
