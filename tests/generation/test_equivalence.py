@@ -15,6 +15,8 @@ from transformers import (
     GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
+    MambaConfig,
+    MambaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
     Phi3Config,
@@ -962,6 +964,45 @@ class LongPromptWarningTest(unittest.TestCase):
         with CaptureLogger(package_logger) as captured:
             prefill_buckets.generate(model, random_ids(1, 60), max_new_tokens=2, prefill_buckets=[8, 16, 32, 64])
         self.assertEqual(captured.out, "")
+
+
+class RecurrentCacheTest(unittest.TestCase):
+    """A conversation on a model whose cache holds only recurrent layers (Mamba): a later turn runs unpadded, exact."""
+
+    def test_a_later_turn_runs_upstreams_call(self):
+        # From transformers 5.25 such a cache tells how many tokens it holds, and a later turn of a conversation a
+        # bucketed call started was lined up with its padding: the forward raised a size mismatch. It holds a state and
+        # no keys: the turn runs unpadded, as it did where the cache could not tell its length.
+        config = MambaConfig(
+            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, state_size=8, expand=2, conv_kernel=4,
+            pad_token_id=PAD, eos_token_id=EOS, bos_token_id=BOS,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        model = MambaForCausalLM(config).eval()
+        config = GenerationConfig(do_sample=False, max_new_tokens=4, min_new_tokens=4, return_dict_in_generate=True)
+        prompt, reply = random_ids(1, 6), random_ids(1, 3, seed=1)
+        for first_fields in ({}, {"prefill_buckets": [16]}):
+            with self.subTest(first_fields=first_fields):
+                first = model.generate(prompt, generation_config=config)
+                expected = model.generate(
+                    torch.cat([first.sequences, reply], dim=1),
+                    generation_config=config,
+                    **{CACHE: getattr(first, CACHE)},
+                )
+                ours = prefill_buckets.generate(model, prompt, generation_config=config, **first_fields)
+                self.assertEqual(ours.sequences.tolist(), first.sequences.tolist())
+                package_logger.warning_once.cache_clear()  # each subtest's reason is logged again
+                with CaptureLogger(package_logger) as captured:
+                    turn = prefill_buckets.generate(
+                        model,
+                        torch.cat([ours.sequences, reply], dim=1),
+                        generation_config=config,
+                        prefill_buckets=[16],
+                        **{CACHE: getattr(ours, CACHE)},
+                    )
+                self.assertEqual(turn.sequences.tolist(), expected.sequences.tolist())
+                if first_fields:  # the turn that continues a bucketed call's cache says why it is not padded
+                    self.assertIn("only recurrent (linear-attention) layers", captured.out)
 
 
 class EncoderDecoderTest(unittest.TestCase):

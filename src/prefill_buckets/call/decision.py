@@ -98,9 +98,10 @@ UNSUPPORTED = (
     ),
     Unsupported(
         "a cache of recurrent layers only",
-        lambda call: call.passed.tokens is None,
-        "the cache passed in has only recurrent (linear-attention) layers, which don't tell how many tokens they "
-        "hold, so the prompt can't be lined up with them. Let `generate` create the cache",
+        lambda call: call.passed.tokens is None or call.passed.recurrent_only,
+        "the cache passed in has only recurrent (linear-attention) layers, which hold a state and no keys (before "
+        "transformers 5.25 not even how many tokens they hold), so the prompt can't be lined up with them. Let "
+        "`generate` create the cache",
     ),
     Unsupported(
         "a forward without `attention_mask`",

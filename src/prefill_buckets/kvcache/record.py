@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..upstream.transformers_api import cache_argument, cache_rows, cache_seq_length
+from ..upstream.transformers_api import cache_argument, cache_rows, cache_seq_length, holds_only_recurrent_layers
 
 
 # Where a bucketed call leaves its `CacheRecord` on the cache it filled.
@@ -83,6 +83,11 @@ class PassedCache:
     def tokens(self) -> int | None:
         """The tokens the cache holds (`cache_seq_length`; `None`: it can't tell); 0 when no cache is passed."""
         return cache_seq_length(self.cache) if self.cache is not None else 0
+
+    @cached_property
+    def recurrent_only(self) -> bool:
+        """Whether every layer of the cache is recurrent (`holds_only_recurrent_layers`); `False` when none is passed."""
+        return self.cache is not None and holds_only_recurrent_layers(self.cache)
 
     @cached_property
     def rows(self) -> int | None:

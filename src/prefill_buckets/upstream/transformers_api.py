@@ -145,6 +145,12 @@ def cache_rows(cache) -> int | None:
     return None
 
 
+def holds_only_recurrent_layers(cache) -> bool:
+    """Whether every layer of `cache` is recurrent (linear attention: Mamba's cache), holding a state and no keys."""
+    is_linear = getattr(cache, "is_linear", None)
+    return bool(is_linear) and all(is_linear)
+
+
 def is_static_cache(cache) -> bool:
     return type(cache).__name__ == "StaticCache"
 
