@@ -969,6 +969,9 @@ class LongPromptWarningTest(unittest.TestCase):
 class RecurrentCacheTest(unittest.TestCase):
     """A conversation on a model whose cache holds only recurrent layers (Mamba): a later turn runs unpadded, exact."""
 
+    # Before 5.24 upstream's own later turn of a Mamba conversation refuses the cache it returned (`past_key_values` is
+    # "not used by the model"); the case this pins comes with 5.25.
+    @unittest.skipIf(CACHE != "cache", "transformers < 5.24 continues no Mamba conversation itself")
     def test_a_later_turn_runs_upstreams_call(self):
         # From transformers 5.25 such a cache tells how many tokens it holds, and a later turn of a conversation a
         # bucketed call started was lined up with its padding: the forward raised a size mismatch. It holds a state and
@@ -981,6 +984,7 @@ class RecurrentCacheTest(unittest.TestCase):
         model = MambaForCausalLM(config).eval()
         config = GenerationConfig(do_sample=False, max_new_tokens=4, min_new_tokens=4, return_dict_in_generate=True)
         prompt, reply = random_ids(1, 6), random_ids(1, 3, seed=1)
+        cache_keyword = CACHE
         for first_fields in ({}, {"prefill_buckets": [16]}):
             with self.subTest(first_fields=first_fields):
                 first = model.generate(prompt, generation_config=config)
@@ -998,7 +1002,7 @@ class RecurrentCacheTest(unittest.TestCase):
                         torch.cat([ours.sequences, reply], dim=1),
                         generation_config=config,
                         prefill_buckets=[16],
-                        **{CACHE: getattr(ours, CACHE)},
+                        **{cache_keyword: getattr(ours, CACHE)},
                     )
                 self.assertEqual(turn.sequences.tolist(), expected.sequences.tolist())
                 if first_fields:  # the turn that continues a bucketed call's cache says why it is not padded
