@@ -155,7 +155,8 @@ class AOTForward(AheadOfTimeForward):
         """
         The guards a saved graph keeps: none on globals, on the wrapper closures of the model's `forward` (their
         functions can't be pickled by name), or that torch can't serialize (object identity and the like, and the
-        type of an object whose type is local: `torch_api.guard_can_be_saved`). The dropped ones on the state of the inputs, not on the code, go to `state_guards` (see `aot_key.py`).
+        type of an object whose type is local: `torch_api.guard_can_be_saved`). The dropped ones on the state of the
+        inputs, not on the code, go to `state_guards` (see `aot_key.py`).
         """
         unsupported = torch_api.unserializable_guard_types()
         freevars = set(type(self.model).forward.__code__.co_freevars)
