@@ -10,9 +10,11 @@ import torch
 from transformers import StaticCache
 
 import prefill_buckets
+from prefill_buckets import GraphCounter
 from prefill_buckets.call import hooks, prefill_right
+from prefill_buckets.compile import compiled_calls
 from prefill_buckets.kvcache import record as cache_record_module
-from prefill_buckets.upstream import transformers_api
+from prefill_buckets.upstream import torch_api, transformers_api
 
 from .tiny_models import CACHE, single_thread_module, static_config, tiny_llama
 
@@ -154,6 +156,54 @@ class CallWorkTest(unittest.TestCase):
                 self.assertEqual(counts[64, 2], counts[64, 12], counts)
                 if side == "right":  # the left-padded call passes a mask, whose length says it
                     self.assertGreater(counts[512, 12], counts[512, 2], counts)
+
+
+class CompiledCallWorkTest(unittest.TestCase):
+    """A warm compiled call (nothing compiles): what it asks torch, counted against a forward with graph breaks."""
+
+    def setUp(self):
+        torch._dynamo.reset()
+        self.addCleanup(torch._dynamo.reset)
+
+    def warm_call(self, fullgraph: bool, counted: tuple):
+        """Compiles a tiny Llama, calls it once, and counts `counted` (`(owner, name)`) during a second call."""
+        model, counter = tiny_llama(), GraphCounter()
+        model.compile(backend=counter, dynamic=False, fullgraph=fullgraph)
+        call = lambda: prefill_buckets.generate(  # noqa: E731
+            model, prompt(5), generation_config=static_config(3), prefill_buckets=[16]
+        )
+        expected = call()
+        graphs, runs = counter.graphs, counter.calls
+        with Counter(*counted) as counts:
+            self.assertTrue(torch.equal(call(), expected))
+        self.assertEqual((counter.graphs, counter.calls - runs), (graphs, 3), "compiled, and nothing compiled again")
+        return counts.calls
+
+    def test_the_forward_graphs_are_counted_once(self):
+        # Before the call, for the recompile limit. After it, where dynamo compiled nothing since and the forward has
+        # no graph breaks, they are as many (each graph one entry): not counted again. With graph breaks, frames may
+        # have added entries that compiled nothing, so they are.
+        self.assertEqual(self.warm_call(True, (torch_api, "forward_graphs")), 1)
+        self.assertEqual(self.warm_call(False, (torch_api, "forward_graphs")), 2)
+
+    def test_a_forward_without_graph_breaks_reads_no_input_signature(self):
+        # The eager fallback tells shapes apart once one has failed to compile: with `fullgraph=True` a failed compile
+        # has run nothing, so until then there is nothing to look up. With graph breaks it records each new shape.
+        self.assertEqual(self.warm_call(True, (compiled_calls, "_signature")), 0)
+        self.assertEqual(self.warm_call(False, (compiled_calls, "_signature")), 3)  # each forward
+
+    def test_torch_global_state_is_read_when_it_changes(self):
+        # Every graph is guarded on it, and every call's graphs are accounted with it: read anew only when dynamo's
+        # guard says it changed (as another thread count does).
+        self.assertEqual(self.warm_call(True, (torch_api, "_remember_global_state")), 0)
+        threads = torch.get_num_threads()
+        self.addCleanup(torch.set_num_threads, threads)
+        first = torch_api.global_state()
+        torch.set_num_threads(2 if threads == 1 else 1)
+        with Counter(torch_api, "_remember_global_state") as reads:
+            self.assertNotEqual(torch_api.global_state(), first)
+            torch_api.global_state()
+        self.assertEqual(reads.calls, 1)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 
 import ast
 import contextlib
+import inspect
 import re
 import threading
 import time
@@ -12,8 +13,9 @@ from pathlib import Path
 from unittest import mock
 
 import torch
+import transformers
 from packaging.version import Version
-from transformers import GenerationConfig, LlamaForCausalLM
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 from transformers.generation.streamers import BaseStreamer
 from transformers.testing_utils import CaptureLogger
 from transformers.utils import logging
@@ -23,7 +25,7 @@ from prefill_buckets import GraphCounter, upstream
 from prefill_buckets.call import support
 from prefill_buckets.state import PROCESS, SELF_TEST_PENDING
 from prefill_buckets.testing_utils import as_new_process
-from prefill_buckets.upstream import checks, gate, versions
+from prefill_buckets.upstream import checks, gate, transformers_api, versions
 from prefill_buckets.upstream.selftest import self_test
 
 from .tiny_models import tiny_llama, tiny_llama_config
@@ -360,6 +362,33 @@ def _private_torch_paths(tree: ast.AST) -> set[str]:
         if isinstance(node, ast.ImportFrom) and "._" in f".{node.module}":
             paths.update(f"{node.module}.{alias.name}" for alias in node.names)
     return paths
+
+
+class TextConfigTest(unittest.TestCase):
+    def test_only_configs_that_may_nest_one_ask_for_their_text_config(self):
+        # `max_positions` reads the text config, and asks `get_text_config()` (slow: each name it looks under goes
+        # through the config's attribute hooks) only of configs that may nest one: for every config class of
+        # transformers, one that doesn't is its own text config.
+        checked = 0
+        for name in dir(transformers):
+            config_class = getattr(transformers, name, None)
+            if not (inspect.isclass(config_class) and issubclass(config_class, transformers.PretrainedConfig)):
+                continue
+            try:
+                config = config_class()
+            except Exception:  # noqa: BLE001 (a config that needs arguments)
+                continue
+            checked += 1
+            if not transformers_api._may_nest_a_text_config(config):
+                self.assertIs(config.get_text_config(), config, name)
+        self.assertGreater(checked, 100)
+
+    def test_a_text_config_set_on_the_instance_is_read(self):
+        config = LlamaConfig(max_position_embeddings=512)
+        model = types.SimpleNamespace(config=config)
+        self.assertEqual(transformers_api.max_positions(model), 512)
+        config.text_config = LlamaConfig(max_position_embeddings=77)
+        self.assertEqual(transformers_api.max_positions(model), 77)
 
 
 class TorchVersionTest(unittest.TestCase):

@@ -123,7 +123,7 @@ def _prepare_cache_for_generation(plan, step):
     if creates_static and plan.run.compiled and cache is not None:
         early_initialize(plan.model, cache, rows)
     # What prefill runs on: the padded prompt, or, continuing from a cache, the tokens it lacks (`None`: none kept).
-    cached_tokens = (transformers_api.cache_seq_length(cache) or 0) if cache is not None else 0
+    cached_tokens = (transformers_api.cache_seq_length(cache) or 0) if cache is not None and not creates_static else 0
     prefill = plan.right.bucket if plan.right is not None else plan.padded_length - cached_tokens
     _prefill_through_compiled_call(plan, generation_config, prefill)
     if plan.run.compiled:

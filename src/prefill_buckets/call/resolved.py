@@ -222,20 +222,23 @@ def _bind(model, args: tuple, kwargs: dict) -> tuple[dict, dict]:
 _MISSING = object()
 
 
-def resolve(name: str, kwargs: dict, generation_config: GenerationConfig | None, model) -> Any:
-    """The value of one generation field for a call (see the module docstring for the priority)."""
-    value = kwargs.get(name, _MISSING)
-    if value is not _MISSING:
-        return value
-    value = getattr(generation_config, name, None) if generation_config is not None else None
-    if value is None:
-        value = getattr(getattr(model, "generation_config", None), name, None)
-    return value
+def resolve(names: tuple[str, ...], kwargs: dict, generation_config: GenerationConfig | None, model) -> dict:
+    """The values of generation fields for a call, by name (see the module docstring for the priority)."""
+    model_config = getattr(model, "generation_config", None)
+    values = {}
+    for name in names:
+        value = kwargs.get(name, _MISSING)
+        if value is _MISSING:
+            value = getattr(generation_config, name, None) if generation_config is not None else None
+            if value is None:
+                value = getattr(model_config, name, None)
+        values[name] = value
+    return values
 
 
 def resolve_fields(model, generation_config: GenerationConfig | None, field_kwargs: dict) -> dict[str, Any]:
     """The bucket fields' values for one call, by name."""
-    return {field: resolve(field, field_kwargs, generation_config, model) for field in FIELDS}
+    return resolve(FIELDS, field_kwargs, generation_config, model)
 
 
 def bucketing_of(fields: dict[str, Any]) -> tuple[BucketPolicy | None, BucketPolicy | None, str]:
@@ -288,6 +291,8 @@ def _token_ids(value) -> tuple[int, ...]:
     """A special token id, list of ids or tensor of ids, as a tuple of plain ints (empty when unset)."""
     if value is None:
         return ()
+    if type(value) is int:
+        return (value,)
     if isinstance(value, torch.Tensor):
         value = value.flatten().tolist()
     if isinstance(value, (list, tuple)):
@@ -295,43 +300,62 @@ def _token_ids(value) -> tuple[int, ...]:
     return (int(value),)
 
 
+# The generation fields a call's settings read (`resolve_settings`), resolved in one pass.
+_GENERATION_FIELDS = (
+    "pad_token_id",
+    "bos_token_id",
+    "eos_token_id",
+    "num_beams",
+    "num_return_sequences",
+    "cache_implementation",
+    "stop_strings",
+    "prefill_chunk_size",
+    "max_cache_len",
+    "use_cache",
+    "output_hidden_states",
+    "output_attentions",
+    "prompt_lookup_num_tokens",
+    "assistant_early_exit",
+    "use_mtp",
+    "max_new_tokens",
+    "max_length",
+    "guidance_scale",
+)
+
+
 def resolve_settings(
     model, generation_config: GenerationConfig | None, field_kwargs: dict, model_kwargs: dict
 ) -> CallSettings:
     """Resolves everything a call's padding depends on, once. Raises `ValueError` for an invalid bucket field."""
-    fields = resolve_fields(model, generation_config, field_kwargs)
-
-    def value(name):
-        return resolve(name, model_kwargs, generation_config, model)
-
-    policy, batch_policy, padding_side = bucketing_of(fields)
-    pad_token_ids = _token_ids(value("pad_token_id"))
-    bos_token_ids = _token_ids(value("bos_token_id"))
+    policy, batch_policy, padding_side = bucketing_of(resolve_fields(model, generation_config, field_kwargs))
+    value = resolve(_GENERATION_FIELDS, model_kwargs, generation_config, model)
+    pad_token_ids = _token_ids(value["pad_token_id"])
+    bos_token_ids = _token_ids(value["bos_token_id"])
     return CallSettings(
         policy=policy,
         batch_policy=batch_policy,
         pad_token_id=pad_token_ids[0] if pad_token_ids else None,
-        eos_token_ids=_token_ids(value("eos_token_id")),
+        eos_token_ids=_token_ids(value["eos_token_id"]),
         bos_token_id=bos_token_ids[0] if bos_token_ids else None,
-        num_beams=value("num_beams") or 1,
-        num_return_sequences=value("num_return_sequences") or 1,
-        cache_implementation=value("cache_implementation"),
-        stop_strings=value("stop_strings"),
+        num_beams=value["num_beams"] or 1,
+        num_return_sequences=value["num_return_sequences"] or 1,
+        cache_implementation=value["cache_implementation"],
+        stop_strings=value["stop_strings"],
         vocab_size=vocabulary_size(model),
         max_positions=max_positions(model),
         padding_side=padding_side,
-        prefill_chunk_size=value("prefill_chunk_size"),
-        max_cache_len=value("max_cache_len"),
-        use_cache=value("use_cache") is not False,
-        output_hidden_states=bool(value("output_hidden_states")),
-        output_attentions=bool(value("output_attentions")),
-        prompt_lookup_num_tokens=value("prompt_lookup_num_tokens"),
-        assistant_early_exit=value("assistant_early_exit"),
-        use_mtp=bool(value("use_mtp")),
-        max_new_tokens=value("max_new_tokens"),
-        max_length=value("max_length"),
+        prefill_chunk_size=value["prefill_chunk_size"],
+        max_cache_len=value["max_cache_len"],
+        use_cache=value["use_cache"] is not False,
+        output_hidden_states=bool(value["output_hidden_states"]),
+        output_attentions=bool(value["output_attentions"]),
+        prompt_lookup_num_tokens=value["prompt_lookup_num_tokens"],
+        assistant_early_exit=value["assistant_early_exit"],
+        use_mtp=bool(value["use_mtp"]),
+        max_new_tokens=value["max_new_tokens"],
+        max_length=value["max_length"],
         config_pad_token_id=next(iter(_token_ids(getattr(model.config, "pad_token_id", None))), None),
-        guidance_scale=value("guidance_scale"),
+        guidance_scale=value["guidance_scale"],
     )
 
 

@@ -154,8 +154,9 @@ class EagerFallback:
 
     Re-running is only exact if the failed attempt changed nothing. It compiles before it runs, unless the forward
     has graph breaks: then the part before the failing graph has already run, and may have written into the cache.
-    On a shape's first call the cache's counters are recorded, and if the failed attempt moved them the error is
-    raised (with a note) instead of running the forward twice.
+    Compiled with `fullgraph=True` it has none, and the shapes are told apart only once one has failed. Otherwise, on
+    a shape's first call the cache's counters are recorded, and if the failed attempt moved them the error is raised
+    (with a note) instead of running the forward twice.
     """
 
     def __init__(self, model, compiled: Callable, eager: Callable):
@@ -169,8 +170,15 @@ class EagerFallback:
         self.state = _fallback_shapes(model, compiled)
 
     def __call__(self, *args, **kwargs):
-        signature = _signature(args, kwargs)
         state = self.state
+        if state["fullgraph"] and not state["eager"]:
+            # One graph per shape, compiled before it runs: a compile that fails has run nothing, so no shape needs
+            # telling apart until one has failed.
+            try:
+                return self.compiled(*args, **kwargs)
+            except torch_api.BackendCompilerFailed as error:
+                return self._fall_back(error, _signature(args, kwargs), args, kwargs)
+        signature = _signature(args, kwargs)
         if signature in state["eager"]:
             return self.eager(*args, **kwargs)
         cache = before = None
@@ -187,20 +195,24 @@ class EagerFallback:
                     "graph that failed). Compile with `fullgraph=True` to fall back safely, or fix the backend error."
                 )
                 raise
-            state["eager"].add(signature)
-            model_state = state_of(self.model)
-            if not model_state.fallback_warned:
-                model_state.fallback_warned = True
-                shapes = ", ".join(f"{name} {list(shape)}" for name, shape, _ in signature)
-                logger.warning(
-                    f"Compiling the forward failed in the backend ({error.backend_name!r} raised "
-                    f"{type(error.inner_exception).__name__}: {error.inner_exception}). The forward runs eagerly for "
-                    f"these input shapes ({shapes}), with the same outputs; the other shapes stay compiled. Fix the "
-                    "backend error to compile them (TORCHDYNAMO_VERBOSE=1 shows where it happens)."
-                )
-            return self.eager(*args, **kwargs)
+            return self._fall_back(error, signature, args, kwargs)
         state["compiled"].add(signature)
         return output
+
+    def _fall_back(self, error, signature: tuple, args, kwargs):
+        """Runs a forward whose compile failed eagerly, as every later one of its shape (`signature`) will."""
+        self.state["eager"].add(signature)
+        model_state = state_of(self.model)
+        if not model_state.fallback_warned:
+            model_state.fallback_warned = True
+            shapes = ", ".join(f"{name} {list(shape)}" for name, shape, _ in signature)
+            logger.warning(
+                f"Compiling the forward failed in the backend ({error.backend_name!r} raised "
+                f"{type(error.inner_exception).__name__}: {error.inner_exception}). The forward runs eagerly for "
+                f"these input shapes ({shapes}), with the same outputs; the other shapes stay compiled. Fix the "
+                "backend error to compile them (TORCHDYNAMO_VERBOSE=1 shows where it happens)."
+            )
+        return self.eager(*args, **kwargs)
 
 
 def install_fallbacks(model) -> dict:
@@ -229,19 +241,33 @@ def remove_fallbacks(model, replaced: dict) -> None:
 
 
 def _fallback_shapes(model, compiled) -> dict:
-    """The shapes a compiled callable of `model` has run compiled, and those that run eagerly; kept across calls."""
+    """
+    The shapes a compiled callable of `model` has run compiled, and those that run eagerly, kept across calls; and
+    whether it was compiled with `fullgraph=True` (read once).
+    """
     try:
-        return state_of(model).fallback_shapes.setdefault(compiled, {"compiled": set(), "eager": set()})
+        shapes = state_of(model).fallback_shapes.get(compiled)
+        if shapes is None:
+            shapes = state_of(model).fallback_shapes[compiled] = _new_fallback_shapes(compiled)
+        return shapes
     except TypeError:  # not weak-referenceable: per wrapper
-        return {"compiled": set(), "eager": set()}
+        return _new_fallback_shapes(compiled)
+
+
+def _new_fallback_shapes(compiled) -> dict:
+    return {"compiled": set(), "eager": set(), "fullgraph": torch_api.compiled_with_fullgraph(compiled)}
 
 
 def _signature(args, kwargs) -> tuple:
     """The shapes and dtypes of a call's tensor arguments, by position and name: what a new graph is compiled for."""
-    tensor = torch.Tensor
-    return tuple((i, v.shape, v.dtype) for i, v in enumerate(args) if isinstance(v, tensor)) + tuple(
-        (k, v.shape, v.dtype) for k, v in kwargs.items() if isinstance(v, tensor)
-    )
+    tensor, signature = torch.Tensor, []  # one loop: it runs before every forward of a bucketed call
+    for i, v in enumerate(args):
+        if isinstance(v, tensor):
+            signature.append((i, v.shape, v.dtype))
+    for k, v in kwargs.items():
+        if isinstance(v, tensor):
+            signature.append((k, v.shape, v.dtype))
+    return tuple(signature)
 
 
 _COUNTERS = ("cumulative_length", "cumulative_length_int", "indexer_cumulative_length")

@@ -44,7 +44,7 @@ from transformers.utils import logging
 from ..buckets import BucketPolicy, is_positive_int, round_up
 from ..config import PREFILL_BUCKETS
 from ..state import LOCK, state_of
-from ..upstream.torch_api import autocast_enabled, submodule
+from ..upstream.torch_api import autocast_enabled, submodule, zero_all
 from ..upstream.transformers_api import (
     holds_static_storage,
     initializing_without_storage,
@@ -227,12 +227,14 @@ def early_initialize(model, cache, rows: int) -> None:
         return
     with initializing_without_storage(cache.layers):
         cache.early_initialization(**arguments)
+    written = []  # what the last call wrote, zeroed: the cache holds what a new one would
     for layer, (keys, values, counter) in zip(cache.layers, kept.tensors):
-        keys[:, :, : kept.written].zero_()  # what the last call wrote: the cache holds what a new one would
-        values[:, :, : kept.written].zero_()
+        slots = min(kept.written, keys.shape[2])  # a sliding-window layer has fewer
+        written += [keys.narrow(2, 0, slots), values.narrow(2, 0, slots)]
         if counter is not None:
-            counter.zero_()
+            written.append(counter)
         set_layer_storage(layer, keys, values, counter)
+    zero_all(written)
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ read here).
 
 import contextlib
 import contextvars
+import functools
 import importlib
 
 import torch
@@ -62,11 +63,39 @@ def global_state() -> str:
     precision, threads, grad mode), as its guard reads it: another value compiles other graphs. `""` where torch
     can't say.
     """
-    guard = getattr(torch._C._dynamo.guards, "GlobalStateGuard", None)
+    guard_class = getattr(torch._C._dynamo.guards, "GlobalStateGuard", None)
+    if guard_class is None:
+        return ""
+    last_guard, last_state = _LAST_GLOBAL_STATE
     try:
-        return guard().__getstate__() if guard is not None else ""
+        if last_guard is not None and last_guard.check():  # unchanged since the last read: a tenth of reading it
+            return last_state
+        guard = guard_class()
+        state = guard.__getstate__()
     except Exception:  # a torch whose guard keeps its state to itself
         return ""
+    _remember_global_state(guard, state)
+    return state
+
+
+# The guard of the last global state read (which tells whether the state is still that one), and that state: a memo
+# of a read, as `functools.cache` keeps one (no call depends on what it holds).
+_LAST_GLOBAL_STATE: tuple = (None, "")
+
+
+def _remember_global_state(guard, state: str) -> None:
+    global _LAST_GLOBAL_STATE
+    _LAST_GLOBAL_STATE = (guard, state)
+
+
+def zero_all(tensors: list) -> None:
+    """Zeroes `tensors` in place, in one call where torch has `_foreach_zero_` (one op per tensor otherwise)."""
+    foreach_zero = getattr(torch, "_foreach_zero_", None)
+    if foreach_zero is not None:
+        foreach_zero(tensors)
+        return
+    for tensor in tensors:
+        tensor.zero_()
 
 
 def autocast_enabled() -> bool:
@@ -176,17 +205,39 @@ def forward_graphs(model) -> int:
     entries = getattr(torch._dynamo.eval_frame, "_debug_get_cache_entry_list", None)
     if entries is None:
         return 0
+    codes = _wrapped_codes(getattr(type(model), "forward", None))
     instance_forward = model.__dict__.get("forward")
-    candidates = (eager_callable(instance_forward), instance_forward, getattr(type(model), "forward", None))
-    codes = set()
-    for function in candidates:
-        function = getattr(function, "__func__", function)
-        while function is not None and len(codes) < 64:
-            code = getattr(function, "__code__", None)
-            if code is not None:
-                codes.add(code)
-            function = getattr(function, "__wrapped__", None)
+    if instance_forward is not None:  # `torch.compile(model.forward)`, or a forward set on the instance
+        codes = codes | _wrapped_codes(eager_callable(instance_forward), cached=False)
+        codes = codes | _wrapped_codes(instance_forward, cached=False)
     return max((len(entries(code)) for code in codes), default=0)
+
+
+def _wrapped_codes(function, cached: bool = True) -> frozenset:
+    """
+    The code objects of `function` and of the functions it wraps (`__wrapped__`, at most 64). A class's forward is
+    looked up once (`cached`: a bucketed call counts its graphs twice); a function set on an instance is not kept.
+    """
+    function = getattr(function, "__func__", function)
+    if function is None:
+        return frozenset()
+    if cached:
+        try:
+            return _class_function_codes(function)
+        except TypeError:  # not hashable
+            pass
+    codes = set()
+    while function is not None and len(codes) < 64:
+        code = getattr(function, "__code__", None)
+        if code is not None:
+            codes.add(code)
+        function = getattr(function, "__wrapped__", None)
+    return frozenset(codes)
+
+
+@functools.lru_cache(maxsize=256)
+def _class_function_codes(function) -> frozenset:
+    return _wrapped_codes(function, cached=False)
 
 
 def compiled_with_fullgraph(compiled) -> bool:

@@ -361,7 +361,27 @@ def vocabulary_size(model) -> int | None:
 
 def max_positions(model) -> int | None:
     """The model's `max_position_embeddings`, when its config states one."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config = model.config
+    if _may_nest_a_text_config(config) and hasattr(config, "get_text_config"):
+        config = config.get_text_config()
     value = getattr(config, "max_position_embeddings", None)
     positive = isinstance(value, int) and not isinstance(value, bool) and value > 0
     return value if positive else None  # XLNet: -1
+
+
+# Where `PretrainedConfig.get_text_config()` looks for a text config nested in a composite one.
+_TEXT_CONFIG_NAMES = ("text_encoder", "decoder", "generator", "text_config")
+
+
+def _may_nest_a_text_config(config) -> bool:
+    """
+    Whether `config.get_text_config()` may return another config than `config`: a composite config (`sub_configs`),
+    or one that has, sets or aliases an attribute it looks under. Asked of the class and the instance's own attributes,
+    a tenth of asking `get_text_config` (which looks each name up through the config's attribute hooks).
+    """
+    config_class = type(config)
+    if getattr(config_class, "sub_configs", None):
+        return True
+    aliases = getattr(config_class, "attribute_map", None) or {}
+    attributes = getattr(config, "__dict__", {})
+    return any(name in attributes or name in aliases or hasattr(config_class, name) for name in _TEXT_CONFIG_NAMES)
