@@ -383,6 +383,15 @@ class BenchDefaultsTest(unittest.TestCase):
         recommended = [STRATEGIES[name] for name in DEFAULT_STRATEGIES if STRATEGIES[name].fields]
         self.assertEqual([s.fields.get("prefill_buckets") for s in recommended], ["pow2-quarters"])
 
+    def test_the_readme_says_how_many_prompts_make_bench_runs(self):
+        makefile = (REPO / "Makefile").read_text(encoding="utf-8")
+        prompts = re.search(r"^BENCH_PROMPTS := (\d+)$", makefile, re.M).group(1)
+        self.assertIn("bench --num-prompts $(BENCH_PROMPTS)", makefile)
+        readme = normalized((REPO / "README.md").read_text(encoding="utf-8"))
+        self.assertIn("make bench runs the benchmark on SmolLM2-135M-Instruct", readme)
+        self.assertRegex(readme, rf"make bench runs the benchmark [^:]*, {prompts} of its prompts")
+        self.assertIn(f"--num-prompts {prompts}", readme)
+
 
 class StaleClaimsTest(unittest.TestCase):
     """Claims that did not hold when a user tried them (issue 35), fixed, and what makes the fix true."""
