@@ -103,6 +103,20 @@ class CallWorkTest(unittest.TestCase):
             )  # fmt: skip
         self.assertEqual(verdicts.calls, 1)
 
+    def test_upstream_decides_auto_compile_once_per_call_too(self):
+        # Upstream asks before it decodes, of the config and cache the cache step asked of: the verdict is that one.
+        owner = type(self.model)
+        with Counter(owner, "_valid_auto_compile_criteria") as upstream:
+            self.model.generate(prompt(5), generation_config=static_config(3))
+        self.assertEqual(upstream.calls, 1)  # the positive control: upstream's own call asks once
+        for side in ("left", "right"):
+            with self.subTest(side), Counter(owner, "_valid_auto_compile_criteria") as verdicts:
+                prefill_buckets.generate(
+                    self.model, prompt(5), generation_config=static_config(3), prefill_buckets=[16],
+                    prefill_padding_side=side,
+                )  # fmt: skip
+            self.assertEqual(verdicts.calls, 1)
+
     def test_an_eager_right_padded_prefill_allocates_its_cache_as_upstream_does(self):
         # Lazily, on its first write: an early allocation (static addresses) is for a compiled forward.
         with Counter(prefill_right, "early_initialize") as allocations:

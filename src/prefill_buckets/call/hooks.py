@@ -15,6 +15,7 @@ must see through the padding. Each is declared with `@hook` (`hook_registry.py`)
   a compiled model with one signature (an eager forward gets upstream's inputs as they are).
 - `get_compiled_call`: upstream's own compiled forward falls back to eager for a shape its backend fails on; a forward
   of `aot_forward` is not compiled again.
+- `_valid_auto_compile_criteria`: whether upstream compiles the forward, decided once a call, for upstream too.
 - `_get_logits_processor`, `_get_stopping_criteria`, `_get_candidate_generator` (`views.py`): what reads token
   content sees the ids without padding.
 - `_prefill` (`prefill_right.py`), on a right-padded call only: one forward of the prompt padded after its end to the
@@ -190,6 +191,18 @@ def _prefill_through_compiled_call(plan, generation_config, prefill: int) -> Non
         )
 
 
+@hook("_valid_auto_compile_criteria", reads=("model_kwargs", "generation_config"), positional=True)
+def _valid_auto_compile_criteria(plan, step):
+    # Upstream asks again before it decodes, of the config and cache the cache step asked of: the same verdict.
+    config, cache = step["generation_config"], passed_cache(step["model_kwargs"])
+    asked = plan.run.auto_compile_asked
+    if asked and asked[0] is config and asked[1] is cache:
+        return asked[2]
+    verdict = step.call()
+    plan.run.auto_compile_asked = (config, cache, verdict)
+    return verdict
+
+
 @hook("prepare_inputs_for_generation", reads=("input_ids", "attention_mask", "inputs_embeds"))
 def prepare_inputs_for_generation(plan, step):
     input_ids, windowed = step["input_ids"], plan.run.windowed_cache
@@ -315,6 +328,7 @@ HOOKS = hook_table(
     views.get_stopping_criteria,
     views.get_candidate_generator,
     get_compiled_call,
+    _valid_auto_compile_criteria,
     prepare_inputs_for_generation,
     prefill_right.prefill_right,
 )

@@ -52,6 +52,8 @@ class CallRun:
     # get upstream's inputs as they are (`hooks.prepare_inputs_for_generation`).
     auto_compile: bool | None = None
     compiled: bool | None = None
+    # Upstream's verdict on auto-compiling, and the generation config and cache it was asked of (`hooks.py`).
+    auto_compile_asked: tuple = ()
     # Whether the compiled forward was compiled with `fullgraph=True`; without, a graph break starts frames that torch
     # counts against the forward's recompile limit, which the budget leaves room for (`budget.make_room`).
     fullgraph: bool = False
