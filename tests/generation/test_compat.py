@@ -392,6 +392,14 @@ class TextConfigTest(unittest.TestCase):
         config.text_config = LlamaConfig(max_position_embeddings=77)
         self.assertEqual(transformers_api.max_positions(model), 77)
 
+    def test_a_config_class_with_its_own_get_text_config_is_asked(self):
+        class OwnTextConfig(LlamaConfig):  # as a model's remote code may define it
+            def get_text_config(self, *args, **kwargs):
+                return LlamaConfig(max_position_embeddings=33)
+
+        model = types.SimpleNamespace(config=OwnTextConfig(max_position_embeddings=512))
+        self.assertEqual(transformers_api.max_positions(model), 33)
+
 
 class TorchVersionTest(unittest.TestCase):
     def setUp(self):

@@ -376,11 +376,14 @@ _TEXT_CONFIG_NAMES = ("text_encoder", "decoder", "generator", "text_config")
 def _may_nest_a_text_config(config) -> bool:
     """
     Whether `config.get_text_config()` may return another config than `config`: a composite config (`sub_configs`),
-    or one that has, sets or aliases an attribute it looks under. Asked of the class and the instance's own attributes,
-    a tenth of asking `get_text_config` (which looks each name up through the config's attribute hooks).
+    one that has, sets or aliases an attribute it looks under, or a class with a `get_text_config` of its own. Asked of
+    the class and the instance's own attributes, a tenth of asking `get_text_config` (which looks each name up through
+    the config's attribute hooks).
     """
     config_class = type(config)
     if getattr(config_class, "sub_configs", None):
+        return True
+    if getattr(config_class, "get_text_config", None) is not transformers.PretrainedConfig.get_text_config:
         return True
     aliases = getattr(config_class, "attribute_map", None) or {}
     attributes = getattr(config, "__dict__", {})
