@@ -260,7 +260,7 @@ def _new_fallback_shapes(compiled) -> dict:
 
 def _signature(args, kwargs) -> tuple:
     """The shapes and dtypes of a call's tensor arguments, by position and name: what a new graph is compiled for."""
-    tensor, signature = torch.Tensor, []  # one loop: it runs before every forward of a bucketed call
+    tensor, signature = torch.Tensor, []  # one loop: it may run before every forward of a bucketed call
     for i, v in enumerate(args):
         if isinstance(v, tensor):
             signature.append((i, v.shape, v.dtype))
