@@ -31,6 +31,11 @@ from prefill_buckets.upstream.selftest import self_test
 from .tiny_models import tiny_llama, tiny_llama_config
 
 
+# A torch release just outside the tested range at each end (`versions.TESTED_TORCH`).
+OLDER_TORCH = "2.10.0"
+NEWER_TORCH = f"2.{Version(versions.TESTED_TORCH[-1]).minor + 1}.0"
+
+
 def random_ids(length: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(3, 128, (1, length), generator=torch.Generator().manual_seed(seed))
 
@@ -426,7 +431,8 @@ class TorchVersionTest(unittest.TestCase):
             with self.assertRaisesRegex(
                 RuntimeError,
                 rf"can't bucket `generate` on transformers .* with torch {re.escape(torch.__version__)}: "
-                r"`torch\._dynamo\.lookup_backend` does not exist.*tested on .* torch 2\.11\.0 to 2\.14\.1",
+                r"`torch\._dynamo\.lookup_backend` does not exist.*tested on .* "
+                + re.escape(f"torch {versions.TESTED_TORCH[0]} to {versions.TESTED_TORCH[-1]}"),
             ):
                 prefill_buckets.generate(tiny_llama(), random_ids(5), max_new_tokens=2, prefill_buckets=[8])
 
@@ -477,7 +483,7 @@ class TorchVersionTest(unittest.TestCase):
         # A real version outside the range (not a mocked verdict): the first bucketed call warns, naming torch, and
         # runs the self-test once; a step that changed meaning then fails loudly.
         model = tiny_llama()
-        for installed in ("2.10.0", "2.15.0"):
+        for installed in (OLDER_TORCH, NEWER_TORCH):
             with self.subTest(installed=installed):
                 PROCESS.self_test_verdict = SELF_TEST_PENDING
                 with mock.patch.object(versions, "TORCH_VERSION", Version(installed)):
@@ -488,15 +494,16 @@ class TorchVersionTest(unittest.TestCase):
                             prefill_buckets.generate(model, random_ids(5), max_new_tokens=2, prefill_buckets=[8])
                             prefill_buckets.generate(model, random_ids(6), max_new_tokens=2, prefill_buckets=[8])
                 self.assertEqual(spy.call_count, 1)
-                self.assertIn(f"torch 2.11.0 to 2.14.1, and this is torch {torch.__version__}", logs.out)
+                oldest, newest = versions.TESTED_TORCH
+                self.assertIn(f"torch {oldest} to {newest}, and this is torch {torch.__version__}", logs.out)
         PROCESS.self_test_verdict = SELF_TEST_PENDING
-        with mock.patch.object(versions, "TORCH_VERSION", Version("2.15.0")):
+        with mock.patch.object(versions, "TORCH_VERSION", Version(NEWER_TORCH)):
             with mock.patch("prefill_buckets.call.generation.strip_output", lambda output, plan: output):
                 with self.assertRaisesRegex(RuntimeError, r"self-test failed on transformers .* \(torch "):
                     prefill_buckets.generate(model, random_ids(5), max_new_tokens=2, prefill_buckets=[8])
 
     def test_tested_torch_runs_no_self_test(self):
-        for installed in ("2.11.0+cu130", "2.13.0+cpu", "2.14.1"):
+        for installed in ("2.11.0+cu130", "2.13.0+cpu", "2.14.1", "2.15.0+cu132"):
             with mock.patch.object(versions, "TORCH_VERSION", Version(installed)):
                 self.assertTrue(gate.is_tested_torch(), installed)
         with mock.patch.object(versions, "TORCH_VERSION", Version("2.14.0.dev20260101")):

@@ -48,7 +48,8 @@ class EnvCommandTest(unittest.TestCase):
 
     def test_says_when_torch_is_outside_the_tested_range(self):
         # A real version, not a mocked verdict: the line reads the installed torch's version against TESTED_TORCH.
-        for installed, expected in (("2.10.0", "NO: outside"), ("2.15.0", "NO: outside"), ("2.11.0+cu130", "yes")):
+        newer = f"2.{Version(versions.TESTED_TORCH[-1]).minor + 1}.0"  # just past the newest tested
+        for installed, expected in (("2.10.0", "NO: outside"), (newer, "NO: outside"), ("2.11.0+cu130", "yes")):
             with self.subTest(installed=installed):
                 with mock.patch.object(versions, "TORCH_VERSION", Version(installed)):
                     output = run_env()

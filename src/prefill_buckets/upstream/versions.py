@@ -11,7 +11,7 @@ from packaging import version
 TESTED_TRANSFORMERS = ("5.17.0", "5.25.0")  # oldest and newest, both run in CI (.venv runs 5.24.0 between)
 TRANSFORMERS_VERSION = version.parse(transformers.__version__)
 # Oldest and newest torch, both run in CI (constraints/oldest.txt, constraints/newest.txt; .venv runs 2.13.0 between).
-TESTED_TORCH = ("2.11.0", "2.14.1")
+TESTED_TORCH = ("2.11.0", "2.15.0")
 TORCH_VERSION = version.parse(torch.__version__)
 
 # Before transformers 5.21, chunked prefill feeds the whole `input_ids` from position 0, even when the cache already
