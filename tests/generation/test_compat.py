@@ -252,6 +252,25 @@ class UntestedVersionTest(unittest.TestCase):
     def test_self_test_passes_here(self):
         self_test(prefill_buckets.generate)
 
+    def test_self_test_runs_on_the_cpu_in_float32_whatever_the_call_runs_under(self):
+        # The first bucketed call runs it, inside whatever the user's call runs under: a `with torch.device("cuda"):`
+        # block (the meta device plays it on a CPU-only machine) made its model there, and it failed ("Cannot copy
+        # out of meta tensor"), and with it, for the whole process, every bucketed call; a float16 default dtype made
+        # its model float16.
+        with torch.device("meta"):
+            self_test(prefill_buckets.generate)
+        previous = torch.get_default_dtype()
+        self.addCleanup(torch.set_default_dtype, previous)
+        torch.set_default_dtype(torch.float16)
+        models = []
+
+        def generate(model, *args, **kwargs):
+            models.append((model.dtype, model.device.type))
+            return prefill_buckets.generate(model, *args, **kwargs)
+
+        self_test(generate)
+        self.assertEqual(set(models), {(torch.float32, "cpu")})
+
     def test_self_test_logs_nothing(self):
         # It generates on a model of its own, which the user never sees: it logged that its bucketed call grew the
         # static cache of its unpadded one ("A call needs 10 static cache slots, more than the model's cache of 7").

@@ -44,9 +44,11 @@ def self_test(generate) -> None:
         eos_token_id=1,
         bos_token_id=2,
     )
-    with torch.random.fork_rng(devices=[]):
+    # The first bucketed call runs it, inside whatever that call runs under (`with torch.device("cuda"):`, another
+    # default dtype): its model is made on the CPU, in float32, whatever they are.
+    with torch.random.fork_rng(devices=[]), torch.device("cpu"):
         torch.manual_seed(0)
-        model = LlamaForCausalLM(config).eval()
+        model = LlamaForCausalLM(config).to(torch.float32).eval()
         generator = torch.Generator().manual_seed(0)
         for lengths in _BATCHES:
             width = max(lengths)
