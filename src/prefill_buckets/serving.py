@@ -26,6 +26,7 @@ import time
 import weakref
 from dataclasses import dataclass
 
+import transformers
 from transformers.utils import logging
 
 from .buckets import BucketPolicy, validate_buckets
@@ -281,14 +282,30 @@ def _print_ready(model, warm: WarmUp) -> None:
     )
 
 
+def unsupported_server() -> str | None:
+    """Why this transformers' server can't serve a prepared model (it loads it in a process of its own), or `None`."""
+    if transformers_api.serve_model_manager() is not None:
+        return None
+    return (
+        "prefill-buckets serve prepares the served model where transformers serve loads it, in the server's process "
+        "(`ModelManager.load_model_and_processor`, transformers 5.17 to 5.24); transformers "
+        f"{transformers.__version__}'s server loads it in a process of its own, which this command "
+        "does not prepare yet, so its requests would run unbucketed. Serve with transformers 5.24 (pip install "
+        "'transformers==5.24.0'), or call `prefill_buckets.enable()` in a server of your own."
+    )
+
+
 def serve(model: str, options: ServeOptions, serve_args: list[str] = (), report=None):
     """
     Runs `transformers serve MODEL serve_args...` with `model` prepared by `prepare_model`. Blocks until the server
     stops, unless `serve_args` hold `--non-blocking` (upstream's option for tests): then it returns upstream's `Serve`,
-    running (stop it with `kill_server()`).
+    running (stop it with `kill_server()`). Raises `ImportError` without the `serving` extra, and `RuntimeError` on a
+    transformers whose server loads the model in another process (`unsupported_server`).
     """
     if transformers_api.serve_unavailable() is not None:
         raise ImportError(transformers_api.serve_unavailable())
+    if unsupported_server() is not None:
+        raise RuntimeError(unsupported_server())
     command = transformers_api.serve_command()
     with prepared_loads(options, report if report is not None else _print_ready):
         return command.main(args=[model, *serve_args], prog_name="prefill-buckets serve", standalone_mode=False)
@@ -297,7 +314,7 @@ def serve(model: str, options: ServeOptions, serve_args: list[str] = (), report=
 def main(args: argparse.Namespace, parser: argparse.ArgumentParser, serve_args: list[str]) -> int:
     """`prefill-buckets serve`: the options parsed by `cli.py`, the rest passed to transformers serve."""
     options = options_from_args(args, parser)
-    problem = transformers_api.serve_unavailable()
+    problem = transformers_api.serve_unavailable() or unsupported_server()
     if problem is not None:
         parser.error(problem)
     serve(args.model, options, serve_args)

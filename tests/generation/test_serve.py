@@ -23,7 +23,7 @@ from transformers import GenerationConfig, PreTrainedTokenizerFast
 from transformers.utils.import_utils import is_serve_available
 
 import prefill_buckets
-from prefill_buckets import GraphCounter, serving
+from prefill_buckets import GraphCounter, cli, serving
 from prefill_buckets.upstream import torch_api, transformers_api
 
 from .tiny_models import tiny_llama
@@ -128,6 +128,10 @@ REQUESTS = [(kind, stream, words) for words in WORDS for kind in ("chat", "compl
 
 
 @unittest.skipUnless(is_serve_available(), 'needs pip install "transformers-prefill-buckets[serving]"')
+@unittest.skipIf(
+    is_serve_available() and serving.unsupported_server() is not None,
+    "this transformers' server loads the model in a process of its own (UnsupportedServerTest)",
+)
 class ServeTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
@@ -295,6 +299,32 @@ class ServeTest(unittest.TestCase):
             self.assertEqual(torch_api.graphs_compiled() - before, 0)
         finally:
             server.kill_server()
+
+
+@unittest.skipUnless(is_serve_available(), 'needs pip install "transformers-prefill-buckets[serving]"')
+class UnsupportedServerTest(unittest.TestCase):
+    def test_a_server_that_loads_the_model_in_another_process_is_refused(self):
+        # transformers 5.25's server loads each model in a spawned process of its own (`ModelLoader`, called there):
+        # the command prepares the model where 5.24's loads it, in the server's process (`ModelManager`'s
+        # `load_model_and_processor`), and raised AttributeError, where a hook there would never have run and every
+        # request would have run unbucketed. Played here by taking the method away on any version.
+        from transformers.cli.serving.model_manager import ModelManager
+
+        with contextlib.ExitStack() as stack:
+            if hasattr(ModelManager, "load_model_and_processor"):
+                original = ModelManager.load_model_and_processor
+                del ModelManager.load_model_and_processor
+                stack.callback(setattr, ModelManager, "load_model_and_processor", original)
+            self.assertIsNone(transformers_api.serve_model_manager())
+            with self.assertRaisesRegex(RuntimeError, r"in a process of its own.*transformers 5\.24"):
+                serving.serve("a-model", serving.ServeOptions())
+            stderr = io.StringIO()
+            with contextlib.redirect_stderr(stderr), self.assertRaises(SystemExit) as exited:
+                cli.main(["serve", "a-model"])
+            self.assertEqual(exited.exception.code, 2)  # a usage error, before any model loads
+            self.assertIn("in a process of its own", stderr.getvalue())
+        if hasattr(ModelManager, "load_model_and_processor"):
+            self.assertIs(transformers_api.serve_model_manager(), ModelManager)
 
 
 class ServeOptionsTest(unittest.TestCase):

@@ -312,10 +312,13 @@ def serve_command():
 
 
 def serve_model_manager():
-    """The class whose `load_model_and_processor` loads the models `transformers serve` serves."""
+    """
+    The class whose `load_model_and_processor` loads the models `transformers serve` serves, in the server's process;
+    `None` where the server loads them in a process of its own (transformers 5.25: `ModelLoader`, in a spawned process).
+    """
     from transformers.cli.serving.model_manager import ModelManager
 
-    return ModelManager
+    return ModelManager if hasattr(ModelManager, "load_model_and_processor") else None
 
 
 # What a model says of itself: its forward's parameters, its vocabulary, its positions.
