@@ -304,8 +304,9 @@ def serve(model: str, options: ServeOptions, serve_args: list[str] = (), report=
     """
     if transformers_api.serve_unavailable() is not None:
         raise ImportError(transformers_api.serve_unavailable())
-    if unsupported_server() is not None:
-        raise RuntimeError(unsupported_server())
+    unsupported = unsupported_server()
+    if unsupported is not None:
+        raise RuntimeError(unsupported)
     command = transformers_api.serve_command()
     with prepared_loads(options, report if report is not None else _print_ready):
         return command.main(args=[model, *serve_args], prog_name="prefill-buckets serve", standalone_mode=False)
