@@ -11,19 +11,23 @@ its own), started on a model this module prepares before the first request:
 4. with `--precompile`, every bucket's graphs compiled before the server answers (`precompile`), and with
    `--compile-cache FILE`, the graphs loaded from the file, or saved to it after precompiling.
 
-The model is prepared where upstream loads it (`ModelManager._load_model`, hooked while the server is built), so the
-server is ready only once the warm-up is done. Requests then run upstream's path: one `model.generate` at a time, on
-upstream's inference thread.
+The model is prepared where upstream loads it, so the server is ready only once the warm-up is done: in the server's
+process on transformers 5.17 to 5.24 (`ModelManager.load_model_and_processor`, hooked while the server is built), and
+from 5.25, where each model loads in a spawned process of its own, there (`PreparingLoader`: upstream's loader and these
+options, pickled into that process). Requests then run upstream's path: one `model.generate` at a time, on upstream's
+inference thread.
 """
 
 import argparse
 import contextlib
 import copy
 import os
+import pickle
 import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import transformers
@@ -271,6 +275,42 @@ def prepared_loads(options: ServeOptions, report=None):
         manager.load_model_and_processor = load
 
 
+@dataclass
+class PreparingLoader:
+    """
+    Upstream's model loader (transformers 5.25: `ModelLoader`), whose every model is prepared by `prepare_model` once
+    loaded, and then `report`ed: in the model's own process, which gets this loader pickled, options and all.
+    """
+
+    loader: object
+    options: ServeOptions
+    report: Callable
+
+    def load_model_and_processor(self, model_id: str, on_progress=None):
+        model, processor = self.loader.load_model_and_processor(model_id, on_progress=on_progress)
+        self.report(model, prepare_model(model, self.options, processor))
+        return model, processor
+
+
+@contextlib.contextmanager
+def prepared_processes(options: ServeOptions, report):
+    """
+    While open, every model process upstream's server starts (`EngineClient.start_process`, transformers 5.25) gets a
+    `PreparingLoader` around the server's loader: the model is prepared there, before its process says it is loaded.
+    """
+    engine_client = transformers_api.serve_model_process()
+    start_process = vars(engine_client)["start_process"]  # the staticmethod itself, put back as it was
+
+    def start_prepared_process(model, loader, *args, **kwargs):
+        return start_process.__func__(model, PreparingLoader(loader, options, report), *args, **kwargs)
+
+    engine_client.start_process = staticmethod(start_prepared_process)
+    try:
+        yield
+    finally:
+        engine_client.start_process = start_process
+
+
 def _print_ready(model, warm: WarmUp) -> None:
     source = "loaded from the compile cache, " if warm.cache_loaded else ""
     saved = f"; saved {warm.cache_saved}" if warm.cache_saved else ""
@@ -283,32 +323,57 @@ def _print_ready(model, warm: WarmUp) -> None:
 
 
 def unsupported_server() -> str | None:
-    """Why this transformers' server can't serve a prepared model (it loads it in a process of its own), or `None`."""
-    if transformers_api.serve_model_manager() is not None:
+    """Why this transformers' server can't serve a prepared model (this command knows no place it loads it), or `None`."""
+    if transformers_api.serve_model_manager() is not None or transformers_api.serve_model_process() is not None:
         return None
     return (
-        "prefill-buckets serve prepares the served model where transformers serve loads it, in the server's process "
-        "(`ModelManager.load_model_and_processor`, transformers 5.17 to 5.24); transformers "
-        f"{transformers.__version__}'s server loads it in a process of its own, which this command "
-        "does not prepare yet, so its requests would run unbucketed. Serve with transformers 5.24 (pip install "
-        "'transformers==5.24.0'), or call `prefill_buckets.enable()` in a server of your own."
+        "prefill-buckets serve prepares the served model where transformers serve loads it: in the server's process "
+        "(`ModelManager.load_model_and_processor`, transformers 5.17 to 5.24) or in the model's own process (the loader "
+        f"`EngineClient.start_process` hands it, transformers 5.25); transformers {transformers.__version__}'s server "
+        "has neither, so its requests would run unbucketed. Serve with transformers 5.25 (pip install "
+        "'transformers==5.25.0'), or call `prefill_buckets.enable()` in a server of your own."
     )
+
+
+def _unpicklable(options: ServeOptions, report) -> str | None:
+    """Why `options` and `report` can't go to a model's own process (they are pickled), or `None`."""
+    try:
+        pickle.dumps((options, report))
+    except Exception as error:
+        return (
+            f"transformers {transformers.__version__}'s server loads the model in a process of its own, where "
+            "prefill_buckets prepares it: `report` and `ServeOptions.backend` go there pickled, and can't "
+            f"({type(error).__name__}: {error}). Pass a function defined at a module's top level, and a backend by "
+            "name or a picklable callable."
+        )
+    return None
 
 
 def serve(model: str, options: ServeOptions, serve_args: list[str] = (), report=None):
     """
-    Runs `transformers serve MODEL serve_args...` with `model` prepared by `prepare_model`. Blocks until the server
-    stops, unless `serve_args` hold `--non-blocking` (upstream's option for tests): then it returns upstream's `Serve`,
-    running (stop it with `kill_server()`). Raises `ImportError` without the `serving` extra, and `RuntimeError` on a
-    transformers whose server loads the model in another process (`unsupported_server`).
+    Runs `transformers serve MODEL serve_args...` with `model` prepared by `prepare_model`, then `report(model, warm)`
+    called (by default, it prints the ready line). Blocks until the server stops, unless `serve_args` hold
+    `--non-blocking` (upstream's option for tests, through transformers 5.24): then it returns upstream's `Serve`,
+    running (stop it with `kill_server()`). From transformers 5.25 the model is prepared and `report` called in the
+    model's own process, so `report` and a callable `options.backend` must pickle. Raises `ImportError` without the
+    `serving` extra, `RuntimeError` on a server this command can't prepare (`unsupported_server`), and `ValueError`
+    for what can't be pickled.
     """
     if transformers_api.serve_unavailable() is not None:
         raise ImportError(transformers_api.serve_unavailable())
     unsupported = unsupported_server()
     if unsupported is not None:
         raise RuntimeError(unsupported)
+    report = report if report is not None else _print_ready
+    if transformers_api.serve_model_manager() is not None:
+        prepared = prepared_loads(options, report)
+    else:
+        problem = _unpicklable(options, report)
+        if problem is not None:
+            raise ValueError(problem)
+        prepared = prepared_processes(options, report)
     command = transformers_api.serve_command()
-    with prepared_loads(options, report if report is not None else _print_ready):
+    with prepared:
         return command.main(args=[model, *serve_args], prog_name="prefill-buckets serve", standalone_mode=False)
 
 

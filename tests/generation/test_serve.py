@@ -129,8 +129,8 @@ REQUESTS = [(kind, stream, words) for words in WORDS for kind in ("chat", "compl
 
 @unittest.skipUnless(is_serve_available(), 'needs pip install "transformers-prefill-buckets[serving]"')
 @unittest.skipIf(
-    is_serve_available() and serving.unsupported_server() is not None,
-    "this transformers' server loads the model in a process of its own (UnsupportedServerTest)",
+    is_serve_available() and transformers_api.serve_model_manager() is None,
+    "this transformers' server loads the model in a process of its own (test_serve_process.py)",
 )
 class ServeTest(unittest.TestCase):
     @classmethod
@@ -303,28 +303,35 @@ class ServeTest(unittest.TestCase):
 
 @unittest.skipUnless(is_serve_available(), 'needs pip install "transformers-prefill-buckets[serving]"')
 class UnsupportedServerTest(unittest.TestCase):
-    def test_a_server_that_loads_the_model_in_another_process_is_refused(self):
-        # transformers 5.25's server loads each model in a spawned process of its own (`ModelLoader`, called there):
-        # the command prepares the model where 5.24's loads it, in the server's process (`ModelManager`'s
-        # `load_model_and_processor`), and raised AttributeError, where a hook there would never have run and every
-        # request would have run unbucketed. Played here by taking the method away on any version.
-        from transformers.cli.serving.model_manager import ModelManager
+    def test_a_server_with_no_known_place_to_prepare_the_model_is_refused(self):
+        # The command prepares the model where upstream loads it: `ModelManager.load_model_and_processor` in the
+        # server's process (5.17 to 5.24), or the loader `EngineClient.start_process` hands a model's own process
+        # (5.25). transformers 5.25's server, before the second, raised AttributeError, where a hook of the first would
+        # never have run and every request would have run unbucketed. Played here by taking both away on any version.
+        from transformers.cli.serving import model_manager
 
+        places = [(model_manager.ModelManager, "load_model_and_processor")]
+        if hasattr(model_manager, "EngineClient"):
+            places.append((model_manager.EngineClient, "start_process"))
+        found = [owner for owner, name in places if name in vars(owner)]
+        self.assertEqual(len(found), 1, "this transformers' server has exactly one of the places")
+        self.assertIn(found[0], (transformers_api.serve_model_manager(), transformers_api.serve_model_process()))
         with contextlib.ExitStack() as stack:
-            if hasattr(ModelManager, "load_model_and_processor"):
-                original = ModelManager.load_model_and_processor
-                del ModelManager.load_model_and_processor
-                stack.callback(setattr, ModelManager, "load_model_and_processor", original)
+            for owner, name in places:
+                if name in vars(owner):
+                    original = vars(owner)[name]
+                    delattr(owner, name)
+                    stack.callback(setattr, owner, name, original)
             self.assertIsNone(transformers_api.serve_model_manager())
-            with self.assertRaisesRegex(RuntimeError, r"in a process of its own.*transformers 5\.24"):
+            self.assertIsNone(transformers_api.serve_model_process())
+            with self.assertRaisesRegex(RuntimeError, r"has neither.*transformers 5\.25"):
                 serving.serve("a-model", serving.ServeOptions())
             stderr = io.StringIO()
             with contextlib.redirect_stderr(stderr), self.assertRaises(SystemExit) as exited:
                 cli.main(["serve", "a-model"])
             self.assertEqual(exited.exception.code, 2)  # a usage error, before any model loads
-            self.assertIn("in a process of its own", stderr.getvalue())
-        if hasattr(ModelManager, "load_model_and_processor"):
-            self.assertIs(transformers_api.serve_model_manager(), ModelManager)
+            self.assertIn("has neither", stderr.getvalue())
+        self.assertIsNone(serving.unsupported_server())
 
 
 class ServeOptionsTest(unittest.TestCase):

@@ -104,9 +104,15 @@ class TestedVersionsTest(unittest.TestCase):
         for test in range_tests:
             self.assertTrue((ROOT / test).is_file(), test)
         self.assertEqual(makefile_variable("OLDEST_TESTS")[0], "$(RANGE_TESTS)")  # the oldest runs them and more
+        # The newest runs them and the serving tests (transformers 5.25 rebuilt the server's loading).
+        newest_tests = makefile_variable("NEWEST_TESTS")
+        self.assertEqual(newest_tests[0], "$(RANGE_TESTS)")
+        for test in ("tests/generation/test_serve.py", "tests/generation/test_serve_process.py"):
+            self.assertIn(test, newest_tests)
+            self.assertTrue((ROOT / test).is_file(), test)
         for target, python, tests in (
             ("test-oldest", "$(OLDEST_PYTHON)", "$(OLDEST_TESTS)"),
-            ("test-newest", "$(NEWEST_PYTHON)", "$(RANGE_TESTS)"),
+            ("test-newest", "$(NEWEST_PYTHON)", "$(NEWEST_TESTS)"),
         ):
             with self.subTest(target=target):
                 self.assertIn(f"{python} $(PYTEST) {tests}", makefile_recipe(target))

@@ -313,12 +313,24 @@ def serve_command():
 
 def serve_model_manager():
     """
-    The class whose `load_model_and_processor` loads the models `transformers serve` serves, in the server's process;
-    `None` where the server loads them in a process of its own (transformers 5.25: `ModelLoader`, in a spawned process).
+    The class whose `load_model_and_processor` loads the models `transformers serve` serves, in the server's process
+    (transformers 5.17 to 5.24), or `None`.
     """
     from transformers.cli.serving.model_manager import ModelManager
 
     return ModelManager if hasattr(ModelManager, "load_model_and_processor") else None
+
+
+def serve_model_process():
+    """
+    The class whose static `start_process(model, loader, ...)` starts a served model's process of its own and hands it
+    `loader`, which loads the model there with `loader.load_model_and_processor(model_id, on_progress=...)`
+    (transformers 5.25: `EngineClient`, the process spawned), or `None`.
+    """
+    from transformers.cli.serving import model_manager
+
+    engine_client = getattr(model_manager, "EngineClient", None)
+    return engine_client if engine_client is not None and "start_process" in vars(engine_client) else None
 
 
 # What a model says of itself: its forward's parameters, its vocabulary, its positions.
