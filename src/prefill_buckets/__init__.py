@@ -13,7 +13,7 @@ Where things are, from the bottom floor up: a module imports from its own floor 
   its `__init__` lists its modules);
 - the user's API and the command line: `patch.py` (`enable()`), `custom_generate.py`, `cli.py`
   (`python -m prefill_buckets`), `benchmark/`, `env.py`, `serving.py` (`serve`: transformers serve with bucketed
-  generate), `testing_utils.py`.
+  generate; `serving_loads.py`: where upstream's server loads each model), `testing_utils.py`.
 """
 
 from .buckets import BucketPolicy, WasteReport, padding_waste, suggest_buckets

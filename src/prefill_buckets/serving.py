@@ -11,28 +11,21 @@ its own), started on a model this module prepares before the first request:
 4. with `--precompile`, every bucket's graphs compiled before the server answers (`precompile`), and with
    `--compile-cache FILE`, the graphs loaded from the file, or saved to it after precompiling.
 
-The model is prepared where upstream loads it, so the server is ready only once the warm-up is done: in the server's
-process on transformers 5.17 to 5.24 (`ModelManager.load_model_and_processor`, hooked while the server is built), and
-from 5.25, where each model loads in a spawned process of its own, there (`PreparingLoader`: upstream's loader and these
-options, pickled into that process). Requests then run upstream's path: one `model.generate` at a time, on upstream's
-inference thread.
+The model is prepared where upstream loads it (`serving_loads.py`), so the server is ready only once the warm-up is
+done. Requests then run upstream's path: one `model.generate` at a time, on upstream's inference thread.
 """
 
 import argparse
-import contextlib
 import copy
+import functools
 import os
-import pickle
 import sys
-import threading
 import time
-import weakref
-from collections.abc import Callable
 from dataclasses import dataclass
 
-import transformers
 from transformers.utils import logging
 
+from . import serving_loads
 from .buckets import BucketPolicy, validate_buckets
 from .compile.aot_forward import aot_forward
 from .compile.archive import load_compile_cache, save_compile_cache
@@ -246,71 +239,6 @@ def prepare_model(model, options: ServeOptions, processor=None) -> WarmUp:
     return warm
 
 
-@contextlib.contextmanager
-def prepared_loads(options: ServeOptions, report=None):
-    """
-    While open, every model upstream's server loads is prepared by `prepare_model` before it serves: the first time
-    `ModelManager.load_model_and_processor` returns it (for the served MODEL, while upstream's `Serve` is built, before
-    the server listens).
-    """
-    manager = transformers_api.serve_model_manager()
-    load = manager.load_model_and_processor
-    prepared = weakref.WeakSet()
-    lock = threading.Lock()
-
-    def load_model_and_processor(self, *args, **kwargs):
-        model, processor = load(self, *args, **kwargs)
-        with lock:
-            if model not in prepared:
-                warm = prepare_model(model, options, processor)
-                prepared.add(model)
-                if report is not None:
-                    report(model, warm)
-        return model, processor
-
-    manager.load_model_and_processor = load_model_and_processor
-    try:
-        yield
-    finally:
-        manager.load_model_and_processor = load
-
-
-@dataclass
-class PreparingLoader:
-    """
-    Upstream's model loader (transformers 5.25: `ModelLoader`), whose every model is prepared by `prepare_model` once
-    loaded, and then `report`ed: in the model's own process, which gets this loader pickled, options and all.
-    """
-
-    loader: object
-    options: ServeOptions
-    report: Callable
-
-    def load_model_and_processor(self, model_id: str, on_progress=None):
-        model, processor = self.loader.load_model_and_processor(model_id, on_progress=on_progress)
-        self.report(model, prepare_model(model, self.options, processor))
-        return model, processor
-
-
-@contextlib.contextmanager
-def prepared_processes(options: ServeOptions, report):
-    """
-    While open, every model process upstream's server starts (`EngineClient.start_process`, transformers 5.25) gets a
-    `PreparingLoader` around the server's loader: the model is prepared there, before its process says it is loaded.
-    """
-    engine_client = transformers_api.serve_model_process()
-    start_process = vars(engine_client)["start_process"]  # the staticmethod itself, put back as it was
-
-    def start_prepared_process(model, loader, *args, **kwargs):
-        return start_process.__func__(model, PreparingLoader(loader, options, report), *args, **kwargs)
-
-    engine_client.start_process = staticmethod(start_prepared_process)
-    try:
-        yield
-    finally:
-        engine_client.start_process = start_process
-
-
 def _print_ready(model, warm: WarmUp) -> None:
     source = "loaded from the compile cache, " if warm.cache_loaded else ""
     saved = f"; saved {warm.cache_saved}" if warm.cache_saved else ""
@@ -322,29 +250,14 @@ def _print_ready(model, warm: WarmUp) -> None:
     )
 
 
-def unsupported_server() -> str | None:
-    """Why this transformers' server can't serve a prepared model (this command knows no place it loads it), or `None`."""
-    if transformers_api.serve_model_manager() is not None or transformers_api.serve_model_process() is not None:
-        return None
-    return (
-        "prefill-buckets serve prepares the served model where transformers serve loads it: in the server's process "
-        "(`ModelManager.load_model_and_processor`, transformers 5.17 to 5.24) or in the model's own process (the loader "
-        f"`EngineClient.start_process` hands it, transformers 5.25); transformers {transformers.__version__}'s server "
-        "has neither, so its requests would run unbucketed. Serve with transformers 5.25 (pip install "
-        "'transformers==5.25.0'), or call `prefill_buckets.enable()` in a server of your own."
-    )
-
-
-def _unpicklable(options: ServeOptions, report) -> str | None:
-    """Why `options` and `report` can't go to a model's own process (they are pickled), or `None`."""
-    try:
-        pickle.dumps((options, report))
-    except Exception as error:
+def refused_serve_args(serve_args) -> str | None:
+    """Why `transformers serve` options passed on can't be served bucketed, or `None`."""
+    if "--continuous-batching" in serve_args:
         return (
-            f"transformers {transformers.__version__}'s server loads the model in a process of its own, where "
-            "prefill_buckets prepares it: `report` and `ServeOptions.backend` go there pickled, and can't "
-            f"({type(error).__name__}: {error}). Pass a function defined at a module's top level, and a backend by "
-            "name or a picklable callable."
+            "--continuous-batching schedules requests' tokens itself (`generate_batch`, with paged attention), not "
+            "through `generate`, so there is no prompt to pad to a bucket, and the forward prefill-buckets serve "
+            "compiles for `generate` would compile again for every batch it forms. Serve it with `transformers serve "
+            "--continuous-batching`, or leave the option out here."
         )
     return None
 
@@ -356,22 +269,19 @@ def serve(model: str, options: ServeOptions, serve_args: list[str] = (), report=
     `--non-blocking` (upstream's option for tests, through transformers 5.24): then it returns upstream's `Serve`,
     running (stop it with `kill_server()`). From transformers 5.25 the model is prepared and `report` called in the
     model's own process, so `report` and a callable `options.backend` must pickle. Raises `ImportError` without the
-    `serving` extra, `RuntimeError` on a server this command can't prepare (`unsupported_server`), and `ValueError`
-    for what can't be pickled.
+    `serving` extra, `RuntimeError` on a server this command can't prepare (`serving_loads.unsupported_server`), and
+    `ValueError` for an option it can't serve bucketed (`refused_serve_args`) or what can't be pickled.
     """
     if transformers_api.serve_unavailable() is not None:
         raise ImportError(transformers_api.serve_unavailable())
-    unsupported = unsupported_server()
+    unsupported = serving_loads.unsupported_server()
     if unsupported is not None:
         raise RuntimeError(unsupported)
-    report = report if report is not None else _print_ready
-    if transformers_api.serve_model_manager() is not None:
-        prepared = prepared_loads(options, report)
-    else:
-        problem = _unpicklable(options, report)
-        if problem is not None:
-            raise ValueError(problem)
-        prepared = prepared_processes(options, report)
+    refused = refused_serve_args(serve_args)
+    if refused is not None:
+        raise ValueError(refused)
+    prepare = functools.partial(prepare_model, options=options)
+    prepared = serving_loads.prepared(prepare, report if report is not None else _print_ready)
     command = transformers_api.serve_command()
     with prepared:
         return command.main(args=[model, *serve_args], prog_name="prefill-buckets serve", standalone_mode=False)
@@ -380,7 +290,9 @@ def serve(model: str, options: ServeOptions, serve_args: list[str] = (), report=
 def main(args: argparse.Namespace, parser: argparse.ArgumentParser, serve_args: list[str]) -> int:
     """`prefill-buckets serve`: the options parsed by `cli.py`, the rest passed to transformers serve."""
     options = options_from_args(args, parser)
-    problem = transformers_api.serve_unavailable() or unsupported_server()
+    problem = (
+        transformers_api.serve_unavailable() or serving_loads.unsupported_server() or refused_serve_args(serve_args)
+    )
     if problem is not None:
         parser.error(problem)
     serve(args.model, options, serve_args)

@@ -23,7 +23,7 @@ from transformers import GenerationConfig, PreTrainedTokenizerFast
 from transformers.utils.import_utils import is_serve_available
 
 import prefill_buckets
-from prefill_buckets import GraphCounter, cli, serving
+from prefill_buckets import GraphCounter, cli, serving, serving_loads
 from prefill_buckets.upstream import torch_api, transformers_api
 
 from .tiny_models import tiny_llama
@@ -331,7 +331,19 @@ class UnsupportedServerTest(unittest.TestCase):
                 cli.main(["serve", "a-model"])
             self.assertEqual(exited.exception.code, 2)  # a usage error, before any model loads
             self.assertIn("has neither", stderr.getvalue())
-        self.assertIsNone(serving.unsupported_server())
+        self.assertIsNone(serving_loads.unsupported_server())
+
+    def test_continuous_batching_is_refused(self):
+        # It schedules tokens itself (`generate_batch`): no prompt to pad, and a forward compiled for `generate` would
+        # compile again for every batch it forms. Before, the command prepared the model and served it that way.
+        with self.assertRaisesRegex(ValueError, "--continuous-batching schedules"):
+            serving.serve("a-model", serving.ServeOptions(), ["--continuous-batching", "--port", "8000"])
+        stderr = io.StringIO()
+        with contextlib.redirect_stderr(stderr), self.assertRaises(SystemExit) as exited:
+            cli.main(["serve", "a-model", "--continuous-batching"])
+        self.assertEqual(exited.exception.code, 2)  # a usage error, before any model loads
+        self.assertIn("--continuous-batching schedules", stderr.getvalue())
+        self.assertIsNone(serving.refused_serve_args(["--no-continuous-batching", "--port", "8000"]))
 
 
 class ServeOptionsTest(unittest.TestCase):

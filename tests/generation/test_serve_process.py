@@ -1,7 +1,7 @@
 """`prefill-buckets serve` where transformers' server loads each model in a process of its own (transformers 5.25).
 
-There the model is prepared in its own process, by the loader the server hands it (`serving.PreparingLoader`, pickled
-there). `PreparingLoaderTest` runs that loader on every version, in this process, after a pickle round trip.
+There the model is prepared in its own process, by the loader the server hands it (`serving_loads.PreparingLoader`,
+pickled there). `PreparingLoaderTest` runs that loader on every version, in this process, after a pickle round trip.
 `ModelProcessServeTest` runs both servers as a user does, each a command in a subprocess on 127.0.0.1 at a free port,
 on the tiny Llama folder of `test_serve.py`: upstream's eager `transformers serve` gives the reference answers, at
 temperature 0 the bucketed server's must be equal, and its model's process, run with `TORCH_LOGS=recompiles`, must log
@@ -9,6 +9,7 @@ no recompile once the ready line is printed (each bucket's graph is logged as on
 the log sees that process's graphs).
 """
 
+import functools
 import json
 import os
 import pickle
@@ -25,7 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils.import_utils import is_serve_available
 
 import prefill_buckets
-from prefill_buckets import serving
+from prefill_buckets import serving, serving_loads
 from prefill_buckets.upstream import transformers_api
 
 from .test_serve import MAX_PROMPT, REQUESTS, SERVED_NEW_TOKENS, ask, free_port, save_tiny_model, wait_ready
@@ -62,7 +63,8 @@ class PreparingLoaderTest(unittest.TestCase):
 
     def test_the_model_loaded_in_another_process_is_prepared_there(self):
         options = serving.ServeOptions(buckets=[8, 16], max_new_tokens=SERVED_NEW_TOKENS, compile_with="none")
-        loader = pickle.loads(pickle.dumps(serving.PreparingLoader(FolderLoader(), options, record_warmup)))
+        prepare = functools.partial(serving.prepare_model, options=options)
+        loader = pickle.loads(pickle.dumps(serving_loads.PreparingLoader(FolderLoader(), prepare, record_warmup)))
         model, tokenizer = loader.load_model_and_processor(self.folder)
         self.assertEqual(model.generation_config.prefill_buckets, [8, 16])
         self.assertEqual(model.generation_config.cache_implementation, "static")
@@ -82,7 +84,9 @@ class PreparingLoaderTest(unittest.TestCase):
             mock.patch.object(transformers_api, "serve_model_process", return_value=object),
             mock.patch.object(transformers_api, "serve_command") as serve_command,
         ):
-            with self.assertRaisesRegex(ValueError, r"`report` and `ServeOptions.backend` go there pickled"):
+            with self.assertRaisesRegex(
+                ValueError, r"`ServeOptions.backend` among them\) and `report` go there pickled"
+            ):
                 serving.serve("a-model", serving.ServeOptions(), report=lambda model, warm: None)
             with self.assertRaisesRegex(ValueError, "a backend by name"):
                 serving.serve("a-model", serving.ServeOptions(backend=lambda gm, inputs: gm))

@@ -1,0 +1,118 @@
+"""Where `transformers serve` loads the models it serves, and the hooks that prepare each one there, before it serves.
+
+- transformers 5.17 to 5.24 load them in the server's process, with `ModelManager.load_model_and_processor`:
+  `prepared_loads` wraps that method while the server is built.
+- transformers 5.25 loads each in a process of its own, which `EngineClient.start_process` spawns and hands the
+  server's loader: `prepared_processes` hands it a `PreparingLoader` around that loader instead, pickled into the
+  process with what prepares the model, so the warm-up runs there, before the process says the model is loaded.
+
+`prepared(prepare, report)` picks the one this transformers needs; `unsupported_server` says why neither applies.
+`prepare(model, processor=processor)` prepares a loaded model and returns what to `report(model, ...)`.
+"""
+
+import contextlib
+import pickle
+import threading
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import transformers
+
+from .upstream import transformers_api
+
+
+def unsupported_server() -> str | None:
+    """Why this transformers' server can't serve a prepared model (no place it loads it is known here), or `None`."""
+    if transformers_api.serve_model_manager() is not None or transformers_api.serve_model_process() is not None:
+        return None
+    return (
+        "prefill-buckets serve prepares the served model where transformers serve loads it: in the server's process "
+        "(`ModelManager.load_model_and_processor`, transformers 5.17 to 5.24) or in the model's own process (the loader "
+        f"`EngineClient.start_process` hands it, transformers 5.25); transformers {transformers.__version__}'s server "
+        "has neither, so its requests would run unbucketed. Serve with transformers 5.25 (pip install "
+        "'transformers==5.25.0'), or call `prefill_buckets.enable()` in a server of your own."
+    )
+
+
+def prepared(prepare: Callable, report: Callable):
+    """
+    The context in which the models this transformers' server loads are prepared and reported. Raises `ValueError`
+    where they load in a process of their own and `prepare` or `report` can't be pickled to go there.
+    """
+    if transformers_api.serve_model_manager() is not None:
+        return prepared_loads(prepare, report)
+    try:
+        pickle.dumps((prepare, report))
+    except Exception as error:
+        raise ValueError(
+            f"transformers {transformers.__version__}'s server loads the model in a process of its own, where "
+            "prefill_buckets prepares it: its options (`ServeOptions.backend` among them) and `report` go there "
+            f"pickled, and can't ({type(error).__name__}: {error}). Pass a function defined at a module's top level, "
+            "and a backend by name or a picklable callable."
+        ) from None
+    return prepared_processes(prepare, report)
+
+
+@contextlib.contextmanager
+def prepared_loads(prepare: Callable, report: Callable):
+    """
+    While open, every model upstream's server loads is prepared before it serves: the first time
+    `ModelManager.load_model_and_processor` returns it (for the served MODEL, while upstream's `Serve` is built, before
+    the server listens).
+    """
+    manager = transformers_api.serve_model_manager()
+    load = manager.load_model_and_processor
+    done = weakref.WeakSet()
+    lock = threading.Lock()
+
+    def load_model_and_processor(self, *args, **kwargs):
+        model, processor = load(self, *args, **kwargs)
+        with lock:
+            if model not in done:
+                warm = prepare(model, processor=processor)
+                done.add(model)
+                report(model, warm)
+        return model, processor
+
+    manager.load_model_and_processor = load_model_and_processor
+    try:
+        yield
+    finally:
+        manager.load_model_and_processor = load
+
+
+@dataclass
+class PreparingLoader:
+    """
+    Upstream's model loader (transformers 5.25: `ModelLoader`), whose every model is prepared once loaded, and then
+    reported: in the model's own process, which gets this loader pickled, `prepare` and `report` with it.
+    """
+
+    loader: object
+    prepare: Callable
+    report: Callable
+
+    def load_model_and_processor(self, model_id: str, on_progress=None):
+        model, processor = self.loader.load_model_and_processor(model_id, on_progress=on_progress)
+        self.report(model, self.prepare(model, processor=processor))
+        return model, processor
+
+
+@contextlib.contextmanager
+def prepared_processes(prepare: Callable, report: Callable):
+    """
+    While open, every model process upstream's server starts (`EngineClient.start_process`, transformers 5.25) gets a
+    `PreparingLoader` around the server's loader: the model is prepared there, before its process says it is loaded.
+    """
+    engine_client = transformers_api.serve_model_process()
+    start_process = vars(engine_client)["start_process"]  # the staticmethod itself, put back as it was
+
+    def start_prepared_process(model, loader, *args, **kwargs):
+        return start_process.__func__(model, PreparingLoader(loader, prepare, report), *args, **kwargs)
+
+    engine_client.start_process = staticmethod(start_prepared_process)
+    try:
+        yield
+    finally:
+        engine_client.start_process = start_process
