@@ -15,8 +15,8 @@ greedy, `--max-new-tokens` tokens each): first one after the other, then `--conc
 
 Per server: the time to ready (process start to the first answer: a 1-token completion sent as soon as the server
 listens), p50 / p90 time to first token and p50 total time per request, for each pass; the graphs dynamo compiled
-while serving, after the first answer (a thread in the server process writes torch's count to a file); and whether
-every answer's text equals upstream eager's. Each process gets its own empty `TORCHINDUCTOR_CACHE_DIR`.
+while serving, after the first answer (a thread in the process the model runs in, the server's or, from transformers
+5.25, the model's own, writes torch's count to a file); and whether every answer's text equals upstream eager's. Each process gets its own empty `TORCHINDUCTOR_CACHE_DIR`.
 """
 
 import argparse
@@ -35,19 +35,49 @@ from concurrent.futures import ThreadPoolExecutor
 ROWS = ("upstream-eager", "upstream-compile", "ours-cold", "ours-warm")
 
 
-def server_main(argv: list[str]) -> None:
-    """In the server process: count dynamo's graphs into a file, then run the server command until killed."""
-    count_file, kind, *rest = argv
+def write_counts(count_file: str) -> None:
+    """Writes dynamo's graph count of this process to `count_file` every 0.2 s, from a thread of its own."""
     from prefill_buckets.upstream import torch_api
 
-    def write_counts():
+    def write():
         while True:
             with open(count_file + ".tmp", "w") as f:
                 f.write(str(torch_api.graphs_compiled()))
             os.replace(count_file + ".tmp", count_file)
             time.sleep(0.2)
 
-    threading.Thread(target=write_counts, daemon=True).start()
+    threading.Thread(target=write, daemon=True).start()
+
+
+class CountingLoader:
+    """
+    The server's model loader, where the model loads in a process of its own (transformers 5.25): counts the graphs
+    of that process, where they compile. Pickled into it, with the loader it wraps.
+    """
+
+    def __init__(self, loader, count_file: str):
+        self.loader, self.count_file = loader, count_file
+
+    def load_model_and_processor(self, model_id: str, on_progress=None):
+        write_counts(self.count_file)
+        return self.loader.load_model_and_processor(model_id, on_progress=on_progress)
+
+
+def server_main(argv: list[str]) -> None:
+    """In the server process: count dynamo's graphs into a file, then run the server command until killed."""
+    count_file, kind, *rest = argv
+    from prefill_buckets.upstream import transformers_api
+
+    engine_client = transformers_api.serve_model_process()
+    if engine_client is None:  # the model loads in this process
+        write_counts(count_file)
+    else:
+        start_process = engine_client.start_process
+
+        def start_counted_process(model, loader, *args, **kwargs):
+            return start_process(model, CountingLoader(loader, count_file), *args, **kwargs)
+
+        engine_client.start_process = staticmethod(start_counted_process)
     if kind == "upstream":
         sys.argv = ["transformers", "serve", *rest]
         from transformers.cli.transformers import app

@@ -225,8 +225,9 @@ class ModelProcessServeTest(unittest.TestCase):
         short = [request for request in REQUESTS if request[2] < 16]
         expected = [self.expected[REQUESTS.index(request)] for request in short]
         readies = []
-        for launch in ("cold", "warm"):
-            process, client, log = self.start(command, f"{launch}.log")
+        # The warm launch with two API servers, which share one model's process (`Serve.run_api_servers`).
+        for launch, extra in (("cold", []), ("warm", ["--api-server-count", "2"])):
+            process, client, log = self.start(command + extra, f"{launch}.log")
             try:
                 self.assertEqual([ask(client, self.folder, *request) for request in short], expected)
             finally:
