@@ -95,6 +95,11 @@ class PreparingLoader:
 
     def load_model_and_processor(self, model_id: str, on_progress=None):
         model, processor = self.loader.load_model_and_processor(model_id, on_progress=on_progress)
+        threads_rule = transformers_api.serve_threads_rule()
+        if threads_rule is not None:
+            # The process sets torch's threads once this returns: set first, the warm-up's graphs (guarded on the
+            # thread count) would all compile again at the first requests.
+            threads_rule(model.device)
         self.report(model, self.prepare(model, processor=processor))
         return model, processor
 

@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils.import_utils import is_serve_available
 
 import prefill_buckets
-from prefill_buckets import serving, serving_loads
+from prefill_buckets import GraphCounter, serving, serving_loads
 from prefill_buckets.upstream import transformers_api
 
 from .test_serve import MAX_PROMPT, REQUESTS, SERVED_NEW_TOKENS, ask, free_port, save_tiny_model, wait_ready
@@ -76,6 +76,36 @@ class PreparingLoaderTest(unittest.TestCase):
         prefill_buckets.disable()
         expected = reference.generate(prompt, max_new_tokens=6, do_sample=False)
         self.assertEqual(bucketed.tolist(), expected.tolist())
+
+    @unittest.skipIf(
+        not is_serve_available() or transformers_api.serve_threads_rule() is None,
+        "this transformers' server sets no thread count in the model's process",
+    )
+    def test_the_warm_up_runs_on_the_threads_the_model_serves_with(self):
+        # transformers 5.25's model process sets torch to one thread once the model is loaded, for a model on an
+        # accelerator; dynamo guards every graph on the thread count, so a warm-up run before would compile again at
+        # the first requests. Played on the CPU by making the rule set one thread whatever the device.
+        from transformers.cli.serving import utils as serving_utils
+
+        threads = torch.get_num_threads()
+        self.addCleanup(torch.set_num_threads, threads)
+        torch.set_num_threads(2)
+        counter = GraphCounter()
+        options = serving.ServeOptions(
+            buckets=[8, 16], max_new_tokens=SERVED_NEW_TOKENS, precompile=True, compile_with="model", backend=counter
+        )
+        loader = serving_loads.PreparingLoader(
+            FolderLoader(), functools.partial(serving.prepare_model, options=options), record_warmup
+        )
+        one_thread = lambda device: torch.set_num_threads(1)  # noqa: E731
+        with mock.patch.object(serving_utils, "set_torch_threads_for_serving", one_thread):
+            model, tokenizer = loader.load_model_and_processor(self.folder)
+            warmed_up = counter.graphs
+            self.assertEqual(warmed_up, 3)  # a prefill graph per bucket, and the decode graph
+            transformers_api.serve_threads_rule()(model.device)  # what the process does next (`run_engine`)
+        prompt = torch.tensor([[5, 9, 17, 33, 60]])
+        model.generate(prompt, max_new_tokens=4, do_sample=False, tokenizer=tokenizer)
+        self.assertEqual(counter.graphs, warmed_up, "graphs compiled again after the warm-up")
 
     def test_what_cannot_go_to_the_models_process_is_refused_before_the_server_starts(self):
         with (

@@ -333,6 +333,17 @@ def serve_model_process():
     return engine_client if engine_client is not None and "start_process" in vars(engine_client) else None
 
 
+def serve_threads_rule():
+    """
+    What a served model's process does to torch's threads once its model is loaded, called with the model's device
+    (transformers 5.25: `set_torch_threads_for_serving`, one thread for a model on an accelerator), or `None`. Dynamo
+    guards every graph on the thread count, so a warm-up must run after it.
+    """
+    from transformers.cli.serving import utils
+
+    return getattr(utils, "set_torch_threads_for_serving", None)
+
+
 # What a model says of itself: its forward's parameters, its vocabulary, its positions.
 
 # The parameters of each function a call asks about (a forward, a logits processor's `__call__`), read once: bound
