@@ -124,6 +124,17 @@ def ask(client, model: str, kind: str, stream: bool, words: int, **extra) -> str
     return "".join(c.choices[0].text or "" for c in response if c.choices)
 
 
+def set_up_tiny_model_folder(test_class) -> None:
+    """For a test class: `openai` as `test_class.openai`, and the tiny model saved in a folder removed after the class."""
+    import openai
+
+    test_class.openai = openai
+    test_class.tmp = tempfile.TemporaryDirectory()
+    test_class.addClassCleanup(test_class.tmp.cleanup)
+    test_class.folder = os.path.join(test_class.tmp.name, "tiny-llama")
+    save_tiny_model(test_class.folder)
+
+
 REQUESTS = [(kind, stream, words) for words in WORDS for kind in ("chat", "completion") for stream in (False, True)]
 
 
@@ -135,13 +146,7 @@ REQUESTS = [(kind, stream, words) for words in WORDS for kind in ("chat", "compl
 class ServeTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
-        import openai
-
-        cls.openai = openai
-        cls.tmp = tempfile.TemporaryDirectory()
-        cls.addClassCleanup(cls.tmp.cleanup)
-        cls.folder = os.path.join(cls.tmp.name, "tiny-llama")
-        save_tiny_model(cls.folder)
+        set_up_tiny_model_folder(cls)
         prefill_buckets.disable()
         torch._dynamo.reset()
         # Upstream's eager server: the reference answers, and its answer to a bad `generation_config`.

@@ -29,7 +29,16 @@ import prefill_buckets
 from prefill_buckets import GraphCounter, serving, serving_loads
 from prefill_buckets.upstream import transformers_api
 
-from .test_serve import MAX_PROMPT, REQUESTS, SERVED_NEW_TOKENS, ask, free_port, save_tiny_model, wait_ready
+from .test_serve import (
+    MAX_PROMPT,
+    REQUESTS,
+    SERVED_NEW_TOKENS,
+    ask,
+    free_port,
+    save_tiny_model,
+    set_up_tiny_model_folder,
+    wait_ready,
+)
 
 
 READY = re.compile(r"ready with prefill_buckets=(\[[\d, ]*\]): (\d+) graphs compiled")
@@ -136,13 +145,7 @@ def bin_command(name: str) -> list[str]:
 class ModelProcessServeTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
-        import openai
-
-        cls.openai = openai
-        cls.tmp = tempfile.TemporaryDirectory()
-        cls.addClassCleanup(cls.tmp.cleanup)
-        cls.folder = os.path.join(cls.tmp.name, "tiny-llama")
-        save_tiny_model(cls.folder)
+        set_up_tiny_model_folder(cls)
         process, client, _ = cls.start(bin_command("transformers") + ["serve", cls.folder], "upstream.log")
         try:
             cls.expected = [ask(client, cls.folder, *request) for request in REQUESTS]
