@@ -66,9 +66,9 @@ class CountingLoader:
 def server_main(argv: list[str]) -> None:
     """In the server process: count dynamo's graphs into a file, then run the server command until killed."""
     count_file, kind, *rest = argv
-    from prefill_buckets.upstream import transformers_api
+    from prefill_buckets.upstream import transformers_serve
 
-    engine_client = transformers_api.serve_model_process()
+    engine_client = transformers_serve.serve_model_process()
     if engine_client is None:  # the model loads in this process
         write_counts(count_file)
     else:

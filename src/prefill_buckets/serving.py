@@ -32,7 +32,7 @@ from .compile.archive import load_compile_cache, save_compile_cache
 from .compile.precompile import bucket_lengths, precompile
 from .config import PREFILL_BUCKETS
 from .patch import enable
-from .upstream import torch_api, transformers_api
+from .upstream import torch_api, transformers_serve
 from .upstream.transformers_api import max_positions
 
 
@@ -272,8 +272,8 @@ def serve(model: str, options: ServeOptions, serve_args: list[str] = (), report=
     `serving` extra, `RuntimeError` on a server this command can't prepare (`serving_loads.unsupported_server`), and
     `ValueError` for an option it can't serve bucketed (`refused_serve_args`) or what can't be pickled.
     """
-    if transformers_api.serve_unavailable() is not None:
-        raise ImportError(transformers_api.serve_unavailable())
+    if transformers_serve.serve_unavailable() is not None:
+        raise ImportError(transformers_serve.serve_unavailable())
     unsupported = serving_loads.unsupported_server()
     if unsupported is not None:
         raise RuntimeError(unsupported)
@@ -282,7 +282,7 @@ def serve(model: str, options: ServeOptions, serve_args: list[str] = (), report=
         raise ValueError(refused)
     prepare = functools.partial(prepare_model, options=options)
     prepared = serving_loads.prepared(prepare, report if report is not None else _print_ready)
-    command = transformers_api.serve_command()
+    command = transformers_serve.serve_command()
     with prepared:
         return command.main(args=[model, *serve_args], prog_name="prefill-buckets serve", standalone_mode=False)
 
@@ -291,7 +291,7 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser, serve_args: 
     """`prefill-buckets serve`: the options parsed by `cli.py`, the rest passed to transformers serve."""
     options = options_from_args(args, parser)
     problem = (
-        transformers_api.serve_unavailable() or serving_loads.unsupported_server() or refused_serve_args(serve_args)
+        transformers_serve.serve_unavailable() or serving_loads.unsupported_server() or refused_serve_args(serve_args)
     )
     if problem is not None:
         parser.error(problem)

@@ -19,12 +19,12 @@ from dataclasses import dataclass
 
 import transformers
 
-from .upstream import transformers_api
+from .upstream import transformers_serve
 
 
 def unsupported_server() -> str | None:
     """Why this transformers' server can't serve a prepared model (no place it loads it is known here), or `None`."""
-    if transformers_api.serve_model_manager() is not None or transformers_api.serve_model_process() is not None:
+    if transformers_serve.serve_model_manager() is not None or transformers_serve.serve_model_process() is not None:
         return None
     return (
         "prefill-buckets serve prepares the served model where transformers serve loads it: in the server's process "
@@ -40,7 +40,7 @@ def prepared(prepare: Callable, report: Callable):
     The context in which the models this transformers' server loads are prepared and reported. Raises `ValueError`
     where they load in a process of their own and `prepare` or `report` can't be pickled to go there.
     """
-    if transformers_api.serve_model_manager() is not None:
+    if transformers_serve.serve_model_manager() is not None:
         return prepared_loads(prepare, report)
     try:
         pickle.dumps((prepare, report))
@@ -61,7 +61,7 @@ def prepared_loads(prepare: Callable, report: Callable):
     `ModelManager.load_model_and_processor` returns it (for the served MODEL, while upstream's `Serve` is built, before
     the server listens).
     """
-    manager = transformers_api.serve_model_manager()
+    manager = transformers_serve.serve_model_manager()
     load = manager.load_model_and_processor
     done = weakref.WeakSet()
     lock = threading.Lock()
@@ -95,7 +95,7 @@ class PreparingLoader:
 
     def load_model_and_processor(self, model_id: str, on_progress=None):
         model, processor = self.loader.load_model_and_processor(model_id, on_progress=on_progress)
-        threads_rule = transformers_api.serve_threads_rule()
+        threads_rule = transformers_serve.serve_threads_rule()
         if threads_rule is not None:
             # The process sets torch's threads once this returns: set first, the warm-up's graphs (guarded on the
             # thread count) would all compile again at the first requests.
@@ -110,7 +110,7 @@ def prepared_processes(prepare: Callable, report: Callable):
     While open, every model process upstream's server starts (`EngineClient.start_process`, transformers 5.25) gets a
     `PreparingLoader` around the server's loader: the model is prepared there, before its process says it is loaded.
     """
-    engine_client = transformers_api.serve_model_process()
+    engine_client = transformers_serve.serve_model_process()
     start_process = vars(engine_client)["start_process"]  # the staticmethod itself, put back as it was
 
     def start_prepared_process(model, loader, *args, **kwargs):

@@ -24,7 +24,7 @@ from transformers.utils.import_utils import is_serve_available
 
 import prefill_buckets
 from prefill_buckets import GraphCounter, cli, serving, serving_loads
-from prefill_buckets.upstream import torch_api, transformers_api
+from prefill_buckets.upstream import torch_api, transformers_serve
 
 from .tiny_models import tiny_llama
 
@@ -140,7 +140,7 @@ REQUESTS = [(kind, stream, words) for words in WORDS for kind in ("chat", "compl
 
 @unittest.skipUnless(is_serve_available(), 'needs pip install "transformers-prefill-buckets[serving]"')
 @unittest.skipIf(
-    is_serve_available() and transformers_api.serve_model_manager() is None,
+    is_serve_available() and transformers_serve.serve_model_manager() is None,
     "this transformers' server loads the model in a process of its own (test_serve_process.py)",
 )
 class ServeTest(unittest.TestCase):
@@ -166,7 +166,7 @@ class ServeTest(unittest.TestCase):
         """A server on a free loopback port, and an `openai` client for it (no retries: each request is sent once)."""
         port = free_port()
         if options is None:
-            server = transformers_api.serve_command().main(
+            server = transformers_serve.serve_command().main(
                 args=[cls.folder, *serve_args(port)], prog_name="transformers serve", standalone_mode=False
             )
         else:
@@ -320,15 +320,15 @@ class UnsupportedServerTest(unittest.TestCase):
             places.append((model_manager.EngineClient, "start_process"))
         found = [owner for owner, name in places if name in vars(owner)]
         self.assertEqual(len(found), 1, "this transformers' server has exactly one of the places")
-        self.assertIn(found[0], (transformers_api.serve_model_manager(), transformers_api.serve_model_process()))
+        self.assertIn(found[0], (transformers_serve.serve_model_manager(), transformers_serve.serve_model_process()))
         with contextlib.ExitStack() as stack:
             for owner, name in places:
                 if name in vars(owner):
                     original = vars(owner)[name]
                     delattr(owner, name)
                     stack.callback(setattr, owner, name, original)
-            self.assertIsNone(transformers_api.serve_model_manager())
-            self.assertIsNone(transformers_api.serve_model_process())
+            self.assertIsNone(transformers_serve.serve_model_manager())
+            self.assertIsNone(transformers_serve.serve_model_process())
             with self.assertRaisesRegex(RuntimeError, r"has neither.*transformers 5\.25"):
                 serving.serve("a-model", serving.ServeOptions())
             stderr = io.StringIO()

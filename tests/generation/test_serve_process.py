@@ -27,7 +27,7 @@ from transformers.utils.import_utils import is_serve_available
 
 import prefill_buckets
 from prefill_buckets import GraphCounter, serving, serving_loads
-from prefill_buckets.upstream import transformers_api
+from prefill_buckets.upstream import transformers_serve
 
 from .test_serve import (
     MAX_PROMPT,
@@ -87,7 +87,7 @@ class PreparingLoaderTest(unittest.TestCase):
         self.assertEqual(bucketed.tolist(), expected.tolist())
 
     @unittest.skipIf(
-        not is_serve_available() or transformers_api.serve_threads_rule() is None,
+        not is_serve_available() or transformers_serve.serve_threads_rule() is None,
         "this transformers' server sets no thread count in the model's process",
     )
     def test_the_warm_up_runs_on_the_threads_the_model_serves_with(self):
@@ -111,17 +111,17 @@ class PreparingLoaderTest(unittest.TestCase):
             model, tokenizer = loader.load_model_and_processor(self.folder)
             warmed_up = counter.graphs
             self.assertEqual(warmed_up, 3)  # a prefill graph per bucket, and the decode graph
-            transformers_api.serve_threads_rule()(model.device)  # what the process does next (`run_engine`)
+            transformers_serve.serve_threads_rule()(model.device)  # what the process does next (`run_engine`)
         prompt = torch.tensor([[5, 9, 17, 33, 60]])
         model.generate(prompt, max_new_tokens=4, do_sample=False, tokenizer=tokenizer)
         self.assertEqual(counter.graphs, warmed_up, "graphs compiled again after the warm-up")
 
     def test_what_cannot_go_to_the_models_process_is_refused_before_the_server_starts(self):
         with (
-            mock.patch.object(transformers_api, "serve_unavailable", return_value=None),
-            mock.patch.object(transformers_api, "serve_model_manager", return_value=None),
-            mock.patch.object(transformers_api, "serve_model_process", return_value=object),
-            mock.patch.object(transformers_api, "serve_command") as serve_command,
+            mock.patch.object(transformers_serve, "serve_unavailable", return_value=None),
+            mock.patch.object(transformers_serve, "serve_model_manager", return_value=None),
+            mock.patch.object(transformers_serve, "serve_model_process", return_value=object),
+            mock.patch.object(transformers_serve, "serve_command") as serve_command,
         ):
             with self.assertRaisesRegex(
                 ValueError, r"`ServeOptions.backend` among them\) and `report` go there pickled"
@@ -139,7 +139,7 @@ def bin_command(name: str) -> list[str]:
 
 @unittest.skipUnless(is_serve_available(), 'needs pip install "transformers-prefill-buckets[serving]"')
 @unittest.skipIf(
-    is_serve_available() and transformers_api.serve_model_process() is None,
+    is_serve_available() and transformers_serve.serve_model_process() is None,
     "this transformers' server loads the model in the server's process (test_serve.py)",
 )
 class ModelProcessServeTest(unittest.TestCase):

@@ -7,8 +7,8 @@ need (`from ..upstream import torch_api`); nothing is re-exported here.
 - `versions.py`: the installed transformers and torch versions, the ranges CI tests (`TESTED_TRANSFORMERS`,
   `TESTED_TORCH`), and the behaviours that change with the version.
 - `transformers_api.py`: every private transformers name the package reads or changes (the hooked `generate`'s
-  helpers, static caches and their layers, masking, tensor parallelism, the output-capture registry), and
-  `transformers serve`.
+  helpers, static caches and their layers, masking, tensor parallelism, the output-capture registry).
+- `transformers_serve.py`: `transformers serve`'s command, and where it loads the models it serves.
 - `torch_api.py`: every private torch name (dynamo's configuration and caches, the objects `torch.compile` makes,
   inductor, the ahead-of-time compile).
 - `checks.py`: what the package needs of both, checked: `upstream_problems` (the hook targets, the private names),
