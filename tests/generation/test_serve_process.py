@@ -232,6 +232,14 @@ class ModelProcessServeTest(unittest.TestCase):
         self.assertEqual(answers, self.expected)
         self.assertEqual(self.after_ready(log).count(RECOMPILE), 0, "graphs compiled while serving")
 
+        # A bad bucket field fails the request as upstream's own bad fields do (in the model's process, where the
+        # package is: `generate` raises a ValueError), and the server keeps serving, exactly.
+        for config in ({"prefill_buckets": "pow3"}, {"prefill_pad_to_multiple_of": 0}):
+            with self.subTest(config=config), self.assertRaises(self.openai.APIError):
+                ask(client, self.folder, "chat", False, 5, extra_body={"generation_config": json.dumps(config)})
+        client = self.openai.OpenAI(base_url=client.base_url, api_key="unused", max_retries=0)  # a new connection
+        self.assertEqual(ask(client, self.folder, *REQUESTS[-1]), self.expected[-1])
+
         # A request's own bucket fields are kept: its prompt is padded to its own bucket, 100, which compiles once.
         self.assertEqual(ask(client, self.folder, "chat", False, 21, extra_body=self.own_config()), self.expected_own)
         deadline = time.monotonic() + 10  # the log line may trail the answer
