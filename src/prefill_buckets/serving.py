@@ -255,8 +255,8 @@ def refused_serve_args(serve_args) -> str | None:
     if "--continuous-batching" in serve_args:
         return (
             "--continuous-batching schedules requests' tokens itself (`generate_batch`, with paged attention), not "
-            "through `generate`, so there is no prompt to pad to a bucket, and the forward prefill-buckets serve "
-            "compiles for `generate` would compile again for every batch it forms. Serve it with `transformers serve "
+            "through `generate`, so there is no prompt to pad to a bucket: its requests would run unbucketed, on a "
+            "forward this command compiled for `generate`'s calls. Serve it with `transformers serve "
             "--continuous-batching`, or leave the option out here."
         )
     return None

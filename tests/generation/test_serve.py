@@ -339,8 +339,8 @@ class UnsupportedServerTest(unittest.TestCase):
         self.assertIsNone(serving_loads.unsupported_server())
 
     def test_continuous_batching_is_refused(self):
-        # It schedules tokens itself (`generate_batch`): no prompt to pad, and a forward compiled for `generate` would
-        # compile again for every batch it forms. Before, the command prepared the model and served it that way.
+        # It schedules tokens itself (`generate_batch`): no prompt to pad, so its requests would run unbucketed.
+        # Before, the command prepared the model for `generate` and served it that way.
         with self.assertRaisesRegex(ValueError, "--continuous-batching schedules"):
             serving.serve("a-model", serving.ServeOptions(), ["--continuous-batching", "--port", "8000"])
         stderr = io.StringIO()
