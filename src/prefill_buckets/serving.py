@@ -4,9 +4,9 @@ The server is upstream's `transformers serve` (its `Serve` command, FastAPI and 
 its own), started on a model this module prepares before the first request:
 
 1. `enable()`, so every request's `generate` is the bucketed one;
-2. the bucket fields, a static cache and the served `max_new_tokens` on the model's generation config, which upstream
-   copies into each request's config (a request that sends its own `generation_config` with bucket fields keeps them;
-   one without takes the model's, as a bucketed `generate` does);
+2. the bucket fields and a static cache on the model's generation config, which each request's settings go on top of
+   (a request that sends its own `generation_config` with bucket fields keeps them; one without takes the model's, as
+   a bucketed `generate` does);
 3. the forward compiled (`aot_forward` by default, whose graphs a compile cache file carries whole);
 4. with `--precompile`, every bucket's graphs compiled before the server answers (`precompile`), and with
    `--compile-cache FILE`, the graphs loaded from the file, or saved to it after precompiling.
