@@ -16,10 +16,12 @@ greedy, `--max-new-tokens` tokens each): first one after the other, then `--conc
 Per server: the time to ready (process start to the first answer: a 1-token completion sent as soon as the server
 listens), p50 / p90 time to first token and p50 total time per request, for each pass; the graphs dynamo compiled
 while serving, after the first answer (a thread in the process the model runs in, the server's or, from transformers
-5.25, the model's own, writes torch's count to a file); and whether every answer's text equals upstream eager's. Each process gets its own empty `TORCHINDUCTOR_CACHE_DIR`.
+5.25, the model's own, writes torch's count to a file); and whether every answer's text equals upstream eager's.
+Each process gets its own empty `TORCHINDUCTOR_CACHE_DIR`.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -66,27 +68,24 @@ class CountingLoader:
 def server_main(argv: list[str]) -> None:
     """In the server process: count dynamo's graphs into a file, then run the server command until killed."""
     count_file, kind, *rest = argv
+    from prefill_buckets import serving_loads
     from prefill_buckets.upstream import transformers_serve
 
-    engine_client = transformers_serve.serve_model_process()
-    if engine_client is None:  # the model loads in this process
+    if transformers_serve.serve_model_process() is None:  # the model loads in this process
         write_counts(count_file)
+        counted = contextlib.nullcontext()
     else:
-        start_process = engine_client.start_process
+        counted = serving_loads.wrapped_process_loaders(lambda loader: CountingLoader(loader, count_file))
+    with counted:
+        if kind == "upstream":
+            sys.argv = ["transformers", "serve", *rest]
+            from transformers.cli.transformers import app
 
-        def start_counted_process(model, loader, *args, **kwargs):
-            return start_process(model, CountingLoader(loader, count_file), *args, **kwargs)
+            app()
+        else:
+            from prefill_buckets.cli import main
 
-        engine_client.start_process = staticmethod(start_counted_process)
-    if kind == "upstream":
-        sys.argv = ["transformers", "serve", *rest]
-        from transformers.cli.transformers import app
-
-        app()
-    else:
-        from prefill_buckets.cli import main
-
-        main(["serve", *rest])
+            main(["serve", *rest])
 
 
 def free_port() -> int:

@@ -262,6 +262,23 @@ def refused_serve_args(serve_args) -> str | None:
     return None
 
 
+def serve_problem(serve_args) -> "tuple[type[Exception], str] | None":
+    """
+    Why this command can't serve here, bucketed, with `serve_args` passed on, as the error `serve` raises and its
+    message (the CLI's usage error): no `serving` extra (`ImportError`), a server it can't prepare (`RuntimeError`), an
+    option it can't serve bucketed (`ValueError`); `None` when it can.
+    """
+    for error_class, why in (  # in this order: the server's module can't be read without the extra
+        (ImportError, transformers_serve.serve_unavailable),
+        (RuntimeError, serving_loads.unsupported_server),
+        (ValueError, lambda: refused_serve_args(serve_args)),
+    ):
+        message = why()
+        if message is not None:
+            return error_class, message
+    return None
+
+
 def serve(model: str, options: ServeOptions, serve_args: list[str] = (), report=None):
     """
     Runs `transformers serve MODEL serve_args...` with `model` prepared by `prepare_model`, then `report(model, warm)`
@@ -269,17 +286,13 @@ def serve(model: str, options: ServeOptions, serve_args: list[str] = (), report=
     `--non-blocking` (upstream's option for tests, through transformers 5.24): then it returns upstream's `Serve`,
     running (stop it with `kill_server()`). From transformers 5.25 the model is prepared and `report` called in the
     model's own process, so `report` and a callable `options.backend` must pickle. Raises `ImportError` without the
-    `serving` extra, `RuntimeError` on a server this command can't prepare (`serving_loads.unsupported_server`), and
-    `ValueError` for an option it can't serve bucketed (`refused_serve_args`) or what can't be pickled.
+    `serving` extra, `RuntimeError` on a server this command can't prepare, and `ValueError` for an option it can't serve
+    bucketed (all three: `serve_problem`) or what can't be pickled.
     """
-    if transformers_serve.serve_unavailable() is not None:
-        raise ImportError(transformers_serve.serve_unavailable())
-    unsupported = serving_loads.unsupported_server()
-    if unsupported is not None:
-        raise RuntimeError(unsupported)
-    refused = refused_serve_args(serve_args)
-    if refused is not None:
-        raise ValueError(refused)
+    problem = serve_problem(serve_args)
+    if problem is not None:
+        error_class, message = problem
+        raise error_class(message)
     prepare = functools.partial(prepare_model, options=options)
     prepared = serving_loads.prepared(prepare, report if report is not None else _print_ready)
     command = transformers_serve.serve_command()
@@ -290,10 +303,8 @@ def serve(model: str, options: ServeOptions, serve_args: list[str] = (), report=
 def main(args: argparse.Namespace, parser: argparse.ArgumentParser, serve_args: list[str]) -> int:
     """`prefill-buckets serve`: the options parsed by `cli.py`, the rest passed to transformers serve."""
     options = options_from_args(args, parser)
-    problem = (
-        transformers_serve.serve_unavailable() or serving_loads.unsupported_server() or refused_serve_args(serve_args)
-    )
+    problem = serve_problem(serve_args)
     if problem is not None:
-        parser.error(problem)
+        parser.error(problem[1])
     serve(args.model, options, serve_args)
     return 0

@@ -104,19 +104,28 @@ class PreparingLoader:
         return model, processor
 
 
-@contextlib.contextmanager
 def prepared_processes(prepare: Callable, report: Callable):
     """
-    While open, every model process upstream's server starts (`EngineClient.start_process`, transformers 5.25) gets a
-    `PreparingLoader` around the server's loader: the model is prepared there, before its process says it is loaded.
+    While open, every model process upstream's server starts (transformers 5.25) gets a `PreparingLoader` around the
+    server's loader: the model is prepared there, before its process says it is loaded.
+    """
+    return wrapped_process_loaders(lambda loader: PreparingLoader(loader, prepare, report))
+
+
+@contextlib.contextmanager
+def wrapped_process_loaders(wrap: Callable):
+    """
+    While open, `EngineClient.start_process` (transformers 5.25) hands each model's process `wrap(loader)` in place
+    of the server's `loader`: an object with the loader's `load_model_and_processor(model_id, on_progress=None)`,
+    pickled into that process, where it runs.
     """
     engine_client = transformers_serve.serve_model_process()
     start_process = vars(engine_client)["start_process"]  # the staticmethod itself, put back as it was
 
-    def start_prepared_process(model, loader, *args, **kwargs):
-        return start_process.__func__(model, PreparingLoader(loader, prepare, report), *args, **kwargs)
+    def start_wrapped_process(model, loader, *args, **kwargs):
+        return start_process.__func__(model, wrap(loader), *args, **kwargs)
 
-    engine_client.start_process = staticmethod(start_prepared_process)
+    engine_client.start_process = staticmethod(start_wrapped_process)
     try:
         yield
     finally:

@@ -16,6 +16,7 @@ import tempfile
 import time
 import traceback
 import unittest
+from unittest import mock
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -384,6 +385,23 @@ class ServeOptionsTest(unittest.TestCase):
         config = GenerationConfig(cache_implementation="static", max_new_tokens=2, prefill_buckets=[8])
         with self.assertRaisesRegex(ValueError, "`generate_kwargs` must not hold \\['attention_mask'\\]"):
             prefill_buckets.precompile(model, config, progress=False, generate_kwargs={"attention_mask": None})
+
+    def test_without_the_serving_extra_the_server_is_not_read(self):
+        # Without FastAPI and uvicorn upstream's server module can't be imported: the command says what to install
+        # (ImportError from `serve`, a usage error from the CLI) before it asks where that server loads its models.
+        missing = "transformers serve needs FastAPI and uvicorn"
+        with (
+            mock.patch.object(transformers_serve, "serve_unavailable", return_value=missing),
+            mock.patch.object(transformers_serve, "serve_model_manager", side_effect=AssertionError("read")),
+            mock.patch.object(transformers_serve, "serve_model_process", side_effect=AssertionError("read")),
+        ):
+            with self.assertRaisesRegex(ImportError, missing):
+                serving.serve("a-model", serving.ServeOptions())
+            stderr = io.StringIO()
+            with contextlib.redirect_stderr(stderr), self.assertRaises(SystemExit) as exited:
+                cli.main(["serve", "a-model"])
+            self.assertEqual(exited.exception.code, 2)
+            self.assertIn(missing, stderr.getvalue())
 
     def test_compile_cache_implies_precompile(self):
         options = self.parse("--compile-cache", "f.zip", "--buckets", "16,64")
