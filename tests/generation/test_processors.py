@@ -3,6 +3,7 @@
 import unittest
 
 import torch
+from parameterized import parameterized
 from transformers import GenerationConfig, LogitsProcessor, StoppingCriteria
 
 import prefill_buckets
@@ -92,6 +93,58 @@ class ProcessorViewTest(unittest.TestCase):
         theirs = self.model.generate(self.prompt, generation_config=config)
         torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
         self.assertEqual(int(ours[0, -1]), 1)
+
+
+def repetitive_prompt(length: int, seed: int) -> torch.Tensor:
+    """A prompt of `length` ids that repeats 4 of them: prompt lookup finds candidates in it."""
+    base = torch.randint(3, 20, (1, 4), generator=torch.Generator().manual_seed(seed))
+    return base.repeat(1, length // 4 + 1)[:, :length]
+
+
+class PromptLookupProcessorsTest(unittest.TestCase):
+    """Prompt lookup checks each candidate against the logits processors: they see the ids an unpadded run has there too."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.model = tiny_llama()
+
+    def test_the_candidate_search_shows_processors_the_unpadded_ids(self):
+        prompt = repetitive_prompt(5, seed=0)  # bucket 8: 3 columns added
+        seen = {}
+        for name, run in [
+            ("ours", lambda **kwargs: prefill_buckets.generate(self.model, prompt, prefill_buckets=[8, 16], **kwargs)),
+            ("theirs", lambda **kwargs: self.model.generate(prompt, **kwargs)),
+        ]:
+            processor = RecordingProcessor()
+            seen[name] = (
+                run(max_new_tokens=6, do_sample=False, prompt_lookup_num_tokens=3, logits_processor=[processor]),
+                processor.seen,
+            )
+        torch.testing.assert_close(seen["ours"][0], seen["theirs"][0], rtol=0, atol=0)
+        ours, theirs = seen["ours"][1], seen["theirs"][1]
+        self.assertGreater(len(theirs), 8)  # the candidate search called it too, not only the 6 steps
+        self.assertEqual([ids.tolist() for ids in ours], [ids.tolist() for ids in theirs])
+
+    @parameterized.expand(
+        [
+            (f"{name}_{length}", processors, length, seed)
+            for name, processors in [
+                ("repetition_penalty", {"repetition_penalty": 1.5}),
+                ("no_repeat_ngram", {"no_repeat_ngram_size": 3}),
+                ("min_new_tokens", {"min_new_tokens": 6, "eos_token_id": 9}),
+            ]
+            for length, seed in [(5, 0), (17, 4)]
+        ]
+    )
+    def test_sampled_with_processors_as_unpadded(self, _, processors, length, seed):
+        # Sampling draws once per position the target model checks: other candidates, other draws.
+        prompt = repetitive_prompt(length, seed)
+        config = GenerationConfig(max_new_tokens=8, do_sample=True, prompt_lookup_num_tokens=3, **processors)
+        torch.manual_seed(seed)
+        theirs = self.model.generate(prompt, generation_config=config)
+        torch.manual_seed(seed)
+        ours = prefill_buckets.generate(self.model, prompt, generation_config=config, prefill_buckets=[8, 32])
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
 
 
 if __name__ == "__main__":

@@ -54,18 +54,39 @@ class UnpaddedCriterion(_View, StoppingCriteria):
 
 
 class UnpaddedPromptLookup(_View):
-    """Runs prompt-lookup decoding's n-gram search on the ids without the added columns, as an unpadded run does."""
+    """
+    Runs prompt-lookup decoding's n-gram search on the ids without the added columns, as an unpadded run does.
+
+    The search checks each candidate against the call's logits processors, which take the padded ids (each strips the
+    added columns itself, or counts them, `get_logits_processor`): they get the searched ids with the columns back.
+    """
 
     def __init__(self, generator, pad: int):
         super().__init__(generator, pad)
         generator.max_length -= pad  # compared with the length of the ids it sees
+        self.added_ids = None  # [1, pad]: the columns in front of the ids of the running call
+        if getattr(generator, "logits_processor", None) is not None:
+            generator.logits_processor = _PaddedAgain(generator.logits_processor, self)
 
     def get_candidates(self, input_ids, *args, **kwargs):
+        self.added_ids = input_ids[:, : self.pad]
         candidates, logits = self.wrapped.get_candidates(input_ids[:, self.pad :], *args, **kwargs)
-        return torch.cat([input_ids[:, : self.pad], candidates], dim=1), logits
+        return torch.cat([self.added_ids, candidates], dim=1), logits
 
     def update_candidate_strategy(self, input_ids, *args, **kwargs):
         return self.wrapped.update_candidate_strategy(input_ids[:, self.pad :], *args, **kwargs)
+
+
+class _PaddedAgain(LogitsProcessorList):
+    """The call's logits processors, given the ids prompt lookup searched with the added columns back in front."""
+
+    def __init__(self, processors: LogitsProcessorList, lookup: UnpaddedPromptLookup):
+        super().__init__(processors)
+        self.lookup = lookup
+
+    def __call__(self, input_ids, scores, **kwargs):
+        added = self.lookup.added_ids.expand(input_ids.shape[0], -1)
+        return super().__call__(torch.cat([added, input_ids], dim=1), scores, **kwargs)
 
 
 class PromptStrippingStreamer(_View, BaseStreamer):
