@@ -103,6 +103,17 @@ class OneDecisionTest(unittest.TestCase):
         self.assert_unpadded(model, prompt, expected, generation_config=config, **{CACHE: cache}, **fields)
         self.assertIn("the cache passed in has 32 slots", self.decisions[-1].reason)
 
+    def test_prompt_lookup_from_inputs_embeds_alone(self):
+        # Upstream cuts the mask to the ids (the candidates): padded, the prompt's mask would be lost, and the tokens.
+        model = tiny_llama()
+        embeds = model.get_input_embeddings()(torch.arange(3, 8).unsqueeze(0)).detach()
+        config = GenerationConfig(max_new_tokens=8, do_sample=False, prompt_lookup_num_tokens=3)
+        expected = model.generate(inputs_embeds=embeds, generation_config=config)
+        self.assert_unpadded(
+            model, None, expected, inputs_embeds=embeds, generation_config=config, prefill_buckets=[16]
+        )
+        self.assertIn("prompt-lookup decoding from `inputs_embeds` alone", self.decisions[-1].reason)
+
 
 if __name__ == "__main__":
     unittest.main()

@@ -8,6 +8,7 @@ from transformers import GenerationConfig, LogitsProcessor, StoppingCriteria
 
 import prefill_buckets
 
+from .test_equivalence import get_model, random_ids
 from .tiny_models import tiny_llama
 
 
@@ -144,6 +145,19 @@ class PromptLookupProcessorsTest(unittest.TestCase):
         theirs = self.model.generate(prompt, generation_config=config)
         torch.manual_seed(seed)
         ours = prefill_buckets.generate(self.model, prompt, generation_config=config, prefill_buckets=[8, 32])
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+
+class InputsEmbedsProcessorsTest(unittest.TestCase):
+    def test_repetition_penalty_skips_the_users_padding_only(self):
+        # From transformers 5.23 the penalty skips as many ids as the mask has leading zeros. From `inputs_embeds`
+        # alone the ids hold only the new tokens, so the added positions must not count: they would exempt the first
+        # new tokens from the penalty.
+        model = get_model("gpt2_no_pad")
+        embeds = model.get_input_embeddings()(random_ids(1, 13)).detach()
+        config = GenerationConfig(max_new_tokens=6, do_sample=False, repetition_penalty=1.5)
+        theirs = model.generate(inputs_embeds=embeds, generation_config=config)
+        ours = prefill_buckets.generate(model, inputs_embeds=embeds, generation_config=config, prefill_buckets=[16])
         torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
 
 

@@ -109,6 +109,16 @@ UNSUPPORTED = (
         "`{call.model_name}.forward` takes no `attention_mask`, so padding could not be masked",
     ),
     Unsupported(
+        "prompt lookup from `inputs_embeds` alone",
+        lambda call: (
+            call.settings.prompt_lookup_num_tokens is not None
+            and call.call.inputs_embeds is not None
+            and (call.call.input_ids is None or call.call.input_ids.shape[1] == 0)
+        ),
+        "prompt-lookup decoding from `inputs_embeds` alone cuts the attention mask to the length of the ids, which hold "
+        "the candidates and not the prompt: the mask of the padding would be lost. Pass `input_ids` to bucket it",
+    ),
+    Unsupported(
         "classifier-free guidance (`guidance_scale`) on a forward the user compiled",
         _guidance_compiled,
         "classifier-free guidance (`guidance_scale={call.settings.guidance_scale}`) runs the model's forward from its "

@@ -149,14 +149,20 @@ def _skips_left_padding(processor, user_processors) -> bool:
 @hook("_get_logits_processor", reads=("generation_config", "logits_processor"), side="left")
 def get_logits_processor(plan, step):
     processors = step.call()
-    if plan.added_id_columns == 0:
+    # Positions added in front of the mask that the ids lack: all of them when the prompt is only `inputs_embeds`.
+    missing_from_ids = plan.added_positions - plan.added_id_columns
+    if plan.added_id_columns == 0 and missing_from_ids == 0:
         return processors
     user_processors = {id(p) for p in step["logits_processor"] or ()}
     wrapped = LogitsProcessorList()
     for processor in processors:
-        padded_view = isinstance(processor, _PADDED_VIEW) or _skips_left_padding(processor, user_processors)
+        skips_left_padding = _skips_left_padding(processor, user_processors)
+        if skips_left_padding and missing_from_ids:
+            processor = copy.copy(processor)  # it skips as many ids as the padded mask has leading zeros
+            processor.prompt_ignore_length = (processor.prompt_ignore_length - missing_from_ids).clamp(min=0)
+        padded_view = isinstance(processor, _PADDED_VIEW) or skips_left_padding
         plain = not padded_view and len(parameters_of(processor.__call__)) == 2  # extra arguments: leave it be
-        if plain:
+        if plain and plan.added_id_columns:
             processor = UnpaddedProcessor(processor, plan.added_id_columns)
         wrapped.append(processor)
     return wrapped
