@@ -96,6 +96,34 @@ class GenerationModesTest(RobustnessTestBase):
         actual = self.model.generate(input_ids, generation_config=config, prefill_buckets=[16, 32], **kwargs)
         self.assertSameIds(actual, expected)
 
+    @parameterized.expand(
+        [
+            (f"{name}_{length}", processors, length)
+            for name, processors in [
+                ("sequence_bias", {"sequence_bias": {(88,): 5.0}}),
+                # Before transformers 5.23 its penalty is wrapped too (later it skips the padding by the mask).
+                ("repetition_penalty", {"repetition_penalty": 3.0}),
+            ]
+            for length in (5, 17)
+        ]
+    )
+    def test_sampled_assisted_decoding_with_processors(self, _, processors, length):
+        # The assistant's `generate` keeps one processor of each type (the call's over the one it builds itself): a
+        # processor that strips the padding must count as the type it wraps, or both run (the bias added twice), and
+        # the candidates' probabilities, which sampling weighs, change.
+        input_ids = random_ids(1, length, seed=length)
+        config = GenerationConfig(max_new_tokens=8, do_sample=True, pad_token_id=0, eos_token_id=1, **processors)
+        assistant = tiny_llama(seed=1)
+        for seed in range(3):
+            torch.manual_seed(seed)
+            expected = self.model.generate(input_ids, generation_config=config, assistant_model=assistant)
+            torch.manual_seed(seed)
+            actual = prefill_buckets.generate(
+                self.model, input_ids, generation_config=config, assistant_model=assistant, prefill_buckets=[16, 32]
+            )
+            self.assertSameIds(actual, expected)
+            self.assertNotIn("_merge_criteria_processor_list", assistant.__dict__)  # put back
+
     @parameterized.expand([("static", "static"), ("dynamic", None)])
     def test_stop_strings(self, _, cache_implementation):
         tokenizer = word_tokenizer()

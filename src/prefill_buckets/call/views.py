@@ -77,6 +77,33 @@ class UnpaddedPromptLookup(_View):
         return self.wrapped.update_candidate_strategy(input_ids[:, self.pad :], *args, **kwargs)
 
 
+class AssistantMergingByWrappedType(_View):
+    """
+    An assistant model's candidate generator whose assistant merges the call's processors as upstream's does.
+
+    It hands the call's processors to the assistant's own `generate`, which keeps one processor of each type: the one
+    passed in over the one it builds from the same config (`_merge_criteria_processor_list`). A processor that strips
+    the added columns is another type than the one it wraps, so both would run, twice the temperature or the bias:
+    while it fetches candidates, the assistant matches them by the type they wrap.
+    """
+
+    def get_candidates(self, input_ids, *args, **kwargs):
+        with transformers_api.processors_merged_by(self.wrapped.assistant_model, _merge_by_wrapped_type):
+            return self.wrapped.get_candidates(input_ids, *args, **kwargs)
+
+
+def _merge_by_wrapped_type(merge):
+    """Upstream's `merge(default_list, custom_list)`, with a processor that strips the padding as the type it wraps."""
+
+    def merged(default_list, custom_list):
+        views = {id(c.wrapped): c for c in custom_list if isinstance(c, UnpaddedProcessor)}
+        unwrapped = type(custom_list)(c.wrapped if isinstance(c, UnpaddedProcessor) else c for c in custom_list)
+        result = merge(default_list, unwrapped)
+        return type(result)(views.get(id(p), p) for p in result)
+
+    return merged
+
+
 class _PaddedAgain(LogitsProcessorList):
     """The call's logits processors, given the ids prompt lookup searched with the added columns back in front."""
 
@@ -193,6 +220,8 @@ def get_candidate_generator(plan, step):
     # model's candidates come from a forward with the attention mask, which hides the padding.
     if plan.added_id_columns and transformers_api.is_prompt_lookup(generator):
         return UnpaddedPromptLookup(generator, plan.added_id_columns)
+    if plan.added_id_columns and transformers_api.is_assistant_model(generator):
+        return AssistantMergingByWrappedType(generator, plan.added_id_columns)
     return generator
 
 

@@ -19,7 +19,7 @@ from . import torch_api, versions
 
 
 # Other private methods called on the model.
-CALLED_METHODS = ("_valid_auto_compile_criteria",)
+CALLED_METHODS = ("_valid_auto_compile_criteria", "_merge_criteria_processor_list")
 
 
 def upstream_problems(model_class: type, hook_targets: dict[str, tuple[tuple[str, ...], bool]]) -> str | None:

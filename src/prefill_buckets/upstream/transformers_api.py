@@ -286,6 +286,28 @@ def is_prompt_lookup(candidate_generator) -> bool:
     return type(candidate_generator).__name__ == "PromptLookupCandidateGenerator"
 
 
+@contextlib.contextmanager
+def processors_merged_by(model, wrap):
+    """
+    While open, `model.generate` merges the logits processors passed in with those it builds by `wrap(merge)`, where
+    `merge` is upstream's `_merge_criteria_processor_list` (which keeps the one passed in of each type).
+    """
+    own = model.__dict__.get("_merge_criteria_processor_list")
+    object.__setattr__(model, "_merge_criteria_processor_list", wrap(model._merge_criteria_processor_list))
+    try:
+        yield
+    finally:
+        if own is None:
+            object.__delattr__(model, "_merge_criteria_processor_list")
+        else:
+            object.__setattr__(model, "_merge_criteria_processor_list", own)
+
+
+def is_assistant_model(candidate_generator) -> bool:
+    """Whether candidates come from an assistant model's own `generate`, with the same tokenizer."""
+    return type(candidate_generator).__name__ == "AssistedCandidateGenerator"
+
+
 # What a model says of itself: its forward's parameters, its vocabulary, its positions.
 
 # The parameters of each function a call asks about (a forward, a logits processor's `__call__`), read once: bound
