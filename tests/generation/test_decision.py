@@ -13,6 +13,7 @@ import prefill_buckets
 from prefill_buckets.call import decision, generation
 from prefill_buckets.call.decision import UNSUPPORTED, unsupported_table
 
+from .test_equivalence import get_model
 from .test_padding_rule import REFERENCE
 from .tiny_models import CACHE, tiny_llama
 
@@ -112,7 +113,31 @@ class OneDecisionTest(unittest.TestCase):
         self.assert_unpadded(
             model, None, expected, inputs_embeds=embeds, generation_config=config, prefill_buckets=[16]
         )
-        self.assertIn("prompt-lookup decoding from `inputs_embeds` alone", self.decisions[-1].reason)
+        self.assertIn("decoding from `inputs_embeds` alone", self.decisions[-1].reason)
+
+    def test_assisted_decoding_from_inputs_embeds_alone(self):
+        # One new token: upstream's assisted decoding from embeddings runs (it fails past one), on the mask cut to
+        # the ids; padded, the pad position would be attended.
+        model = tiny_llama()
+        embeds = model.get_input_embeddings()(torch.tensor([[47]])).detach()
+        config = GenerationConfig(max_new_tokens=1, do_sample=False)
+        expected = model.generate(inputs_embeds=embeds, generation_config=config, assistant_model=tiny_llama(seed=1))
+        self.assert_unpadded(
+            model, None, expected, inputs_embeds=embeds, generation_config=config, assistant_model=tiny_llama(seed=1),
+            prefill_buckets=[2],
+        )  # fmt: skip
+        self.assertIn("assisted and prompt-lookup decoding from `inputs_embeds` alone", self.decisions[-1].reason)
+
+    def test_prompt_lookup_on_a_static_cache_with_sliding_window_layers(self):
+        # Unpadded, the cache (2 + 3 slots) fits the window of 8, so upstream can crop it; padded to 10 it would not.
+        model = get_model.__wrapped__("mistral_sliding")  # a fresh one: upstream keeps a longer cache a call made
+        prompt = torch.arange(20, 22).unsqueeze(0)
+        config = GenerationConfig(
+            max_new_tokens=3, do_sample=False, prompt_lookup_num_tokens=3, cache_implementation="static"
+        )
+        expected = model.generate(prompt, generation_config=config)
+        self.assert_unpadded(model, prompt, expected, generation_config=config, prefill_pad_to_multiple_of=10)
+        self.assertIn("static sliding-window layer allows only", self.decisions[-1].reason)
 
 
 if __name__ == "__main__":

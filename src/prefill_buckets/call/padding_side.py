@@ -90,6 +90,25 @@ class RuleFacts:
         return self.past_length + self.bucket
 
     @cached_property
+    def decodes_candidates(self) -> bool:
+        """Assisted or prompt-lookup decoding: upstream checks candidates (`_assisted_decoding`), no prefill step."""
+        return (
+            self.arguments.get("assistant_model") is not None
+            or self.settings.prompt_lookup_num_tokens is not None
+            or self.settings.assistant_early_exit is not None
+            or self.settings.use_mtp
+        )
+
+    @cached_property
+    def sliding_static_cache(self) -> bool:
+        """Whether the call runs on a static cache (passed in, or for `generate` to make) with sliding-window layers."""
+        if self.cache is not None and not transformers_api.is_static_cache(self.cache):
+            return False
+        if self.cache is None and transformers_api.is_dynamic(self.settings.cache_implementation):
+            return False
+        return _has_sliding_layers(self.model, self.cache, self.slots)
+
+    @cached_property
     def model_name(self) -> str:
         return type(self.model).__name__
 
@@ -150,12 +169,7 @@ RULE = (
         "assisted decoding (`assistant_model`, `assistant_early_exit`, `use_mtp`) or prompt lookup",
         "left",
         "upstream runs the prompt with the first candidates, not through its prefill step",
-        lambda call: (
-            call.arguments.get("assistant_model") is not None
-            or call.settings.prompt_lookup_num_tokens is not None
-            or call.settings.assistant_early_exit is not None
-            or call.settings.use_mtp
-        ),
+        lambda call: call.decodes_candidates,
         "assisted and prompt-lookup decoding run the prompt together with the first candidates",
     ),
     Case(
