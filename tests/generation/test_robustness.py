@@ -98,7 +98,8 @@ class GenerationModesTest(RobustnessTestBase):
 
     @parameterized.expand(
         [
-            (f"{name}_{length}", processors, length)
+            (f"{kind}_{name}_{length}", kind, processors, length)
+            for kind in ("assistant_model", "assistant_early_exit")
             for name, processors in [
                 ("sequence_bias", {"sequence_bias": {(88,): 5.0}}),
                 # Before transformers 5.23 its penalty is wrapped too (later it skips the padding by the mask).
@@ -107,19 +108,21 @@ class GenerationModesTest(RobustnessTestBase):
             for length in (5, 17)
         ]
     )
-    def test_sampled_assisted_decoding_with_processors(self, _, processors, length):
+    def test_sampled_assisted_decoding_with_processors(self, _, kind, processors, length):
         # The assistant's `generate` keeps one processor of each type (the call's over the one it builds itself): a
         # processor that strips the padding must count as the type it wraps, or both run (the bias added twice), and
         # the candidates' probabilities, which sampling weighs, change.
         input_ids = random_ids(1, length, seed=length)
         config = GenerationConfig(max_new_tokens=8, do_sample=True, pad_token_id=0, eos_token_id=1, **processors)
-        assistant = tiny_llama(seed=1)
+        # Early exit drafts with the model's own first layers: its `generate` is the assistant's.
+        assistant = tiny_llama(seed=1) if kind == "assistant_model" else self.model
+        drafting = {"assistant_model": assistant} if kind == "assistant_model" else {"assistant_early_exit": 1}
         for seed in range(3):
             torch.manual_seed(seed)
-            expected = self.model.generate(input_ids, generation_config=config, assistant_model=assistant)
+            expected = self.model.generate(input_ids, generation_config=config, **drafting)
             torch.manual_seed(seed)
             actual = prefill_buckets.generate(
-                self.model, input_ids, generation_config=config, assistant_model=assistant, prefill_buckets=[16, 32]
+                self.model, input_ids, generation_config=config, prefill_buckets=[16, 32], **drafting
             )
             self.assertSameIds(actual, expected)
             self.assertNotIn("_merge_criteria_processor_list", assistant.__dict__)  # put back

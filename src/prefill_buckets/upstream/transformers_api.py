@@ -304,8 +304,8 @@ def processors_merged_by(model, wrap):
 
 
 def is_assistant_model(candidate_generator) -> bool:
-    """Whether candidates come from an assistant model's own `generate`, with the same tokenizer."""
-    return type(candidate_generator).__name__ == "AssistedCandidateGenerator"
+    """Whether candidates come from an assistant's own `generate` (a model with the same tokenizer, or early exit)."""
+    return type(candidate_generator).__name__ in ("AssistedCandidateGenerator", "EarlyExitCandidateGenerator")
 
 
 # What a model says of itself: its forward's parameters, its vocabulary, its positions.
