@@ -110,21 +110,15 @@ UNSUPPORTED = (
     ),
     Unsupported(
         "assisted or prompt-lookup decoding from `inputs_embeds` alone",
-        lambda call: (
-            call.decodes_candidates
-            and call.call.inputs_embeds is not None
-            and (call.call.input_ids is None or call.call.input_ids.shape[1] == 0)
-        ),
-        "assisted and prompt-lookup decoding from `inputs_embeds` alone cut the attention mask to the length of the "
-        "ids, which hold the candidates and not the prompt: the mask of the padding would be lost. Pass `input_ids` "
-        "to bucket it",
+        lambda call: call.decodes_candidates and call.embeds_only,
+        "assisted and prompt-lookup decoding from `inputs_embeds` alone cut the attention mask to the ids, which hold "
+        "no prompt: the padding's mask would be lost. Pass `input_ids` to bucket it",
     ),
     Unsupported(
         "assisted or prompt-lookup decoding on a static cache with sliding-window layers",
         lambda call: call.decodes_candidates and call.sliding_static_cache,
-        "assisted and prompt-lookup decoding crop the cache after each check, which upstream's static sliding-window "
-        "layer allows only while the cache is no longer than its window: padding lengthens the cache, and could take "
-        "it past the window where the unpadded call's fits",
+        "upstream crops the cache after each candidate check, which its static sliding-window layer allows only "
+        "while the cache fits the window: padding could take the cache past it",
     ),
     Unsupported(
         "classifier-free guidance (`guidance_scale`) on a forward the user compiled",

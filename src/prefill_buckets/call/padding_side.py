@@ -28,11 +28,10 @@ from functools import cached_property
 import torch
 
 from ..config import PREFILL_PADDING_SIDE
-from ..state import state_of
 from ..upstream import transformers_api
 from ..upstream.transformers_api import forward_takes
 from .resolved import CallSettings
-from .side_assumptions import side_assumption_broken
+from .side_assumptions import cache_has_sliding_layers, cache_layers_reason, side_assumption_broken
 
 
 # Model inputs the right-padded prefill knows: the prompt, its all-ones mask, and the cache.
@@ -100,13 +99,19 @@ class RuleFacts:
         )
 
     @cached_property
+    def embeds_only(self) -> bool:
+        """Whether the prompt is `inputs_embeds` alone: no ids, or ids of no tokens (then they hold only new tokens)."""
+        input_ids = self.call.input_ids
+        return self.call.inputs_embeds is not None and (input_ids is None or input_ids.shape[1] == 0)
+
+    @cached_property
     def sliding_static_cache(self) -> bool:
         """Whether the call runs on a static cache (passed in, or for `generate` to make) with sliding-window layers."""
         if self.cache is not None and not transformers_api.is_static_cache(self.cache):
             return False
         if self.cache is None and transformers_api.is_dynamic(self.settings.cache_implementation):
             return False
-        return _has_sliding_layers(self.model, self.cache, self.slots)
+        return cache_has_sliding_layers(self.model, self.cache, self.slots)
 
     @cached_property
     def model_name(self) -> str:
@@ -126,7 +131,7 @@ class RuleFacts:
 
     @cached_property
     def layers_reason(self) -> str | None:
-        return _layers_reason(self.model, self.cache, self.slots)
+        return cache_layers_reason(self.model, self.cache, self.slots)
 
     @cached_property
     def ragged_reason(self) -> str | None:
@@ -357,47 +362,8 @@ def _ragged_reason(
         return "the attention mask has zeros between a row's tokens"
     if not forward_takes(model, "position_ids"):
         return f"`{type(model).__name__}.forward` takes no `position_ids`: each row's positions must follow its tokens"
-    if _has_sliding_layers(model, cache, slots):
+    if cache_has_sliding_layers(model, cache, slots):
         return "a sliding window counts cache slots, and a short row's pads would sit after its tokens, not before"
-    return None
-
-
-def _has_sliding_layers(model, cache, slots: int) -> bool:
-    """Whether the cache (passed in, or the one `generate` will make) has sliding-window layers."""
-    if cache is not None:
-        return any(transformers_api.sliding_window_slots(layer) is not None for layer in cache.layers)
-    known = state_of(model).ragged_sliding_layers
-    if slots not in known:  # `_layers_reason` built the lazy cache already when it could: this one can't fail
-        known[slots] = any(
-            transformers_api.sliding_window_slots(layer) is not None
-            for layer in transformers_api.lazy_static_cache(model, slots).layers
-        )
-    return known[slots]
-
-
-def _layers_reason(model, cache, slots: int) -> str | None:
-    """Why the cache's layers can't take right padding into `slots` slots, or `None` when they can."""
-    if cache is not None:
-        return _reason_for(cache.layers, slots)
-    # The cache `generate` will make: its layer types depend on the model and the slots only, so the (lazy, empty)
-    # cache built to read them is built once per slot count, not on every call.
-    known = state_of(model).right_padding_layers
-    if slots not in known:
-        try:
-            known[slots] = _reason_for(transformers_api.lazy_static_cache(model, slots).layers, slots)
-        except Exception as error:  # a model whose config a static cache can't be built from
-            known[slots] = f"a static cache for this model can't be checked ({type(error).__name__})"
-    return known[slots]
-
-
-def _reason_for(layers, slots: int) -> str | None:
-    for layer in layers:
-        kind = type(layer).__name__
-        if kind not in transformers_api.RIGHT_PADDED_LAYERS or getattr(layer, "is_linear", False):
-            return f"the cache has `{kind}` layers (recurrent, convolutional or chunked), which can't forget the pads"
-        window = transformers_api.sliding_window_slots(layer)
-        if window is not None and window < slots:
-            return f"a sliding window of {window} slots is shorter than the {slots} the padded prompt fills"
     return None
 
 

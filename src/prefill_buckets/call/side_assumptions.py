@@ -5,7 +5,8 @@ its positions from `position_ids` or the mask, and passes the mask on. `decision
 `side_assumption_broken` before its rule (right) and after it (left): where neither side holds, the call runs unpadded.
 
 One assumption depends on the call's cache as well: a local window counted from the cache's end (GPT-Neo) gives other
-tokens in a cache longer than the window, on either side (`window_reason`, a case of `decision.UNSUPPORTED`).
+tokens in a cache longer than the window, on either side (`window_reason`, a case of `decision.UNSUPPORTED`). And the
+cache's layers (`cache_layers_reason`, `cache_has_sliding_layers`): right padding needs layers that can forget the pads.
 """
 
 import torch
@@ -227,3 +228,42 @@ def side_assumption_broken(model, side: str) -> str | None:
             None,
         )
     return known[side]
+
+
+def cache_has_sliding_layers(model, cache, slots: int) -> bool:
+    """Whether the cache (passed in, or the one `generate` will make) has sliding-window layers."""
+    if cache is not None:
+        return any(transformers_api.sliding_window_slots(layer) is not None for layer in cache.layers)
+    known = state_of(model).ragged_sliding_layers
+    if slots not in known:  # `cache_layers_reason` built the lazy cache already when it could: this one can't fail
+        known[slots] = any(
+            transformers_api.sliding_window_slots(layer) is not None
+            for layer in transformers_api.lazy_static_cache(model, slots).layers
+        )
+    return known[slots]
+
+
+def cache_layers_reason(model, cache, slots: int) -> str | None:
+    """Why the cache's layers can't take right padding into `slots` slots, or `None` when they can."""
+    if cache is not None:
+        return _reason_for(cache.layers, slots)
+    # The cache `generate` will make: its layer types depend on the model and the slots only, so the (lazy, empty)
+    # cache built to read them is built once per slot count, not on every call.
+    known = state_of(model).right_padding_layers
+    if slots not in known:
+        try:
+            known[slots] = _reason_for(transformers_api.lazy_static_cache(model, slots).layers, slots)
+        except Exception as error:  # a model whose config a static cache can't be built from
+            known[slots] = f"a static cache for this model can't be checked ({type(error).__name__})"
+    return known[slots]
+
+
+def _reason_for(layers, slots: int) -> str | None:
+    for layer in layers:
+        kind = type(layer).__name__
+        if kind not in transformers_api.RIGHT_PADDED_LAYERS or getattr(layer, "is_linear", False):
+            return f"the cache has `{kind}` layers (recurrent, convolutional or chunked), which can't forget the pads"
+        window = transformers_api.sliding_window_slots(layer)
+        if window is not None and window < slots:
+            return f"a sliding window of {window} slots is shorter than the {slots} the padded prompt fills"
+    return None
