@@ -176,12 +176,14 @@ class ContinuationTest(unittest.TestCase):
             )
 
     def test_a_turn_that_cant_bring_back_the_dummy_rows_raises(self):
-        # Beam search ranks rows together, so no dummy row joins it: the cache's dummy row can't be lined up.
-        config = GenerationConfig(max_new_tokens=3, min_new_tokens=3, do_sample=False, return_dict_in_generate=True)
+        # Beam search ranks rows together, so no dummy row joins it: the cache's dummy row can't be lined up. (Two
+        # rows per prompt first, so that the later turn's beams, two per prompt, line up with the cache's rows.)
+        config = GenerationConfig(max_new_tokens=3, min_new_tokens=3, return_dict_in_generate=True)
         first = prefill_buckets.generate(
-            self.model, self.ids(3, 7, 40), generation_config=config, prefill_buckets=[16], prefill_batch_buckets=[4]
-        )
-        conversation = torch.cat([first.sequences, self.ids(3, 2, 41)], dim=1)
+            self.model, self.ids(3, 7, 40), generation_config=config, do_sample=True, num_return_sequences=2,
+            prefill_buckets=[16], prefill_batch_buckets=[4],
+        )  # fmt: skip
+        conversation = torch.cat([first.sequences[::2], self.ids(3, 2, 41)], dim=1)
         with self.assertRaisesRegex(ValueError, "1 dummy row of `prefill_batch_buckets` .* beam search"):
             prefill_buckets.generate(
                 self.model, conversation, **{CACHE: first[CACHE]}, generation_config=config, num_beams=2
@@ -233,6 +235,25 @@ class ContinuationTest(unittest.TestCase):
         continued = prefill_buckets.generate(self.model, conversation, **{CACHE: ours[CACHE]}, generation_config=later)
         expected = self.model.generate(conversation, generation_config=later)
         torch.testing.assert_close(continued, expected, rtol=0, atol=0)
+
+    @parameterized.expand([("one_prompt", 1), ("two_prompts", 2)])
+    def test_beam_search_continues_beam_search(self, _, prompts):
+        # The cache holds each prompt's beams; the later turn passes the sequences returned, and beam search expands
+        # each again into as many rows (a `ValueError` before: its prompts were compared with the cache's rows).
+        config = GenerationConfig(max_new_tokens=3, do_sample=False, num_beams=2, return_dict_in_generate=True)
+        prompt = self.ids(prompts, 9, 22)
+        runs = {}
+        for name, generate in [
+            (
+                "ours",
+                lambda ids, **kwargs: prefill_buckets.generate(self.model, ids, prefill_buckets=[16, 32], **kwargs),
+            ),
+            ("theirs", lambda ids, **kwargs: self.model.generate(ids, **kwargs)),
+        ]:
+            first = generate(prompt, generation_config=config)
+            conversation = torch.cat([first.sequences, self.ids(prompts, 4, 23)], dim=1)
+            runs[name] = generate(conversation, **{CACHE: first[CACHE]}, generation_config=config).sequences
+        torch.testing.assert_close(runs["ours"], runs["theirs"], rtol=0, atol=0)
 
     @parameterized.expand(
         [

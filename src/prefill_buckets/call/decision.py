@@ -226,19 +226,21 @@ def _continued_rows(call: ResolvedCall) -> int:
     (`batch_select_indices`), it passes those. Raises `ValueError` for any other count: the rows would not line up (a
     dummy row's tokens are nobody's).
     """
-    continued = call.continued
+    continued, expand = call.continued, call.settings.rows_per_prompt  # upstream runs each prompt as `expand` rows
     held = call.passed.rows if call.passed.rows is not None else continued.padded_rows
-    if held == continued.padded_rows:
-        if call.rows == continued.rows:
-            return held
-    elif call.rows == held:
-        return held
+    if held % expand == 0:
+        if held == continued.padded_rows:
+            if call.rows * expand == continued.rows:
+                return held // expand
+        elif call.rows * expand == held:
+            return held // expand
     dummy_rows = continued.padded_rows - continued.rows if held == continued.padded_rows else 0
     dummies = f", then {_count(dummy_rows, 'dummy row')} of `{PREFILL_BATCH_BUCKETS}`" if dummy_rows else ""
+    each = f" of {expand} rows each" if expand > 1 else ""
     raise ValueError(
         f"The cache passed in holds {held} rows (the {_count(held - dummy_rows, 'row')} of the call that filled it"
-        f"{dummies}), but this call has {_count(call.rows, 'prompt')}. Continue a cache with the rows that filled it, "
-        "one prompt each (a returned `sequences`, with your new tokens)."
+        f"{dummies}), but this call has {_count(call.rows, 'prompt')}{each}. Continue a cache with the rows that "
+        "filled it, one prompt each (a returned `sequences`, with your new tokens)."
     )
 
 
