@@ -83,8 +83,8 @@ class AssistantMergingByWrappedType(_View):
 
     It hands the call's processors to the assistant's own `generate`, which keeps one processor of each type: the one
     passed in over the one it builds from the same config (`_merge_criteria_processor_list`). A processor that strips
-    the added columns is another type than the one it wraps, so both would run, twice the temperature or the bias:
-    while it fetches candidates, the assistant matches them by the type they wrap.
+    the added columns is another type than the one it wraps, so both would run (a sequence bias added twice): while it
+    fetches candidates, the assistant matches them by the type they wrap.
     """
 
     def get_candidates(self, input_ids, *args, **kwargs):
