@@ -1,17 +1,20 @@
 # The one decision of how a call is padded (`call/decision.py`): every reason a call runs unpadded is decided there,
 # before anything is padded, and is the reason the log names; `UNSUPPORTED` is data that the docs show.
 
+import random
 import unittest
 from unittest import mock
 
 import torch
-from transformers import GenerationConfig, StaticCache
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import GenerationConfig, PreTrainedTokenizerFast, StaticCache
 from transformers.testing_utils import CaptureLogger
 from transformers.utils import logging
 
 import prefill_buckets
 from prefill_buckets.call import decision, generation
 from prefill_buckets.call.decision import UNSUPPORTED, unsupported_table
+from prefill_buckets.upstream import candidates
 
 from .test_equivalence import get_model
 from .test_padding_rule import REFERENCE
@@ -138,6 +141,101 @@ class OneDecisionTest(unittest.TestCase):
         expected = model.generate(prompt, generation_config=config)
         self.assert_unpadded(model, prompt, expected, generation_config=config, prefill_pad_to_multiple_of=10)
         self.assertIn("static sliding-window layer allows only", self.decisions[-1].reason)
+
+    def test_candidates_drafted_from_the_targets_outputs(self):
+        # A Gemma 4 assistant drafts from the target's hidden and key-value states, at the ids' length and without the
+        # mask: padded, its candidates and the sampled tokens differed (upstream's 50, 76, 49, 111, ... against 50, 76, 111, 62, ...).
+        target, assistant = gemma4_with_assistant()
+        prompt = torch.tensor([[17, 64, 96, 33, 122, 9, 42, 25, 112, 69]])
+        config = GenerationConfig(max_new_tokens=6, do_sample=True, cache_implementation="dynamic")
+        torch.manual_seed(7)
+        expected = target.generate(prompt, generation_config=config, assistant_model=assistant)
+        torch.manual_seed(7)
+        self.assert_unpadded(
+            target, prompt, expected, generation_config=config, assistant_model=assistant, prefill_buckets="pow2"
+        )
+        self.assertIn("a Gemma4AssistantForCausalLM assistant drafts from the target's", self.decisions[-1].reason)
+
+    def test_an_assistant_with_another_tokenizer(self):
+        # Sampled, upstream's universal speculative decoding hands the assistant the target's attention mask and
+        # positions, cut to the length of the prompt's text in the assistant's tokens: padded, its leading zeros hid
+        # the assistant's first tokens, and the candidates and sampled tokens differed.
+        target, tokenizer, assistant, assistant_tokenizer = models_with_other_tokenizers()
+        inputs = tokenizer(["w33 w7 w91 w45 w56 w99 w8 w64 w77"], return_tensors="pt")
+        config = GenerationConfig(max_new_tokens=8, do_sample=True, num_assistant_tokens=3)
+        other = {"assistant_model": assistant, "tokenizer": tokenizer, "assistant_tokenizer": assistant_tokenizer}
+        target.generate(**inputs, generation_config=config, **other)  # the first prunes the assistant's head in place
+        torch.manual_seed(0)
+        expected = target.generate(**inputs, generation_config=config, **other)
+        torch.manual_seed(0)
+        self.assert_unpadded(target, inputs.input_ids, expected, attention_mask=inputs.attention_mask,
+                             generation_config=config, prefill_buckets=[16], **other)  # fmt: skip
+        self.assertIn("an assistant with another tokenizer (`assistant_tokenizer`)", self.decisions[-1].reason)
+
+
+def word_tokenizer(vocab: dict) -> PreTrainedTokenizerFast:
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="w3"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="w0", eos_token="w1", bos_token="w2")
+
+
+def models_with_other_tokenizers():
+    """
+    A tiny Llama with a word-level tokenizer (`w<id>`), and an assistant whose tokenizer orders the first 100 of those
+    words otherwise and adds 10 of its own (`x<i>`): upstream's assisted decoding with another tokenizer.
+    """
+    order = [0, 1, 2, *random.Random(5).sample(range(3, 100), 97)]
+    theirs = {f"w{word}": token for token, word in enumerate(order)} | {f"x{i}": 100 + i for i in range(10)}
+    target_tokenizer = word_tokenizer({f"w{i}": i for i in range(128)})
+    return (
+        target_tokenizer and tiny_llama(),
+        target_tokenizer,
+        tiny_llama(seed=1, vocab_size=110),
+        word_tokenizer(theirs),
+    )
+
+
+def gemma4_with_assistant():
+    """A tiny Gemma 4 model and a Gemma 4 assistant that drafts from its shared key-value states; skips before 5.24."""
+    try:
+        from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM, Gemma4ForCausalLM, Gemma4TextConfig
+    except ImportError:
+        raise unittest.SkipTest("no Gemma 4 assistant in this transformers")
+    sizes = {
+        "num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "intermediate_size": 64, "head_dim": 8, "vocab_size": 128, "max_position_embeddings": 512,
+        "sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"],
+        "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2,
+    }  # fmt: skip
+    text_config = Gemma4TextConfig(**sizes)
+    text_config._attn_implementation = None
+    torch.manual_seed(0)
+    target = Gemma4ForCausalLM(text_config).eval()
+    drafter_config = Gemma4TextConfig(
+        **sizes, hidden_size_per_layer_input=0, vocab_size_per_layer_input=0, num_kv_shared_layers=2
+    )
+    assistant_config = Gemma4AssistantConfig(
+        text_config=drafter_config.to_dict(), backbone_hidden_size=32, num_centroids=16, centroid_intermediate_top_k=4
+    )
+    torch.manual_seed(1)
+    assistant = Gemma4AssistantForCausalLM(assistant_config).eval()
+    assistant.generation_config.num_assistant_tokens = 4
+    return target, assistant
+
+
+class DrafterBackstopTest(unittest.TestCase):
+    def test_a_padded_call_never_drafts_from_the_targets_outputs(self):
+        # Should the decision miss a drafter that reads the target's outputs, the padded call raises, never runs wrong.
+        target, assistant = gemma4_with_assistant()
+        prompt = torch.tensor([[17, 64, 96, 33, 122, 9, 42, 25, 112, 69]])
+        config = GenerationConfig(max_new_tokens=6, do_sample=True, cache_implementation="dynamic")
+        with mock.patch.object(candidates, "drafter_padding_changes", return_value=None):
+            with self.assertRaisesRegex(
+                RuntimeError, "SinglePositionMultiTokenCandidateGenerator, whose drafts padding changes"
+            ):
+                prefill_buckets.generate(
+                    target, prompt, generation_config=config, assistant_model=assistant, prefill_buckets="pow2"
+                )
 
 
 if __name__ == "__main__":

@@ -115,6 +115,12 @@ UNSUPPORTED = (
         "no prompt: the padding's mask would be lost. Pass `input_ids` to bucket it",
     ),
     Unsupported(
+        "candidates drafted from what padding changes: the target's outputs (`use_mtp`, a Gemma 4 assistant, DFlash), "
+        "or an assistant with another tokenizer",
+        lambda call: call.decodes_candidates and call.drafter_padding_changes,
+        "{why} (upstream runs it on one unpadded row): padding would change the candidates, and sampled tokens",
+    ),
+    Unsupported(
         "assisted or prompt-lookup decoding on a static cache with sliding-window layers",
         lambda call: call.decodes_candidates and call.sliding_static_cache,
         "upstream crops the cache after each candidate check, which its static sliding-window layer allows only "
@@ -143,10 +149,8 @@ def unsupported_table() -> str:
 
 
 def choose_side(call: ResolvedCall) -> PaddingSide:
-    """
-    How `call` is padded (see the module docstring): a `PaddingSide` whose `side` is `"left"`, `"right"` or
-    `"unpadded"`, with the reason. Raises `ValueError` for inputs padding can't serve.
-    """
+    """How `call` is padded (the module docstring): a `PaddingSide` (`"left"`, `"right"` or `"unpadded"`, and why).
+    Raises `ValueError` for inputs padding can't serve."""
     facts = RuleFacts(call)
     for case in UNSUPPORTED:
         why = case.applies(facts)
@@ -193,10 +197,8 @@ def _left(facts: RuleFacts, side: PaddingSide) -> PaddingSide:
 
 
 def _left_padded_length(call: ResolvedCall) -> int:
-    """
-    The length of a left-padded prompt: a continued conversation's, with the padding its cache holds in front; else
-    its bucket (`capped_bucket`). Raises `ValueError` for a prompt that can't be padded.
-    """
+    """A left-padded prompt's length: a continued conversation's, with the padding its cache holds in front; else its
+    bucket (`capped_bucket`). Raises `ValueError` for a prompt that can't be padded."""
     input_ids, inputs_embeds = call.input_ids, call.inputs_embeds
     if inputs_embeds is None and input_ids is not None:
         if input_ids.ndim != 2 or input_ids.dtype not in (torch.long, torch.int):
@@ -221,10 +223,9 @@ def _left_padded_length(call: ResolvedCall) -> int:
 def _continued_rows(call: ResolvedCall) -> int:
     """
     The rows a call that continues a bucketed call's cache runs with: the cache's. Where the cache holds the rows the
-    call that filled it left (the rows it generated, then the dummy rows of `prefill_batch_buckets`), the call passes
-    the rows it generated, and the dummy rows come back; where the user has selected rows since
-    (`batch_select_indices`), it passes those. Raises `ValueError` for any other count: the rows would not line up (a
-    dummy row's tokens are nobody's).
+    call that filled it left (its rows, then the dummy rows of `prefill_batch_buckets`), the call passes the rows it
+    generated, and the dummy rows come back; where the user has selected rows since (`batch_select_indices`), it passes
+    those. Raises `ValueError` for any other count: the rows would not line up (a dummy row's tokens are nobody's).
     """
     continued, expand = call.continued, call.settings.rows_per_prompt  # upstream runs each prompt as `expand` rows
     held = call.passed.rows if call.passed.rows is not None else continued.padded_rows

@@ -28,7 +28,7 @@ from functools import cached_property
 import torch
 
 from ..config import PREFILL_PADDING_SIDE
-from ..upstream import transformers_api
+from ..upstream import candidates, transformers_api
 from ..upstream.transformers_api import forward_takes
 from .resolved import CallSettings
 from .side_assumptions import cache_has_sliding_layers, cache_layers_reason, side_assumption_broken
@@ -97,6 +97,12 @@ class RuleFacts:
             or self.settings.assistant_early_exit is not None
             or self.settings.use_mtp
         )
+
+    @cached_property
+    def drafter_padding_changes(self) -> str | None:
+        """The drafter padding would change (`candidates.drafter_padding_changes`), in words, or `None`."""
+        tokenizers = all(self.model_kwargs.get(name) is not None for name in ("tokenizer", "assistant_tokenizer"))
+        return candidates.drafter_padding_changes(self.settings, self.arguments.get("assistant_model"), tokenizers)
 
     @cached_property
     def embeds_only(self) -> bool:

@@ -52,6 +52,7 @@ class CallSettings:
     prompt_lookup_num_tokens: int | None = None
     assistant_early_exit: int | None = None  # self-speculative decoding: the model's first layers draft candidates
     use_mtp: bool = False  # multi-token prediction heads draft candidates
+    speculation_type: str | None = None  # "dflash": a draft model reads the target's hidden states
     max_new_tokens: int | None = None
     max_length: int | None = None
     config_pad_token_id: int | None = None  # the model config's own, which its forward checks unmasked inputs for
@@ -317,6 +318,7 @@ _GENERATION_FIELDS = (
     "prompt_lookup_num_tokens",
     "assistant_early_exit",
     "use_mtp",
+    "speculation_type",
     "max_new_tokens",
     "max_length",
     "guidance_scale",
@@ -352,6 +354,7 @@ def resolve_settings(
         prompt_lookup_num_tokens=value["prompt_lookup_num_tokens"],
         assistant_early_exit=value["assistant_early_exit"],
         use_mtp=bool(value["use_mtp"]),
+        speculation_type=value["speculation_type"],
         max_new_tokens=value["max_new_tokens"],
         max_length=value["max_length"],
         config_pad_token_id=next(iter(_token_ids(getattr(model.config, "pad_token_id", None))), None),

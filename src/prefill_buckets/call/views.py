@@ -21,7 +21,7 @@ from transformers.generation.streamers import BaseStreamer
 from transformers.utils import ModelOutput
 
 from ..kvcache.attention_keys import layouts_for, place_keys, upstream_keys
-from ..upstream import transformers_api
+from ..upstream import candidates
 from ..upstream.transformers_api import CACHE_KWARGS, parameters_of
 from .hook_registry import hook
 
@@ -88,7 +88,7 @@ class AssistantMergingByWrappedType(_View):
     """
 
     def get_candidates(self, input_ids, *args, **kwargs):
-        with transformers_api.processors_merged_by(self.wrapped.assistant_model, _merge_by_wrapped_type):
+        with candidates.processors_merged_by(self.wrapped.assistant_model, _merge_by_wrapped_type):
             return self.wrapped.get_candidates(input_ids, *args, **kwargs)
 
 
@@ -216,11 +216,17 @@ def get_stopping_criteria(plan, step):
 @hook("_get_candidate_generator", reads=("generation_config",), side="left")
 def get_candidate_generator(plan, step):
     generator = step.call()
+    if plan.added_positions and candidates.drafts_from_padding(generator):
+        raise RuntimeError(
+            f"prefill_buckets padded this call, but upstream drafts its candidates with {type(generator).__name__}, "
+            "whose drafts padding changes (it reads the target's states, or the padded mask): `UNSUPPORTED` in "
+            "`call/decision.py` should have run it unpadded. Please report it; unset the prefill bucket fields for now."
+        )
     # Its candidates come from the ids' content: with the padding in front, a match could start in it. An assistant
     # model's candidates come from a forward with the attention mask, which hides the padding.
-    if plan.added_id_columns and transformers_api.is_prompt_lookup(generator):
+    if plan.added_id_columns and candidates.is_prompt_lookup(generator):
         return UnpaddedPromptLookup(generator, plan.added_id_columns)
-    if plan.added_id_columns and transformers_api.is_assistant_model(generator):
+    if plan.added_id_columns and candidates.is_assistant_model(generator):
         return AssistantMergingByWrappedType(generator, plan.added_id_columns)
     return generator
 

@@ -8,6 +8,8 @@ need (`from ..upstream import torch_api`); nothing is re-exported here.
   `TESTED_TORCH`), and the behaviours that change with the version.
 - `transformers_api.py`: every private transformers name the package reads or changes (the hooked `generate`'s
   helpers, static caches and their layers, masking, tensor parallelism, the output-capture registry).
+- `candidates.py`: upstream's candidate generators (assisted, prompt-lookup and other speculative decoding): which
+  drafters padding would change, and the assistant's processor merge.
 - `transformers_serve.py`: `transformers serve`'s command, and where it loads the models it serves.
 - `torch_api.py`: every private torch name (dynamo's configuration and caches, the objects `torch.compile` makes,
   inductor, the ahead-of-time compile).

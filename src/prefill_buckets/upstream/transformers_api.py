@@ -282,32 +282,6 @@ def line_up_output_capture_registry(model) -> None:
         dict.__setitem__(registry, key, value)
 
 
-def is_prompt_lookup(candidate_generator) -> bool:
-    return type(candidate_generator).__name__ == "PromptLookupCandidateGenerator"
-
-
-@contextlib.contextmanager
-def processors_merged_by(model, wrap):
-    """
-    While open, `model.generate` merges the logits processors passed in with those it builds by `wrap(merge)`, where
-    `merge` is upstream's `_merge_criteria_processor_list` (which keeps the one passed in of each type).
-    """
-    own = model.__dict__.get("_merge_criteria_processor_list")
-    object.__setattr__(model, "_merge_criteria_processor_list", wrap(model._merge_criteria_processor_list))
-    try:
-        yield
-    finally:
-        if own is None:
-            object.__delattr__(model, "_merge_criteria_processor_list")
-        else:
-            object.__setattr__(model, "_merge_criteria_processor_list", own)
-
-
-def is_assistant_model(candidate_generator) -> bool:
-    """Whether candidates come from an assistant's own `generate` (a model with the same tokenizer, or early exit)."""
-    return type(candidate_generator).__name__ in ("AssistedCandidateGenerator", "EarlyExitCandidateGenerator")
-
-
 # What a model says of itself: its forward's parameters, its vocabulary, its positions.
 
 # The parameters of each function a call asks about (a forward, a logits processor's `__call__`), read once: bound
