@@ -172,6 +172,28 @@ class OneDecisionTest(unittest.TestCase):
                              generation_config=config, prefill_buckets=[16], **other)  # fmt: skip
         self.assertIn("an assistant with another tokenizer (`assistant_tokenizer`)", self.decisions[-1].reason)
 
+    def test_candidate_decoding_with_hidden_states(self):
+        # Upstream's first candidate check returns, for each token it accepts after the first, the hidden states of
+        # the sequence's first positions (it slices from 0): padded, those were the padding's. An assistant with the
+        # model's own weights drafts the tokens the model picks, so the check accepts them all.
+        model, assistant = tiny_llama(), tiny_llama()
+        prompt = torch.arange(20, 39).unsqueeze(0)
+        config = GenerationConfig(
+            max_new_tokens=6, do_sample=False, output_hidden_states=True, return_dict_in_generate=True
+        )
+        expected = model.generate(prompt, generation_config=config, assistant_model=assistant)
+        logger = logging.get_logger("prefill_buckets.call.generation")
+        with CaptureLogger(logger) as captured:
+            output = prefill_buckets.generate(
+                model, prompt, generation_config=config, assistant_model=assistant, prefill_buckets="pow2"
+            )
+        self.assertEqual(output.sequences.tolist(), expected.sequences.tolist())
+        for step, (ours, theirs) in enumerate(zip(output.hidden_states, expected.hidden_states, strict=True)):
+            for layer, (got, want) in enumerate(zip(ours, theirs, strict=True)):
+                torch.testing.assert_close(got, want, msg=f"step {step}, layer {layer}")
+        self.assertEqual(self.decisions[-1].side, "unpadded")
+        self.assertIn("`_split_model_outputs` slices from 0", captured.out)
+
 
 def word_tokenizer(vocab: dict) -> PreTrainedTokenizerFast:
     backend = Tokenizer(models.WordLevel(vocab, unk_token="w3"))

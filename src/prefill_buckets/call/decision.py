@@ -15,9 +15,8 @@ padded, in this order:
 4. The batch: the bucket dummy rows pad it to (`prefill_batch_buckets`), or why it keeps its rows; and the pad id the
    rows that finish early are fed (a `ValueError` where it can't be looked up).
 
-One check can't be made here and stays in the run: a right-padded call whose `generate` makes no static cache (a
-model that keeps its own) runs its prefill unpadded (`prefill_right.py`). Which cache upstream makes is decided inside
-its cache step, from the model's class and config.
+One check stays in the run: a right-padded call whose `generate` makes no static cache (a model that keeps its own)
+runs its prefill unpadded (`prefill_right.py`): upstream's cache step picks the cache, from the model's class and config.
 """
 
 from collections.abc import Callable
@@ -119,6 +118,14 @@ UNSUPPORTED = (
         "or an assistant with another tokenizer",
         lambda call: call.decodes_candidates and call.drafter_padding_changes,
         "{why} (upstream runs it on one unpadded row): padding would change the candidates, and sampled tokens",
+    ),
+    Unsupported(
+        "assisted or prompt-lookup decoding with `output_hidden_states` or `output_attentions`",
+        lambda call: (
+            call.decodes_candidates and (call.settings.output_hidden_states or call.settings.output_attentions)
+        ),
+        "upstream returns, for the tokens its first candidate check accepts after the first, the states of the "
+        "sequence's first positions (`_split_model_outputs` slices from 0), which padding fills",
     ),
     Unsupported(
         "assisted or prompt-lookup decoding on a static cache with sliding-window layers",
@@ -251,9 +258,8 @@ def _count(number: int, thing: str) -> str:
 
 def _padded_batch(call: ResolvedCall) -> int:
     """
-    The rows the call's batch is padded to (step 4): its batch bucket, or its own rows, with the reason logged. A cache's
-    rows are fixed when it is filled: a call that continues one brings back the dummy rows the call that filled it
-    added (`prefill_batch_buckets`), and raises where it can't.
+    The rows the call's batch is padded to (step 4): its batch bucket, or its own rows, with the reason logged. A call
+    that continues a cache brings back the dummy rows the call that filled it added, and raises where it can't.
     """
     rows, policy, continued = call.rows, call.settings.batch_policy, call.continued
     if continued is not None:
@@ -291,31 +297,25 @@ def _padded_batch(call: ResolvedCall) -> int:
 
 def _finished_rows_pad_id(call: ResolvedCall, padded_batch: int) -> int | None:
     """
-    Checks the pad id against the rows that finish early; returns the id finished rows are fed instead of it, or
-    `None` for the call's own.
-
-    Upstream fills a row that finishes before the others with `pad_token_id` and feeds it back to the model, so a pad
-    id outside the vocabulary fails at the embedding (an index error on CPU, a device assert on CUDA). Raises
-    `ValueError` when one of the user's rows can finish early: there is more than one (and no beam search, which does
-    not feed finished beams), and an eos id in the vocabulary, `stop_strings` or the user's own stopping criteria
-    could finish it. The dummy rows of `prefill_batch_buckets` are finished from the first step, so they would be fed
-    the pad id too: when no user row can finish early, the call fills finished rows with an id in the vocabulary
-    instead. No user row is ever filled, so the output is the same.
+    Checks the pad id against the rows that finish early; returns the id finished rows are fed instead, or `None`.
+    Upstream feeds a row that finished early `pad_token_id`, which outside the vocabulary fails at the embedding (an
+    index error on CPU, a device assert on CUDA). Raises `ValueError` when a user's row can finish early: there is more
+    than one (and no beam search, which feeds no finished beam), and an eos id in the vocabulary, `stop_strings` or
+    stopping criteria could finish it. The dummy rows of `prefill_batch_buckets` finish at once: when no user row can
+    finish early, finished rows are fed an id in the vocabulary instead, and no user row ever is.
     """
     settings = call.settings
     pad_token_id = settings.pad_token_id
-    if pad_token_id is None or settings.vocab_size is None or settings.in_vocabulary(pad_token_id):
+    if pad_token_id is None or settings.vocab_size is None or settings.num_beams > 1:
         return None
-    if settings.num_beams > 1:
+    if settings.in_vocabulary(pad_token_id):
         return None
     rows = call.rows * settings.rows_per_prompt
+    eos_in_vocabulary = any(map(settings.in_vocabulary, settings.eos_token_ids))
     can_finish_early = [
         reason
         for reason, present in (
-            (
-                f"the eos ids {list(settings.eos_token_ids)} are in it",
-                any(map(settings.in_vocabulary, settings.eos_token_ids)),
-            ),
+            (f"the eos ids {list(settings.eos_token_ids)} are in it", eos_in_vocabulary),
             ("`stop_strings` is set", bool(settings.stop_strings)),
             ("`stopping_criteria` are passed", bool(call.arguments.get("stopping_criteria"))),
         )
