@@ -2,6 +2,7 @@
 # before anything is padded, and is the reason the log names; `UNSUPPORTED` is data that the docs show.
 
 import random
+import re
 import unittest
 from unittest import mock
 
@@ -138,7 +139,12 @@ class OneDecisionTest(unittest.TestCase):
         config = GenerationConfig(
             max_new_tokens=3, do_sample=False, prompt_lookup_num_tokens=3, cache_implementation="static"
         )
-        expected = model.generate(prompt, generation_config=config)
+        try:
+            expected = model.generate(prompt, generation_config=config)
+        except ValueError as error:  # older transformers (5.17): no candidate decoding on a static cache at all
+            with self.assertRaisesRegex(ValueError, re.escape(str(error))):
+                prefill_buckets.generate(model, prompt, generation_config=config, prefill_pad_to_multiple_of=10)
+            return
         self.assert_unpadded(model, prompt, expected, generation_config=config, prefill_pad_to_multiple_of=10)
         self.assertIn("static sliding-window layer allows only", self.decisions[-1].reason)
 
