@@ -35,19 +35,24 @@ batch_buckets = st.one_of(
 )
 
 
+def left_padded(lengths: list[int], generator: torch.Generator, high: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts of `lengths` random ids in `[3, high)`, left-padded to the longest with `PAD`: `(input_ids, mask)`."""
+    width = max(lengths)
+    input_ids = torch.full((len(lengths), width), PAD, dtype=torch.long)
+    attention_mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for row, length in enumerate(lengths):
+        input_ids[row, width - length :] = torch.randint(3, high, (length,), generator=generator)
+        attention_mask[row, width - length :] = 1
+    return input_ids, attention_mask
+
+
 @st.composite
 def batches(draw):
     """A batch of prompts of random lengths, left-padded to the longest with a mask, as a tokenizer does."""
     lengths = draw(st.lists(st.integers(1, 40), min_size=1, max_size=4))
     seed = draw(st.integers(0, 2**16))
     generator = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    input_ids = torch.full((len(lengths), width), PAD, dtype=torch.long)
-    attention_mask = torch.zeros(len(lengths), width, dtype=torch.long)
-    for row, length in enumerate(lengths):
-        input_ids[row, width - length :] = torch.randint(3, VOCAB, (length,), generator=generator)
-        attention_mask[row, width - length :] = 1
-    return input_ids, attention_mask
+    return left_padded(lengths, generator, high=VOCAB)
 
 
 class BucketedGenerationPropertiesTest(unittest.TestCase):
@@ -156,13 +161,7 @@ def prompts(draw, rows: int):
     lengths = draw(st.lists(st.integers(1, 30), min_size=rows, max_size=rows))
     generator = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
     alphabet = draw(st.sampled_from([VOCAB, 8]))  # 8: ids 3..10 only, so n-grams repeat
-    width = max(lengths)
-    input_ids = torch.full((rows, width), PAD, dtype=torch.long)
-    attention_mask = torch.zeros(rows, width, dtype=torch.long)
-    for row, length in enumerate(lengths):
-        input_ids[row, width - length :] = torch.randint(3, min(VOCAB, 3 + alphabet), (length,), generator=generator)
-        attention_mask[row, width - length :] = 1
-    return input_ids, attention_mask
+    return left_padded(lengths, generator, high=min(VOCAB, 3 + alphabet))
 
 
 class GenerationSettingsPropertiesTest(unittest.TestCase):
