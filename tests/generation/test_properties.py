@@ -55,13 +55,15 @@ def batches(draw):
     return left_padded(lengths, generator, high=VOCAB)
 
 
-class BucketedGenerationPropertiesTest(unittest.TestCase):
+class PropertiesTestCase(unittest.TestCase):
     def setUp(self):
         prefill_buckets.disable()
         # Tiny model: one thread is as fast, and steadier on a loaded machine.
         self.addCleanup(torch.set_num_threads, torch.get_num_threads())
         torch.set_num_threads(1)
 
+
+class BucketedGenerationPropertiesTest(PropertiesTestCase):
     @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
     @given(
         architecture=st.sampled_from(ARCHITECTURES),
@@ -164,12 +166,7 @@ def prompts(draw, rows: int):
     return left_padded(lengths, generator, high=min(VOCAB, 3 + alphabet))
 
 
-class GenerationSettingsPropertiesTest(unittest.TestCase):
-    def setUp(self):
-        prefill_buckets.disable()
-        self.addCleanup(torch.set_num_threads, torch.get_num_threads())
-        torch.set_num_threads(1)
-
+class GenerationSettingsPropertiesTest(PropertiesTestCase):
     @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
     @given(data=st.data())
     def test_same_as_unpadded_run(self, data):
