@@ -8,7 +8,9 @@ positions, every layer kind of a hybrid kept). On one prompt, on a ragged batch 
 the user) with its mask, and on the same batch without a mask (inferred from the pad tokens, as upstream infers it),
 upstream `generate` (greedy, a few new tokens, a static cache where upstream takes one, else its default cache) is
 compared with `prefill_buckets.generate(..., prefill_buckets="pow2")`, tokens and each step's logits. Eager, no
-compile. A tiny random model often repeats one token whatever it attends to, so equal tokens alone would hide a wrong
+compile. The bucketed call runs on a fresh copy of the model, as a user's first call does: no cache of upstream's to
+reuse, so the package sizes it (for most models past the shortest window, 256 slots, which full-attention layers
+then read). A tiny random model often repeats one token whatever it attends to, so equal tokens alone would hide a wrong
 mask or window: the logits show it. A multi-head latent attention config also gets a second row, `TYPE (fewer kv
 heads)`, with the generic shrink's key/value heads (2 of 4): upstream then runs only without a mask (`VARIANTS`).
 Each cell is:
@@ -26,6 +28,7 @@ it with `RUN_SLOW=1`. The guide's "Architectures" section publishes the table.
 
 import argparse
 import contextlib
+import copy
 import logging as std_logging
 import re
 import signal
@@ -357,8 +360,11 @@ def _bucketed_cell(recorder: _SideRecorder) -> str:
     return recorder.sides[-1].side
 
 
-def compare(model, input_ids, attention_mask, cache_implementation) -> tuple[str, str]:
-    """`(upstream's outcome or "", the cell)`: one bucketed call against upstream on the same inputs."""
+def compare(model, input_ids, attention_mask, cache_implementation, fresh=None) -> tuple[str, str]:
+    """
+    `(upstream's outcome or "", the cell)`: one bucketed call against upstream on the same inputs; the bucketed call
+    on `fresh`, a copy of `model` that has run nothing (`model` itself when `None`).
+    """
     import torch
 
     import prefill_buckets
@@ -377,7 +383,7 @@ def compare(model, input_ids, attention_mask, cache_implementation) -> tuple[str
     recorder = _SideRecorder()
     try:
         with recorder.recording():
-            actual = prefill_buckets.generate(model, input_ids, prefill_buckets="pow2", **kwargs)
+            actual = prefill_buckets.generate(fresh or model, input_ids, prefill_buckets="pow2", **kwargs)
     except ArchitectureTimeout:
         raise
     except Exception as error:
@@ -422,13 +428,14 @@ def sweep_one(model_type: str, timeout: float = 120.0, variant: str | None = Non
         except Exception as error:
             row.one_prompt = row.batch_of_2 = row.batch_no_mask = f"no tiny config: {_short(error)}"
             return row
+        pristine = copy.deepcopy(model)  # each bucketed call runs on a copy of it: a first call
         for name, (input_ids, attention_mask) in _prompts().items():
             cell = None
             for cache_implementation in ("static", None):
                 if row.cache == "dynamic" and cache_implementation == "static":
                     continue
                 try:
-                    _, cell = compare(model, input_ids, attention_mask, cache_implementation)
+                    _, cell = compare(model, input_ids, attention_mask, cache_implementation, copy.deepcopy(pristine))
                 except ArchitectureTimeout:
                     raise
                 except Exception as error:  # upstream raised

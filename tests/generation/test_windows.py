@@ -18,6 +18,8 @@ import unittest
 import torch
 from parameterized import parameterized
 from transformers import (
+    BloomConfig,
+    BloomForCausalLM,
     CompileConfig,
     GemmaConfig,
     GemmaForCausalLM,
@@ -56,6 +58,10 @@ MODELS = {
     "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(head_dim=8, **_SMALL_CONFIG, **_TOKENS)).eval(),
     "gemma": lambda: GemmaForCausalLM(GemmaConfig(head_dim=8, **_SMALL_CONFIG, **_TOKENS)).eval(),
     "phi3": lambda: Phi3ForCausalLM(Phi3Config(**_SMALL_CONFIG, **_TOKENS)).eval(),
+    # ALiBi from a 2D mask that upstream pads to every slot of a static cache (`windows.mask_to_window`).
+    "bloom": lambda: BloomForCausalLM(
+        BloomConfig(vocab_size=128, hidden_size=32, n_layer=2, n_head=4, **_TOKENS)
+    ).eval(),
 }
 
 
@@ -230,6 +236,22 @@ class WindowEquivalenceTest(unittest.TestCase):
             ours = prefill_buckets.generate(model, prompt, generation_config=config(**fields), prefill_buckets="pow2")
             self.assert_upstream(ours, theirs)
         self.assertGreater(counter.graphs, 0)
+
+    def test_compiled_alibi_from_a_padded_mask(self):
+        # BLOOM builds its ALiBi bias inside the compiled forward from a 2D mask upstream pads to every slot: cut to
+        # the window, one graph per window (it raised in tracing, as in eager, before `mask_to_window`).
+        torch._dynamo.reset()
+        self.addCleanup(torch._dynamo.reset)
+        model, counter = make("bloom"), GraphCounter()
+        model.compile(backend=counter, dynamic=False, fullgraph=True)
+        for length in (SHORT_OF_WINDOW, 20):
+            prompt = ids(1, length)
+            theirs = self.model("bloom").generate(prompt, generation_config=config())
+            ours = prefill_buckets.generate(
+                model, prompt, generation_config=config(cache_implementation="static"), prefill_buckets="pow2"
+            )
+            self.assert_upstream(ours, theirs)
+        self.assertEqual(counter.calls, 2 * NEW_TOKENS, "every forward ran compiled")
 
 
 class LongContextGraphTest(unittest.TestCase):

@@ -44,7 +44,7 @@ from ..config import PREFILL_PAD_TO_MULTIPLE_OF, PREFILL_PADDING_SIDE
 from ..kvcache.attention_keys import key_layouts
 from ..kvcache.record import passed_cache, sequence_length
 from ..kvcache.sizing import early_initialize, static_cache_length
-from ..kvcache.windows import close_windows, has_windows, open_windows, set_window
+from ..kvcache.windows import close_windows, has_windows, mask_to_window, open_windows, set_window
 from ..state import LOCK, PROCESS, state_of
 from ..upstream import torch_api, transformers_api, versions
 from . import prefill_right, views
@@ -255,11 +255,13 @@ def _check_mask_passed_on(plan, attention_mask, model_inputs: dict) -> None:
 
 def _before_forward(plan, model_inputs: dict, tokens: int | None) -> None:
     """
-    Before each compiled forward upstream prepared (`model_inputs`), after which the cache holds `tokens` tokens
-    (`None` for a cache without windows): torch's recompile limit put back to the call's before every prompt forward
-    and the first decode step (upstream lowers it before a chunked prefill, on transformers < 5.23); the window a
-    decode step reads, for the budget (`check_compiled`: the windows reached, not predicted).
+    Before each forward upstream prepared (`model_inputs`), after which the cache holds `tokens` tokens (`None` for a
+    cache without windows): a 2D mask cut to the window (`mask_to_window`); then, if compiled, torch's recompile limit
+    put back to the call's before every prompt forward and the first decode step (upstream lowers it before a chunked
+    prefill, on transformers < 5.23), and the window a decode step reads, for the budget (`check_compiled`).
     """
+    if tokens is not None:
+        mask_to_window(plan.run.windowed_cache, model_inputs)
     if plan.run.compiled is False:
         return
     new_tokens = model_inputs.get("input_ids")

@@ -30,6 +30,7 @@ per doubling: 256, 512, 768, 1024, 1280, 1536, 1792, 2048, 2560, 3072, ... A win
 it holds past 1,024, and a 131,072-slot cache has 32 of them.
 """
 
+import torch
 from transformers.utils import logging
 
 from ..buckets import round_up
@@ -168,6 +169,22 @@ def set_window(cache, tokens: int) -> None:
             layer.window = window_length(tokens, layer.max_cache_len)
         elif type(layer) is SlidingWindowRing:
             layer.set_tokens(tokens)
+
+
+def mask_to_window(cache, model_inputs: dict) -> None:
+    """
+    Cuts a 2D attention mask in a forward's inputs (`model_inputs`) that spans more slots of `cache` than its windowed
+    layers read to the window: BLOOM's `create_masks_for_generate` (`prepare_inputs_for_generation` before 5.18) pads
+    its 2D mask to the cache's `get_max_length()` and builds its ALiBi bias from it, which must match the keys a
+    layer returns. The mask reaches past the tokens the cache holds only with the zeros of that padding, and a window
+    holds every token: the slots cut are past them, and masked either way.
+    """
+    mask = model_inputs.get("attention_mask")
+    if not isinstance(mask, torch.Tensor) or mask.ndim != 2:
+        return
+    window = next((layer.window for layer in cache.layers if type(layer) is WindowedStaticLayer), None)
+    if window is not None and mask.shape[-1] > window:
+        model_inputs["attention_mask"] = mask[:, :window].contiguous()  # [B, W]: one layout per window
 
 
 def close_windows(cache) -> None:
