@@ -189,7 +189,8 @@ SIDE_ASSUMPTIONS = (
     (
         "left",
         _attention_is_bidirectional,
-        "its attention is not causal (`is_decoder=False`), and masked pads in front changed XLM-RoBERTa-XL's tokens",
+        "its attention is not causal (`is_decoder=False`): masked pads in front change such a model's tokens (measured "
+        "on XLM-RoBERTa-XL)",
     ),
     (
         "left",
