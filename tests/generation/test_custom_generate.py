@@ -119,6 +119,11 @@ class SaveCustomGenerateTest(unittest.TestCase):
         self.assertIn("transformers drops the fields it does not know", logs.out)
         loaded = AutoModelForCausalLM.from_pretrained(self.folder, trust_remote_code=True)
         self.assertIsNone(getattr(loaded.generation_config, "prefill_buckets", None))  # what the warning says
+        # With `enable()` in effect when it loads, `GenerationConfig` knows the fields: they are kept (the guide).
+        prefill_buckets.enable()
+        self.addCleanup(prefill_buckets.disable)
+        loaded = AutoModelForCausalLM.from_pretrained(self.folder)
+        self.assertEqual(loaded.generation_config.prefill_buckets, [16, 32])
 
     def test_custom_generate_argument(self):
         # Any model, the folder passed per call: the fields come from the call's config.
