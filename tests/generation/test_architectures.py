@@ -148,6 +148,24 @@ class NeitherSideTest(ArchitectureTestBase):
         self.assertNotIn("are ignored for this call", logs[0])
         self.assertIn("takes no `position_ids`", logs[1])
 
+    def test_recurrent_state_on_the_modules(self):
+        # RecurrentGemma's recurrent blocks keep their state on their modules, outside the cache: right padding would
+        # run the pads into it (on transformers 5.17, whose static cache holds only attention layers for it, the right
+        # side took other logits). Asked for the right, it pads on the left and says why.
+        model = tiny(
+            "recurrent_gemma",
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            lru_width=32,
+            attention_window_size=16,
+            block_types=["recurrent", "attention"],
+        )
+        logs = self.assertExact(model, prefill_padding_side="right")
+        self.assertIn("keep their state on their modules", logs[0])
+
     def test_mask_dropped_by_the_model(self):
         # XLNet's own `prepare_inputs_for_generation` builds its inputs without the mask: a ragged batch runs
         # unpadded, one prompt right-padded (no mask needed).

@@ -119,6 +119,15 @@ def _adds_the_cache_length_to_positions(model) -> bool:
     return type(model).__name__ in POSITIONS_PLUS_CACHE
 
 
+def _keeps_a_state_on_its_modules(model) -> bool:
+    """
+    Whether recurrent blocks keep their state on their own modules, outside the cache (RecurrentGemma's
+    `recurrent_states`): pads after the prompt would run into it. Its static cache has a linear layer for those blocks
+    on transformers 5.24 (`cache_layers_reason` sees it), only attention layers on 5.17.
+    """
+    return any("recurrent_states" in module.__dict__ for module in model.modules())
+
+
 def _compresses_the_cache(model) -> bool:
     """Whether layers pool the tokens they cache into blocks (DeepSeek-V4's compressed attention): pads would join."""
     config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
@@ -185,6 +194,12 @@ SIDE_ASSUMPTIONS = (
         "right",
         _masks_from_keys,
         "its attention builds a dynamic mask from the keys, which would see the pads after it",
+    ),
+    (
+        "right",
+        _keeps_a_state_on_its_modules,
+        "its recurrent blocks keep their state on their modules, outside the cache, and the pads after the prompt would "
+        "run into it",
     ),
     (
         "left",
