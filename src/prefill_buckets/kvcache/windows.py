@@ -174,7 +174,7 @@ def set_window(cache, tokens: int) -> None:
 def mask_to_window(cache, model_inputs: dict) -> None:
     """
     Cuts a 2D attention mask in a forward's inputs (`model_inputs`) that spans more slots of `cache` than its windowed
-    layers read to the window: BLOOM's `create_masks_for_generate` (`prepare_inputs_for_generation` before 5.18) pads
+    layers read to the window: BLOOM's `create_masks_for_generate` (on transformers 5.17, its `prepare_inputs_for_generation`) pads
     its 2D mask to the cache's `get_max_length()` and builds its ALiBi bias from it, which must match the keys a
     layer returns. The mask reaches past the tokens the cache holds only with the zeros of that padding, and a window
     holds every token: the slots cut are past them, and masked either way.
