@@ -383,7 +383,9 @@ def compare(model, input_ids, attention_mask, cache_implementation, fresh=None) 
     recorder = _SideRecorder()
     try:
         with recorder.recording():
-            actual = prefill_buckets.generate(fresh or model, input_ids, prefill_buckets="pow2", **kwargs)
+            actual = prefill_buckets.generate(
+                model if fresh is None else fresh, input_ids, prefill_buckets="pow2", **kwargs
+            )
     except ArchitectureTimeout:
         raise
     except Exception as error:
