@@ -174,7 +174,7 @@ def choose_side(call: ResolvedCall) -> PaddingSide:
     else:
         input_ids = call.input_ids
         if call.inputs_embeds is None and input_ids is not None and input_ids.dtype in (torch.long, torch.int):
-            _check_ids_in_vocabulary(call.settings, input_ids)
+            call.settings.check_ids_in_vocabulary(input_ids)
         warn_long_prompt(call.settings, call.prompt_length - side.past_length, side.bucket)
     padded_batch = _padded_batch(call)
     return replace(side, padded_batch=padded_batch, finished_rows_pad_id=_finished_rows_pad_id(call, padded_batch))
@@ -221,7 +221,7 @@ def _left_padded_length(call: ResolvedCall) -> int:
         )
     continued = call.continued
     if input_ids is not None:
-        _check_ids_in_vocabulary(call.settings, input_ids)
+        call.settings.check_ids_in_vocabulary(input_ids)
     if continued is not None:
         return prompt_length + continued.columns
     return capped_bucket(call.settings, prompt_length)
@@ -329,21 +329,6 @@ def _finished_rows_pad_id(call: ResolvedCall, padded_batch: int) -> int | None:
             "can't look it up. Set `pad_token_id` to an id in the vocabulary (the eos token id is the usual choice)."
         )
     return settings.fill_token_id if padded_batch > call.rows else None
-
-
-def _check_ids_in_vocabulary(settings: CallSettings, input_ids: torch.Tensor) -> None:
-    """Raises `ValueError` for an id the embedding can't look up (an index error on CPU, a device assert on CUDA)."""
-    vocab_size = settings.vocab_size
-    if vocab_size is None or input_ids.numel() == 0:
-        return
-    low, high = torch.stack(torch.aminmax(input_ids)).tolist()  # one device sync for both
-    if low < 0 or high >= vocab_size:
-        bad = low if low < 0 else high
-        raise ValueError(
-            f"`input_ids` holds the id {bad}, outside the model's vocabulary (valid ids: 0 to {vocab_size - 1}). If "
-            "those positions are padding, fill them with a `pad_token_id` in the vocabulary and mask them with "
-            "`attention_mask`."
-        )
 
 
 def capped_bucket(settings: CallSettings, prompt_length: int, warn: bool = True) -> int:
