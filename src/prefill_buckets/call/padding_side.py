@@ -31,7 +31,12 @@ from ..config import PREFILL_PADDING_SIDE
 from ..upstream import candidates, transformers_api
 from ..upstream.transformers_api import forward_takes
 from .resolved import CallSettings
-from .side_assumptions import cache_has_sliding_layers, cache_layers_reason, side_assumption_broken
+from .side_assumptions import (
+    cache_has_sliding_layers,
+    cache_layers_reason,
+    peft_row_arguments,
+    side_assumption_broken,
+)
 
 
 # Model inputs the right-padded prefill knows: the prompt, its all-ones mask, and the cache.
@@ -118,6 +123,16 @@ class RuleFacts:
         if self.cache is None and transformers_api.is_dynamic(self.settings.cache_implementation):
             return False
         return cache_has_sliding_layers(self.model, self.cache, self.slots)
+
+    @cached_property
+    def peft_row_arguments(self) -> dict[str, bool]:
+        """What PEFT passes the layers per row during this call (`side_assumptions.PEFT_ROW_ARGUMENTS`)."""
+        return peft_row_arguments(self.model)
+
+    @cached_property
+    def peft_from_the_end(self) -> str | None:
+        """The first of those that counts positions from each forward's end (aLoRA's `alora_offsets`), or `None`."""
+        return next((name for name, from_the_end in self.peft_row_arguments.items() if from_the_end), None)
 
     @cached_property
     def model_name(self) -> str:
@@ -224,6 +239,14 @@ RULE = (
         "not padded on the right",
         lambda call: call.other_inputs,
         "the input `{call.other_inputs[0]}` is not padded on the right",
+    ),
+    Case(
+        "PEFT's activated LoRA (`alora_offsets`, which its hooks pass the layers)",
+        "left",
+        "the offsets count from each forward's last token",
+        lambda call: call.peft_from_the_end is not None,
+        "PEFT passes the layers `{call.peft_from_the_end}`, which count from each forward's last token: after the "
+        "prompt, those would be pads",
     ),
     Case(
         "a prompt that is not a `[batch, length]` tensor",

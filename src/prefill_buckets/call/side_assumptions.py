@@ -7,12 +7,15 @@ its positions from `position_ids` or the mask, and passes the mask on. `decision
 One assumption depends on the call's cache as well: a local window counted from the cache's end (GPT-Neo) gives other
 tokens in a cache longer than the window, on either side (`window_reason`, a case of `decision.UNSUPPORTED`). And the
 cache's layers (`cache_layers_reason`, `cache_has_sliding_layers`): right padding needs layers that can forget the pads.
+And one depends on what PEFT passes the layers during the call (`peft_row_arguments`).
 """
+
+import sys
 
 import torch
 
 from ..state import state_of
-from ..upstream import transformers_api
+from ..upstream import torch_api, transformers_api
 from ..upstream.transformers_api import forward_takes, max_positions
 
 
@@ -244,6 +247,24 @@ def side_assumption_broken(model, side: str) -> str | None:
             None,
         )
     return known[side]
+
+
+# What PEFT passes a call's LoRA layers per row, outside `generate`'s arguments: `PeftModel.generate` takes
+# `adapter_names` (a mixed-adapter batch) and computes activated LoRA's `alora_offsets` (how many of each forward's last
+# tokens the adapter applies to), takes both out of what it hands the model's `generate`, and passes them to the layers
+# through forward pre-hooks for that call. Each with whether it counts positions from the end of each forward. Dummy
+# rows (`prefill_batch_buckets`) have no entry in either (PEFT raises); after a right-padded prompt the last tokens are
+# pads, so the offsets would skip the prompt's invocation tokens: other tokens, silently. Pads in front keep every
+# forward's end where it was, but not the ends of a chunked prefill's chunks.
+PEFT_ROW_ARGUMENTS = {"adapter_names": False, "alora_offsets": True}
+
+
+def peft_row_arguments(model) -> dict[str, bool]:
+    """`{name: counts from a forward's end}` of the `PEFT_ROW_ARGUMENTS` passed to `model`'s layers now, or `{}`."""
+    if "peft" not in sys.modules:  # only PEFT registers them: without it, no walk over the modules
+        return {}
+    passed = torch_api.forward_pre_hook_keywords(model, PEFT_ROW_ARGUMENTS)
+    return {name: PEFT_ROW_ARGUMENTS[name] for name in sorted(passed)}
 
 
 def cache_has_sliding_layers(model, cache, slots: int) -> bool:

@@ -172,6 +172,24 @@ def submodule(module, name: str):
     return module._modules.get(name)
 
 
+def forward_pre_hook_keywords(model, names) -> set[str]:
+    """
+    Those of `names` that a forward pre-hook of one of `model`'s modules passes in as a keyword argument: hooks
+    registered `with_kwargs`, as `functools.partial` objects that bind the argument (PEFT's way). A walk over every
+    module.
+    """
+    found = set()
+    for module in model.modules():
+        hooks = module._forward_pre_hooks
+        if not hooks:
+            continue
+        takes_kwargs = module._forward_pre_hooks_with_kwargs
+        for key, hook in hooks.items():
+            if takes_kwargs.get(key) and isinstance(hook, functools.partial):
+                found.update(name for name in hook.keywords if name in names)
+    return found
+
+
 def is_compiled_wrapper(model) -> bool:
     """Whether `model` is the `OptimizedModule` that `torch.compile(model)` returns."""
     return isinstance(model, OptimizedModule)
