@@ -184,6 +184,27 @@ class GenerationModesTest(RobustnessTestBase):
             torch.testing.assert_close(got[..., :8], want, atol=1e-5, rtol=1e-4)
             self.assertEqual(got[..., 8:].abs().sum().item(), 0.0)
 
+    @parameterized.expand([("left",), ("right",)])
+    def test_module_hooks_see_the_padded_prompt(self, side):
+        # What the guide says of hooks a user registers: they run on the forwards' inputs, the padded prompt (pads in
+        # front on the left, after it on the right), then the decode steps, as upstream's run on its own.
+        seen = []
+        embeddings = self.model.get_input_embeddings()
+        handle = embeddings.register_forward_pre_hook(lambda module, args: seen.append(args[0].clone()))
+        self.addCleanup(handle.remove)
+        prompt = random_ids(1, 11)
+        config = GenerationConfig(cache_implementation="static", max_new_tokens=3, do_sample=False, pad_token_id=0)
+        expected = self.model.generate(prompt, generation_config=config)
+        upstream_seen, seen[:] = list(seen), []
+        actual = prefill_buckets.generate(
+            self.model, prompt, generation_config=config, prefill_buckets=[16], prefill_padding_side=side
+        )
+        self.assertSameIds(actual, expected)
+        self.assertEqual([tuple(ids.shape) for ids in upstream_seen], [(1, 11), (1, 1), (1, 1)])
+        self.assertEqual([tuple(ids.shape) for ids in seen], [(1, 16), (1, 1), (1, 1)])
+        prompt_at = slice(5, 16) if side == "left" else slice(0, 11)
+        self.assertSameIds(seen[0][:, prompt_at], prompt)
+
     def test_custom_generate_runs_unbucketed(self):
         def loop(model, input_ids, logits_processor, stopping_criteria, generation_config, **kwargs):
             seen.append(input_ids.shape[1])
