@@ -24,7 +24,7 @@ from ..buckets import BucketPolicy
 from ..config import FIELDS, batch_policy_from_fields, padding_side_from_fields, policy_from_fields
 from ..kvcache.record import CachePadding, PassedCache
 from ..upstream import transformers_api
-from ..upstream.transformers_api import max_positions, vocabulary_size
+from ..upstream.transformers_api import max_positions, reserved_token_ids, vocabulary_size
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,9 @@ class CallSettings:
     max_new_tokens: int | None = None
     max_length: int | None = None
     config_pad_token_id: int | None = None  # the model config's own, which its forward checks unmasked inputs for
+    # Ids the model's config gives another job (`transformers_api.reserved_token_ids`: an image placeholder): never a
+    # fill, which the forward would count as one of them.
+    reserved_token_ids: frozenset[int] = frozenset()
     guidance_scale: float | None = None  # classifier-free guidance: on unless `None` or 1
 
     @property
@@ -103,11 +106,20 @@ class CallSettings:
                 "vocabulary and mask them with `attention_mask`."
             )
 
+    def _first_free(self, candidates) -> int | None:
+        """The first of `candidates` in the vocabulary that the model's config does not reserve, or `None`."""
+        return next((c for c in candidates if self.in_vocabulary(c) and c not in self.reserved_token_ids), None)
+
     @property
     def fill_token_id(self) -> int:
-        """The id that fills added positions. They are masked, so any id in the vocabulary gives the same output."""
-        candidates = (self.pad_token_id, *self.eos_token_ids, 0)
-        return next(c for c in candidates if self.in_vocabulary(c))
+        """
+        The id that fills added positions. They are masked, so any id in the vocabulary gives the same output, but one
+        the config reserves (`reserved_token_ids`) the forward would take for an image placeholder.
+        """
+        free = self._first_free((self.pad_token_id, *self.eos_token_ids))
+        if free is None:  # of any `len(reserved) + 1` ids, one is free
+            free = self._first_free(range(len(self.reserved_token_ids) + 1))
+        return free if free is not None else 0
 
     @property
     def unmasked_fill_token_id(self) -> int:
@@ -118,7 +130,8 @@ class CallSettings:
         """
         pads = (self.pad_token_id, self.config_pad_token_id)
         candidates = (*self.eos_token_ids, self.bos_token_id, 0, 1, 2, 3)
-        return next((c for c in candidates if self.in_vocabulary(c) and c not in pads), self.fill_token_id)
+        free = self._first_free(c for c in candidates if c not in pads)
+        return free if free is not None else self.fill_token_id
 
 
 @dataclass(frozen=True)
@@ -370,6 +383,7 @@ def resolve_settings(
         max_new_tokens=value["max_new_tokens"],
         max_length=value["max_length"],
         config_pad_token_id=next(iter(_token_ids(getattr(model.config, "pad_token_id", None))), None),
+        reserved_token_ids=reserved_token_ids(model.config),
         guidance_scale=value["guidance_scale"],
     )
 

@@ -323,6 +323,27 @@ def vocabulary_size(model) -> int | None:
     return size if isinstance(size, int) else None
 
 
+# The token ids `generate` itself fills or stops on: the only ids a config names that may fill padding.
+_GENERATION_TOKEN_FIELDS = ("pad_token_id", "bos_token_id", "eos_token_id")
+
+
+def reserved_token_ids(config) -> frozenset[int]:
+    """
+    The ids a model's config, and the configs nested in it, give another job than padding: every `*_token_id`,
+    `*_token_index` and `*_token_ids` but pad, bos and eos (multimodal placeholders such as `image_token_id`, whose
+    count in the ids the forward checks against its image features, and their start and end markers).
+    """
+    reserved, configs = set(), [config]
+    while configs:
+        for name, value in vars(configs.pop()).items():
+            if isinstance(value, transformers.PretrainedConfig):
+                configs.append(value)
+            elif name.endswith(("_token_id", "_token_index", "_token_ids")) and name not in _GENERATION_TOKEN_FIELDS:
+                values = value if isinstance(value, (list, tuple)) else (value,)
+                reserved.update(v for v in values if isinstance(v, int) and not isinstance(v, bool))
+    return frozenset(reserved)
+
+
 def max_positions(model) -> int | None:
     """The model's `max_position_embeddings`, when its config states one."""
     config = model.config
