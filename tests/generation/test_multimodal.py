@@ -1,9 +1,10 @@
-"""Image-text-to-text models (LLaVA, Qwen2-VL): a prompt with images is padded on the left (`pixel_values` and the
-other per-image inputs are not padded on the right), compiles once per bucket, and gives upstream's unpadded tokens.
+"""Image- and audio-text-to-text models (LLaVA, Qwen2-VL, Qwen2-Audio): a prompt with images or audio is padded on the
+left (`pixel_values`, `input_features` and the other per-image or per-clip inputs are not padded on the right), compiles
+once per bucket, and gives upstream's unpadded tokens.
 
-The pads' id is never one the config gives an image: LLaVA counts the placeholder ids in the prompt, padding included,
-against its image features (transformers' own generation tests call it with `pad_token_id=-1, eos_token_id=-1`, and
-their LLaVA config's image placeholder is id 0, the fill's last resort before).
+The pads' id is never one the config gives a placeholder: LLaVA and Qwen2-Audio count the placeholder ids in the
+prompt, padding included, against their image or audio features (transformers' own generation tests call them with
+`pad_token_id=-1, eos_token_id=-1`, and their configs' placeholder is id 0, the fill's last resort before).
 """
 
 import copy
@@ -16,6 +17,10 @@ from transformers import (
     LlamaConfig,
     LlavaConfig,
     LlavaForConditionalGeneration,
+    Qwen2AudioConfig,
+    Qwen2AudioEncoderConfig,
+    Qwen2AudioForConditionalGeneration,
+    Qwen2Config,
     Qwen2VLConfig,
     Qwen2VLForConditionalGeneration,
 )
@@ -112,6 +117,48 @@ def qwen2_vl_inputs(text_length: int, rows: int = 2, seed: int = 0) -> dict:
     }
 
 
+AUDIO_FRAMES = 60  # mel frames per clip: 15 audio tokens (two stride-2 reductions)
+
+
+def tiny_qwen2_audio() -> Qwen2AudioForConditionalGeneration:
+    text = Qwen2Config(
+        vocab_size=99,
+        hidden_size=32,
+        intermediate_size=37,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=3,
+    )
+    audio = Qwen2AudioEncoderConfig(
+        d_model=32,
+        encoder_layers=2,
+        encoder_attention_heads=4,
+        encoder_ffn_dim=32,
+        num_mel_bins=80,
+        max_source_positions=AUDIO_FRAMES // 2,
+    )
+    config = Qwen2AudioConfig(audio_config=audio, text_config=text, audio_token_id=0)
+    torch.manual_seed(0)
+    return Qwen2AudioForConditionalGeneration(config).eval()
+
+
+def qwen2_audio_inputs(text_length: int, rows: int = 2, seed: int = 0) -> dict:
+    """BOS, a clip's 15 placeholders, then `text_length` text tokens, per row."""
+    generator = torch.Generator().manual_seed(seed)
+    text = torch.randint(4, 99, (rows, text_length), generator=generator)
+    input_ids = torch.cat([torch.full((rows, 1), 1), torch.full((rows, 15), 0), text], dim=1)
+    return {
+        "input_ids": input_ids,
+        "attention_mask": torch.ones_like(input_ids),
+        "input_features": torch.randn(rows, 80, AUDIO_FRAMES, generator=generator),
+        "feature_attention_mask": torch.ones(rows, AUDIO_FRAMES, dtype=torch.long),
+    }
+
+
 class ReservedTokenIdsTest(unittest.TestCase):
     def test_a_composite_config_reserves_its_placeholders_not_its_generation_tokens(self):
         reserved = reserved_token_ids(tiny_qwen2_vl().config)
@@ -151,6 +198,10 @@ class MultimodalGenerationTest(unittest.TestCase):
         inputs = llava_inputs(7)
         inputs["inputs_embeds"] = model.get_input_embeddings()(inputs.pop("input_ids"))
         self.assert_upstream_tokens(model, inputs, {"pad_token_id": -1, "eos_token_id": -1}, prefill_buckets=[16])
+
+    def test_qwen2_audio_without_pad_or_eos_tokens(self):
+        generation = {"pad_token_id": -1, "eos_token_id": -1}
+        self.assert_upstream_tokens(tiny_qwen2_audio(), qwen2_audio_inputs(5), generation, prefill_buckets=[32])
 
     def test_qwen2_vl_multimodal_positions(self):
         # Qwen2-VL's 3D rotary positions come from the mask and the image grid: left pads must not shift them.
