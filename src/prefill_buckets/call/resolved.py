@@ -56,8 +56,8 @@ class CallSettings:
     max_new_tokens: int | None = None
     max_length: int | None = None
     config_pad_token_id: int | None = None  # the model config's own, which its forward checks unmasked inputs for
-    # Ids the model's config gives another job (`transformers_api.reserved_token_ids`: an image placeholder): never a
-    # fill, which the forward would count as one of them.
+    # Ids the model's config gives another job (`transformers_api.reserved_token_ids`: an image or audio placeholder):
+    # never a fill, which the forward would count as one of them.
     reserved_token_ids: frozenset[int] = frozenset()
     guidance_scale: float | None = None  # classifier-free guidance: on unless `None` or 1
 
@@ -114,7 +114,7 @@ class CallSettings:
     def fill_token_id(self) -> int:
         """
         The id that fills added positions. They are masked, so any id in the vocabulary gives the same output, but one
-        the config reserves (`reserved_token_ids`) the forward would take for an image placeholder.
+        the config reserves (`reserved_token_ids`) the forward would take for an image or audio placeholder.
         """
         free = self._first_free((self.pad_token_id, *self.eos_token_ids))
         if free is None:  # of any `len(reserved) + 1` ids, one is free
