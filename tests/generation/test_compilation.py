@@ -16,7 +16,16 @@ from unittest import mock
 import torch
 from parameterized import parameterized
 from torch._dynamo.backends.registry import register_backend
-from transformers import CompileConfig, GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    CompileConfig,
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Mamba2Config,
+    Mamba2ForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 from transformers.testing_utils import CaptureLogger, slow
 from transformers.utils import logging
 
@@ -279,6 +288,27 @@ class CompileEntryPointTest(CompilationTestCase):
                     expected_calls=expected_calls,
                 )
         self.assertEqual(prefill_lengths(counter), [], "upstream compiled a prefill graph")
+
+    def test_compile_config_on_a_cache_of_recurrent_layers(self):
+        # Prefill goes through the compiled call as upstream's chunked prefill, which reads the cache's length: a cache
+        # of only recurrent layers (Mamba-2) can't tell it before transformers 5.25, and the call raised there
+        # (`get_seq_length` can only be called on Attention layers). Such a cache keeps prefill eager, as upstream does.
+        config = Mamba2Config(
+            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_heads=8, head_dim=8, n_groups=8, state_size=2,
+            conv_kernel=4, chunk_size=8, pad_token_id=PAD, eos_token_id=EOS, bos_token_id=BOS,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        model = Mamba2ForCausalLM(config).eval()
+        counter = self.registered_counter()
+        compile_config = CompileConfig(backend=COUNTER_BACKEND, fullgraph=True, dynamic=False, mode=None)
+        for length in (5, 9):
+            prompt = make_prompt(length)
+            expected = model.generate(prompt, generation_config=make_config())
+            config = make_config(prefill_buckets=BUCKETS, compile_config=compile_config)
+            self.assertEqual(
+                prefill_buckets.generate(model, prompt, generation_config=config).tolist(), expected.tolist()
+            )
+        self.assertGreaterEqual(counter.calls, 2 * (MAX_NEW_TOKENS - 1), "decode ran compiled")
 
     def test_compiled_wrapper(self):
         # `torch.compile(model)` returns an `OptimizedModule` whose `generate` is the wrapped module's: upstream runs

@@ -7,12 +7,11 @@ must see through the padding. Each is declared with `@hook` (`hook_registry.py`)
 - `_prepare_cache_for_generation`: a static cache without `max_cache_len` gets a bucketed length (`kvcache/sizing.py`), so
   calls with different prompt lengths share one cache shape, and so one decode graph; its layers read windows
   (`kvcache/windows.py`), and the call's graphs are accounted for (`budget.account_call`).
-- `prepare_inputs_for_generation`: a prompt that exactly fits its bucket has no padding, and upstream uses that twice
-  to skip the mask: it drops an all-ones 2D attention mask before prefill, and with SDPA it builds no 4D mask for an
-  unpadded prefill (`is_causal` instead). Either way the prompt would reach the model without a mask, a different
-  graph from every padded prompt in its bucket. The hook puts the all-ones mask back and, while upstream builds the
-  4D mask, turns off the SDPA skip (`masking_utils._ignore_causal_mask_sdpa`), so every prompt in a bucket reaches
-  a compiled model with one signature (an eager forward gets upstream's inputs as they are).
+- `prepare_inputs_for_generation`: upstream skips the mask of a prompt that exactly fits its bucket (it drops an
+  all-ones 2D mask before prefill, and with SDPA builds no 4D mask: `is_causal`), a graph apart from every padded
+  prompt in the bucket. The hook puts the all-ones mask back and, while upstream builds the 4D mask, turns off the
+  SDPA skip (`masking_utils._ignore_causal_mask_sdpa`), so every prompt in a bucket reaches a compiled model with one
+  signature (an eager forward gets upstream's inputs as they are).
 - `get_compiled_call`: upstream's own compiled forward falls back to eager for a shape its backend fails on; a forward
   of `aot_forward` is not compiled again.
 - `_valid_auto_compile_criteria`: whether upstream compiles the forward, decided once a call, for upstream too.
@@ -126,7 +125,7 @@ def _prepare_cache_for_generation(plan, step):
     # What prefill runs on: the padded prompt, or, continuing from a cache, the tokens it lacks (`None`: none kept).
     cached_tokens = (transformers_api.cache_seq_length(cache) or 0) if cache is not None and not creates_static else 0
     prefill = plan.right.bucket if plan.right is not None else plan.padded_length - cached_tokens
-    _prefill_through_compiled_call(plan, generation_config, prefill)
+    _prefill_through_compiled_call(plan, generation_config, prefill, cache)
     if plan.run.compiled:
         embeds = model_kwargs.get("inputs_embeds") is not None
         account_call(plan, rows, prefill, generation_config.prefill_chunk_size, step["max_cache_length"], embeds)
@@ -169,17 +168,18 @@ def _learn_compilation(plan, model_kwargs: dict, generation_config) -> None:
         plan.run.fullgraph = forward_compiled_with_fullgraph(plan.model)
 
 
-def _prefill_through_compiled_call(plan, generation_config, prefill: int) -> None:
+def _prefill_through_compiled_call(plan, generation_config, prefill: int, cache) -> None:
     """
     Upstream compiles decode only and runs prefill eagerly, since prefill shapes are unbounded. Here they are the
-    buckets: one chunk of the whole padded prompt (`prefill` tokens) sends prefill through the same compiled call.
-    Warns when a chunk size the user set does not divide the prefill.
+    buckets: one chunk of the padded prompt (`prefill` tokens) sends prefill through the same compiled call, as
+    upstream's chunked prefill (which reads `cache`'s length). Warns when a chunk size set does not divide it.
     """
     if (
         plan.run.auto_compile
         and plan.right is None
         and generation_config.prefill_chunk_size is None
         and (versions.CHUNKED_PREFILL_RESUMES or prefill == plan.padded_length)
+        and transformers_api.reports_its_length(cache)
     ):
         generation_config.prefill_chunk_size = prefill
     chunk = generation_config.prefill_chunk_size

@@ -151,6 +151,14 @@ def holds_only_recurrent_layers(cache) -> bool:
     return bool(is_linear) and all(is_linear)
 
 
+def reports_its_length(cache) -> bool:
+    """
+    Whether `cache.get_seq_length()` answers, as upstream's chunked prefill asks it: a cache of only recurrent layers
+    raises before transformers 5.25 (its layers count no tokens), and `None` is no cache.
+    """
+    return cache is not None and (not holds_only_recurrent_layers(cache) or cache_seq_length(cache) is not None)
+
+
 def is_static_cache(cache) -> bool:
     return type(cache).__name__ == "StaticCache"
 
