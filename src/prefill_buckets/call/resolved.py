@@ -112,10 +112,7 @@ class CallSettings:
 
     @property
     def fill_token_id(self) -> int:
-        """
-        The id that fills added positions. They are masked, so any id in the vocabulary gives the same output, but one
-        the config reserves (`reserved_token_ids`) the forward would take for an image or audio placeholder.
-        """
+        """The id that fills added positions: masked, so any in the vocabulary but one the config reserves."""
         free = self._first_free((self.pad_token_id, *self.eos_token_ids))
         if free is None:  # of any `len(reserved) + 1` ids, one is free
             free = self._first_free(range(len(self.reserved_token_ids) + 1))
