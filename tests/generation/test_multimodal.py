@@ -35,23 +35,25 @@ from .tiny_models import single_thread_module, static_config
 
 setUpModule, tearDownModule = single_thread_module()
 
+# The language model of LLaVA and Qwen2-Audio: ids 0 and 4 to 98 are prompt tokens and placeholders.
+TEXT = {
+    "vocab_size": 99,
+    "hidden_size": 32,
+    "intermediate_size": 37,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 3,
+}
 IMAGE_TOKENS = 4  # an 8x8 image in 4x4 patches
 IMAGE_ID = 0
 
 
 def tiny_llava() -> LlavaForConditionalGeneration:
-    text = LlamaConfig(
-        vocab_size=99,
-        hidden_size=32,
-        intermediate_size=37,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=3,
-    )
+    text = LlamaConfig(**TEXT)
     vision = CLIPVisionConfig(
         image_size=8, patch_size=4, hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4
     )
@@ -121,18 +123,7 @@ AUDIO_FRAMES = 60  # mel frames per clip: 15 audio tokens (two stride-2 reductio
 
 
 def tiny_qwen2_audio() -> Qwen2AudioForConditionalGeneration:
-    text = Qwen2Config(
-        vocab_size=99,
-        hidden_size=32,
-        intermediate_size=37,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=3,
-    )
+    text = Qwen2Config(**TEXT)
     audio = Qwen2AudioEncoderConfig(
         d_model=32,
         encoder_layers=2,
