@@ -11,7 +11,7 @@ from transformers import StaticCache
 
 import prefill_buckets
 from prefill_buckets import GraphCounter
-from prefill_buckets.call import hooks, prefill_right
+from prefill_buckets.call import hooks, prefill_right, resolved
 from prefill_buckets.compile import compiled_calls
 from prefill_buckets.kvcache import record as cache_record_module
 from prefill_buckets.upstream import torch_api, transformers_api
@@ -126,6 +126,22 @@ class CallWorkTest(unittest.TestCase):
             )  # fmt: skip
         self.assertEqual(allocations.calls, 0)
         self.assertEqual(out.shape, (1, 8))
+
+    def test_a_prompt_that_fits_its_bucket_reads_no_fill_id(self):
+        # The fill id skips the ids the model's config reserves (`reserved_token_ids` walks the config and the configs
+        # nested in it): a call that adds no position needs none, on either side. The positive control: one that does.
+        for side in ("left", "right"):
+            reads = []
+            for length in (16, 5):
+                with Counter(resolved, "reserved_token_ids") as walks:
+                    out = prefill_buckets.generate(
+                        self.model, prompt(length), generation_config=static_config(3), prefill_buckets=[16],
+                        prefill_padding_side=side,
+                    )  # fmt: skip
+                self.assertEqual(out.shape, (1, length + 3))
+                reads.append(walks.calls)
+            with self.subTest(side):
+                self.assertEqual(reads, [0, 1])
 
     def test_a_decode_step_looks_up_nothing_the_call_knows(self):
         # Whether the cache reads windows, and torch's recompile limit, are the call's: as many lookups with 2 new

@@ -147,7 +147,7 @@ def _pad_prompt(call: ResolvedCall, padded_length: int):
     if input_ids is None and inputs_embeds is None:  # upstream starts from a lone BOS token: one token, one bucket
         input_ids = bos_prompt(model, settings, model_kwargs)
     added_positions = padded_length - prompt_length
-    fill_token_id = settings.fill_token_id
+    fill_token_id = settings.fill_token_id if added_positions else None  # a prompt that fits its bucket needs none
 
     if model_kwargs.get("attention_mask") is None:
         mask_source = input_ids if input_ids is not None and input_ids.shape[1] == prompt_length else None
@@ -177,7 +177,7 @@ def _pad_prompt(call: ResolvedCall, padded_length: int):
                 f"the same length to be padded with `{PREFILL_BUCKETS}`; pass `inputs_embeds` alone."
             )
         model_kwargs["input_ids"] = input_ids
-    if inputs_embeds is not None:
+    if inputs_embeds is not None and added_positions:
         fill = fill_embedding(model.get_input_embeddings(), fill_token_id, inputs_embeds)
         model_kwargs["inputs_embeds"] = left_pad(inputs_embeds, added_positions, fill, dim=1)
 

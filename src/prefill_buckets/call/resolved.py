@@ -56,10 +56,14 @@ class CallSettings:
     max_new_tokens: int | None = None
     max_length: int | None = None
     config_pad_token_id: int | None = None  # the model config's own, which its forward checks unmasked inputs for
-    # Ids the model's config gives another job (`transformers_api.reserved_token_ids`: an image or audio placeholder):
-    # never a fill, which the forward would count as one of them.
-    reserved_token_ids: frozenset[int] = frozenset()
     guidance_scale: float | None = None  # classifier-free guidance: on unless `None` or 1
+    model_config: Any = dataclasses.field(default=None, compare=False, repr=False)  # read for `reserved_token_ids`
+
+    @functools.cached_property
+    def reserved_token_ids(self) -> frozenset[int]:
+        """Ids the model's config gives another job (`transformers_api.reserved_token_ids`: an image or audio
+        placeholder): never a fill, which the forward would count as one of them. Read when a fill is first needed."""
+        return reserved_token_ids(self.model_config) if self.model_config is not None else frozenset()
 
     @property
     def bucketing(self) -> tuple:
@@ -141,20 +145,16 @@ class ResolvedCall:
     model: Any  # the model (unwrapped from a `torch.compile(model)` wrapper)
     wrapper: Any  # the `torch.compile(model)` wrapper the call was made on, or `None`
     arguments: dict  # upstream `generate`'s named parameters the call passed, by name, in their order
-    model_kwargs: (
-        dict  # the rest of its keyword arguments: model inputs and generation fields, bucket fields taken out
-    )
+    model_kwargs: dict  # the rest of its keyword arguments: model inputs and generation fields, bucket fields out
     settings: CallSettings  # what the call asks for (a later turn's: the bucket fields its cache recorded)
     passed: PassedCache  # the cache the call passes (`passed.cache`: `None` when none), read before the call writes it
     input_ids: torch.Tensor | None  # `inputs` or `input_ids`, as passed
     inputs_embeds: torch.Tensor | None
-    # What the prompt's length and rows are read from: `inputs_embeds` when passed, else the ids (or `None`).
-    prompt: torch.Tensor | None
+    prompt: torch.Tensor | None  # what its length and rows are read from: `inputs_embeds` when passed, else the ids
     prompt_length: int  # tokens in the prompt as passed (1 without one: upstream starts from one BOS token per row)
     rows: int  # the prompts the call passes (as upstream counts them when it passes none)
     cache: Any  # the cache object the call passes, or `None`
-    # The padding the bucketed call that filled the cache left (`kvcache.record.CachePadding`), or `None`.
-    continued: CachePadding | None
+    continued: CachePadding | None  # the padding the bucketed call that filled the cache left, or `None`
 
     @property
     def past_length(self) -> int:
@@ -380,8 +380,8 @@ def resolve_settings(
         max_new_tokens=value["max_new_tokens"],
         max_length=value["max_length"],
         config_pad_token_id=next(iter(_token_ids(getattr(model.config, "pad_token_id", None))), None),
-        reserved_token_ids=reserved_token_ids(model.config),
         guidance_scale=value["guidance_scale"],
+        model_config=model.config,
     )
 
 
