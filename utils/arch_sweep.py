@@ -499,10 +499,11 @@ def use_large_sizes() -> None:
     PROMPT_LENGTH, RAGGED_PAD = 21, 5
 
 
-def sweep_arguments(description: str, argv=None, large: bool = False) -> argparse.Namespace:
+def sweep_arguments(description: str, argv=None, large: bool = False, every_type: bool = False) -> argparse.Namespace:
     """
-    A sweep's command line: `--only` some model types, `--timeout` per architecture, `--write` the table, and with
-    `large`, `--large` (`LARGE_SIZES`).
+    A sweep's command line: `--only` some model types, `--timeout` per architecture, `--write` the table, with `large`,
+    `--large` (`LARGE_SIZES`), and with `every_type`, `--every-type` (`sliding_sweep.py`: every type, not only those
+    with sliding layers).
     """
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--only", nargs="+", help="model types to run (default: all of the causal-LM mapping)")
@@ -510,6 +511,8 @@ def sweep_arguments(description: str, argv=None, large: bool = False) -> argpars
     parser.add_argument("--write", help="also write the markdown table to this file")
     if large:
         parser.add_argument("--large", action="store_true", help="hidden 64, a 21-token prompt (`LARGE_SIZES`)")
+    if every_type:
+        parser.add_argument("--every-type", action="store_true", help="also the types without sliding layers")
     return parser.parse_args(argv)
 
 

@@ -1,24 +1,31 @@
 """What a bucketed call compiles on every sliding-window and chunked-attention architecture: one table row per
-`model_type` whose tiny static cache has such layers.
+`model_type` whose tiny static cache has such layers (with `--every-type`, per `model_type` of the causal-LM mapping).
 
-    python utils/sliding_sweep.py [--only gemma3_text mistral ...] [--timeout 120] [--write table.md]
+    python utils/sliding_sweep.py [--only gemma3_text mistral ...] [--every-type] [--timeout 120] [--write table.md]
 
 The tiny models are `utils/arch_sweep.py`'s (its `tiny_config`: 2 layers, hidden 32, a 16-token sliding window), with
 the attention chunk shrunk to 16 tokens too. Each is compiled in place (`model.compile(dynamic=False)`, the counting
 backend `GraphCounter`: tracing only) and runs `prefill_buckets.generate(..., prefill_buckets="pow2")` with a static
 cache on prompts of `PROMPT_LENGTHS` tokens (shorter and longer than the window), `NEW_TOKENS` greedy new tokens each,
-then the same workload again. A row says:
+then on prompts of `SECOND_PASS_LENGTHS` tokens, other lengths in the same buckets. A row says:
 
+- `padded`: the side each call was padded on (`right`, `left`), or that it ran unpadded and why (it then compiles what
+  upstream compiles: a graph per prompt length);
 - `graphs`: the graphs compiled in the first pass, and `+N` where the second pass compiled more;
 - `compiled`: the forwards that ran a compiled graph, of all the forwards (the rest ran eagerly: torch's recompile
   limit, a graph break);
 - `layers`: what served the sliding layers: `ring` (`prefill_buckets/kvcache/ring.py`), or `upstream` and why;
-- `tokens`: whether every call returned upstream's eager tokens (`same`), or `DIFFERS` / `CRASH: <error>`.
+- `tokens`: whether every call returned upstream's eager tokens on the same static cache (`same`), or `DIFFERS` /
+  `CRASH: <error>`. (Upstream's own tokens can differ by cache: Moshi's static sliding layer and its dynamic one
+  give other tokens on a 36-token prompt.)
 
-`docs/source/en/architectures.md` publishes the table. The target: every forward compiled, no graph in the second
-pass, the same tokens.
+`--every-type` runs the types without such layers too (`layers`: `full`, or `-` where no static cache can be made
+from the config, or upstream's call on one fails; both calls then take the cache upstream takes): what a compiled bucketed call compiles on
+every architecture. `docs/source/en/architectures.md` publishes both tables. The target: every forward compiled, no
+graph in the second pass, the same tokens.
 """
 
+import copy
 import importlib.util
 import sys
 from dataclasses import dataclass
@@ -31,6 +38,7 @@ _spec.loader.exec_module(arch_sweep)
 
 WINDOW = 16  # arch_sweep's `sliding_window`; the attention chunk is shrunk to it as well
 PROMPT_LENGTHS = (12, 40)  # pow2 buckets 16 and 64: the window, and past it
+SECOND_PASS_LENGTHS = (10, 36)  # other prompt lengths in the same buckets: nothing new to compile
 NEW_TOKENS = 20
 
 
@@ -39,6 +47,7 @@ class SlidingRow:
     model_type: str
     model_class: str
     kinds: str = ""  # the attention kinds of its layers: "sliding", "chunked", "full"
+    padded: str = ""  # how its calls were padded: "right", "left", "unpadded: <why>" (each once, in order)
     graphs: str = ""
     compiled: str = ""
     layers: str = ""
@@ -97,8 +106,17 @@ def _slides_by_default(model_type: str) -> bool:
     )
 
 
-def sweep_one(model_type: str, timeout: float = 120.0) -> SlidingRow | None:
-    """The row of one `model_type`, or `None` when its static cache has no sliding-window or chunked layers."""
+def _upstream_tokens(model, passes: list, fields: dict) -> list:
+    """Upstream's eager tokens for each prompt of each pass, on a copy: the model under test starts fresh."""
+    reference = copy.deepcopy(model)  # upstream leaves its static cache's length on the model
+    return [[reference.generate(prompt, **fields) for prompt in prompts] for prompts in passes]
+
+
+def sweep_one(model_type: str, timeout: float = 120.0, every_type: bool = False) -> SlidingRow | None:
+    """
+    The row of one `model_type`, or `None` when its static cache has no sliding-window or chunked layers (unless
+    `every_type`).
+    """
     from unittest import mock
 
     import torch
@@ -113,17 +131,20 @@ def sweep_one(model_type: str, timeout: float = 120.0) -> SlidingRow | None:
     try:
         config = _tiny_config(model_type)
     except Exception as error:
-        if not _slides_by_default(model_type):
+        if not (every_type or _slides_by_default(model_type)):
             return None
         row.tokens = f"no tiny config: {arch_sweep._short(error)}"
         return row
     try:
-        row.kinds = sliding_kinds(config)
+        row.kinds = sliding_kinds(config) or ("full" if every_type else "")
     except Exception as error:  # no static cache for this config
-        if not _slides_by_default(model_type):
+        if every_type:
+            row.kinds = "-"
+        elif not _slides_by_default(model_type):
             return None
-        row.tokens = f"no static cache: {arch_sweep._short(error)}"
-        return row
+        else:
+            row.tokens = f"no static cache: {arch_sweep._short(error)}"
+            return row
     if not row.kinds:
         return None
     try:
@@ -133,23 +154,39 @@ def sweep_one(model_type: str, timeout: float = 120.0) -> SlidingRow | None:
         return row
     torch._dynamo.reset()
     generator = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, arch_sweep.VOCAB, (1, n), generator=generator) for n in PROMPT_LENGTHS]
+    passes = [
+        [torch.randint(3, arch_sweep.VOCAB, (1, n), generator=generator) for n in lengths]
+        for lengths in (PROMPT_LENGTHS, SECOND_PASS_LENGTHS)
+    ]
     fields = {"max_new_tokens": NEW_TOKENS, "min_new_tokens": NEW_TOKENS, "do_sample": False, "pad_token_id": 0}
+    if (
+        row.kinds != "-"
+    ):  # the reference runs on the cache the bucketed call gets: upstream's tokens can differ by cache
+        fields["cache_implementation"] = "static"
 
     def timed_out(error):
         row.tokens = row.tokens or f"timeout ({error})"
 
     with arch_sweep.timed_row(row, timeout, timed_out):
         try:
-            expected = [model.generate(p, **fields) for p in prompts]
+            expected = _upstream_tokens(model, passes, fields)
         except arch_sweep.ArchitectureTimeout:
             raise
         except Exception as error:
-            row.tokens = f"upstream fails: {arch_sweep._short(error)}"
-            return row
+            if not every_type or "cache_implementation" not in fields:
+                row.tokens = f"upstream fails: {arch_sweep._short(error)}"
+                return row
+            row.kinds, fields = "-", {k: v for k, v in fields.items() if k != "cache_implementation"}
+            try:  # upstream's static cache fails on this model: both calls take its default cache
+                expected = _upstream_tokens(model, passes, fields)
+            except arch_sweep.ArchitectureTimeout:
+                raise
+            except Exception as error:
+                row.tokens = f"upstream fails: {arch_sweep._short(error)}"
+                return row
         counter = GraphCounter()
         model.compile(backend=counter, dynamic=False)
-        config = GenerationConfig(cache_implementation="static", prefill_buckets="pow2", **fields)
+        config = GenerationConfig(prefill_buckets="pow2", **fields)
         rings = []
         opened = ring.SlidingWindowRing.open
 
@@ -157,12 +194,16 @@ def sweep_one(model_type: str, timeout: float = 120.0) -> SlidingRow | None:
             rings.append(layer)
             opened(layer)
 
-        same, graphs = True, []
+        same, graphs, padded = True, [], {}
         try:
             with mock.patch.object(ring.SlidingWindowRing, "open", recording):
-                for _ in range(2):
-                    for prompt, tokens in zip(prompts, expected):
-                        same &= torch.equal(prefill_buckets.generate(model, prompt, generation_config=config), tokens)
+                for prompts, tokens_of_pass in zip(passes, expected):
+                    for prompt, tokens in zip(prompts, tokens_of_pass):
+                        recorder = arch_sweep._SideRecorder()  # the side each call took, and why
+                        with recorder.recording():
+                            output = prefill_buckets.generate(model, prompt, generation_config=config)
+                        same &= torch.equal(output, tokens)
+                        padded[arch_sweep._bucketed_cell(recorder)] = None
                     graphs.append(counter.graphs)
         except arch_sweep.ArchitectureTimeout:
             raise
@@ -170,9 +211,10 @@ def sweep_one(model_type: str, timeout: float = 120.0) -> SlidingRow | None:
             row.tokens = f"CRASH: {arch_sweep._short(error)}"
             return row
         row.tokens = "same" if same else "DIFFERS"
+        row.padded = ", ".join(padded)
         row.graphs = f"{graphs[0]}" + (f" +{graphs[1] - graphs[0]}" if graphs[1] > graphs[0] else "")
-        row.compiled = f"{counter.calls} of {2 * len(prompts) * NEW_TOKENS}"
-        row.layers = "ring" if rings else "upstream"
+        row.compiled = f"{counter.calls} of {sum(map(len, passes)) * NEW_TOKENS}"
+        row.layers = "ring" if rings else "upstream" if row.kinds not in ("full", "-") else "-"
     return row
 
 
@@ -183,21 +225,22 @@ def markdown_table(rows: list[SlidingRow]) -> str:
     lines = [
         f"transformers {transformers.__version__}, torch {torch.__version__}, `model.compile(dynamic=False)`, "
         f'`prefill_buckets="pow2"`, a {WINDOW}-token window (or chunk), prompts of '
-        f"{', '.join(map(str, PROMPT_LENGTHS))} tokens with {NEW_TOKENS} new tokens each, twice:",
+        f"{', '.join(map(str, PROMPT_LENGTHS))} tokens, then of {', '.join(map(str, SECOND_PASS_LENGTHS))}, with "
+        f"{NEW_TOKENS} new tokens each:",
         "",
-        "| model_type | class | layers | graphs | forwards compiled | sliding layers served by | tokens |",
-        "|---|---|---|---|---|---|---|",
+        "| model_type | class | layers | padded | graphs | forwards compiled | sliding layers served by | tokens |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| `{r.model_type}` | `{r.model_class}` | {r.kinds} | {r.graphs or '-'} | {r.compiled or '-'} | "
-            f"{r.layers or '-'} | {r.tokens} |"
+            f"| `{r.model_type}` | `{r.model_class}` | {r.kinds} | {r.padded or '-'} | {r.graphs or '-'} | "
+            f"{r.compiled or '-'} | {r.layers or '-'} | {r.tokens} |"
         )
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
-    args = arch_sweep.sweep_arguments(__doc__.split("\n")[0], argv)
+    args = arch_sweep.sweep_arguments(__doc__.split("\n")[0], argv, every_type=True)
 
     import torch
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -208,11 +251,11 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     rows = []
     for model_type in args.only or sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
-        row = sweep_one(model_type, timeout=args.timeout)
+        row = sweep_one(model_type, timeout=args.timeout, every_type=args.every_type)
         if row is None:
             continue
         print(
-            f"{model_type}: {row.kinds} | {row.graphs} | {row.compiled} | {row.layers} | {row.tokens} "
+            f"{model_type}: {row.kinds} | {row.padded} | {row.graphs} | {row.compiled} | {row.layers} | {row.tokens} "
             f"({row.seconds:.1f} s)",
             file=sys.stderr,
             flush=True,

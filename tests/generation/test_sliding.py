@@ -395,20 +395,33 @@ class RingLayerTest(unittest.TestCase):
         self.assertEqual(ring.cumulative_length_int, upstream.cumulative_length_int)
 
 
+_ROOT = Path(__file__).resolve().parents[2]
+
+
+def load_sliding_sweep():
+    """`utils/sliding_sweep.py`, imported."""
+    spec = importlib.util.spec_from_file_location("sliding_sweep", _ROOT / "utils" / "sliding_sweep.py")
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    return sweep
+
+
+def architectures_page_rows(section: str, pattern: str) -> dict[str, str]:
+    """The table rows of the architecture page from its `section` on, matching `pattern`, by model type."""
+    page = (_ROOT / "docs" / "source" / "en" / "architectures.md").read_text(encoding="utf-8")
+    page = page[page.index(section) :]
+    return {m.group(1): m.group(0) for m in re.finditer(pattern, page, re.M)}
+
+
 class SweepTableTest(unittest.TestCase):
     """The architecture page's sliding table (`utils/sliding_sweep.py`) says what the sweep finds: one row in CI."""
 
     @classmethod
     def setUpClass(cls):
-        path = Path(__file__).resolve().parents[2] / "utils" / "sliding_sweep.py"
-        spec = importlib.util.spec_from_file_location("sliding_sweep", path)
-        cls.sweep = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(cls.sweep)
-        page = (path.parents[1] / "docs" / "source" / "en" / "architectures.md").read_text(encoding="utf-8")
-        page = page[page.index("## Sliding-window and chunked attention") :]
-        cls.rows = {
-            m.group(1): m.group(0) for m in re.finditer(r"^\| `([\w-]+)` \|.*\| (?:ring|upstream).*$", page, re.M)
-        }
+        cls.sweep = load_sliding_sweep()
+        cls.rows = architectures_page_rows(
+            "## Sliding-window and chunked attention", r"^\| `([\w-]+)` \|.*\| (?:ring|upstream).*$"
+        )
 
     def tearDown(self):
         torch._dynamo.reset()
@@ -425,3 +438,31 @@ class SweepTableTest(unittest.TestCase):
         self.assertIn(model_type, self.rows)
         self.assertEqual(self.sweep.markdown_table([row]).strip().splitlines()[-1], self.rows[model_type])
         self.assertEqual((row.layers, row.tokens), ("ring", "same"))
+
+
+class EveryTypeTableTest(unittest.TestCase):
+    """
+    The architecture page's table of every type compiled (`utils/sliding_sweep.py --every-type`) says what the sweep
+    finds: one row in CI (`llama`: full attention, nothing new compiled for other prompt lengths in the same buckets).
+    """
+
+    @classmethod
+    def setUpClass(cls):
+        cls.sweep = load_sliding_sweep()
+        cls.rows = architectures_page_rows("## Every architecture, compiled", r"^\| `([\w-]+)` \|.*$")
+
+    def tearDown(self):
+        torch._dynamo.reset()
+
+    @parameterized.expand([("llama",), ("gpt2",), ("jetmoe",)])
+    def test_row(self, model_type):
+        if model_type != "llama" and os.environ.get("RUN_SLOW", "").lower() not in ("1", "true", "yes"):
+            self.skipTest("test is slow (RUN_SLOW=1 runs it)")
+        import transformers
+
+        if transformers.__version__ != "5.24.0":
+            self.skipTest("the table is of transformers 5.24.0")
+        row = self.sweep.sweep_one(model_type, every_type=True)
+        self.assertEqual(self.sweep.markdown_table([row]).strip().splitlines()[-1], self.rows[model_type])
+        if model_type != "jetmoe":  # its experts' token counts are Python ints in the forward: graphs per routing
+            self.assertEqual((row.kinds, row.tokens, "+" in row.graphs), ("full", "same", False))
