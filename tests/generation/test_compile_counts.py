@@ -143,6 +143,22 @@ class StaticCacheBucketTest(CompileCountTestBase):
         self.assertEqual(prefill_lengths(counter), [16])
         self.assertEqual(counter.calls, MAX_NEW_TOKENS * len(LENGTHS_IN_BUCKET_16))
 
+    def test_an_exact_fit_given_as_a_strided_view_compiles_nothing_new(self):
+        # A padded prompt reaches the forward as a new, contiguous tensor; one that fits its bucket is passed on as
+        # given, and dynamo guards on strides: a column of a transposed batch must not compile a prefill of its own.
+        model = make_model()
+        counter = compile_model(model, "model.compile")
+        config = generation_config()
+
+        def bucketed(input_ids):
+            return prefill_buckets.generate(model, input_ids, generation_config=config, prefill_buckets=[16])
+
+        self.generate_counted(counter, bucketed, make_prompt(12))
+        view = make_prompt(16, batch_size=2).T.contiguous().T[:1]  # [1, 16], strides (1, 2)
+        self.assertFalse(view.is_contiguous())
+        self.generate_counted(counter, bucketed, view)
+        self.assertEqual(counter.graphs, 2, f"shapes {counter.shapes}")
+
     def test_enable_and_model_generate(self):
         prefill_buckets.enable()
         self.addCleanup(prefill_buckets.disable)

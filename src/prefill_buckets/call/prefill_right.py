@@ -124,9 +124,9 @@ def _prompt_device(prompt: dict) -> torch.device:
 
 def _padded_after(plan: Plan, input_ids, inputs_embeds) -> dict:
     """The prompt as prefill runs it when every row is the whole prompt: padded after its end to the bucket."""
-    prompt = {"inputs_embeds": inputs_embeds} if inputs_embeds is not None else {"input_ids": input_ids}
-    if next(iter(prompt.values())).shape[1] == plan.right.bucket:  # it fits its bucket: nothing to add
-        return prompt
+    given = inputs_embeds if inputs_embeds is not None else input_ids
+    if given.shape[1] == plan.right.bucket:  # it fits its bucket: nothing to add; contiguous, as a padded prompt is
+        return {"inputs_embeds" if inputs_embeds is not None else "input_ids": given.contiguous()}
     fill_id = plan.settings.unmasked_fill_token_id
     if inputs_embeds is not None:  # [rows, S, hidden] -> [rows, bucket, hidden]
         fill = fill_embedding(plan.model.get_input_embeddings(), fill_id, inputs_embeds)  # [hidden]
