@@ -143,12 +143,13 @@ class StaticCacheBucketTest(CompileCountTestBase):
         self.assertEqual(prefill_lengths(counter), [16])
         self.assertEqual(counter.calls, MAX_NEW_TOKENS * len(LENGTHS_IN_BUCKET_16))
 
-    def test_an_exact_fit_given_as_a_strided_view_compiles_nothing_new(self):
-        # A padded prompt reaches the forward as a new, contiguous tensor; one that fits its bucket is passed on as
-        # given, and dynamo guards on strides: a column of a transposed batch must not compile a prefill of its own.
+    @parameterized.expand([("right",), ("left",)])
+    def test_an_exact_fit_given_as_a_strided_view_compiles_nothing_new(self, side):
+        # A padded prompt reaches the forward as a new, contiguous tensor; one that fits its bucket needs no padding,
+        # and dynamo guards on strides: a row of a transposed batch must not compile a prefill of its own.
         model = make_model()
         counter = compile_model(model, "model.compile")
-        config = generation_config()
+        config = generation_config(prefill_padding_side=side)
 
         def bucketed(input_ids):
             return prefill_buckets.generate(model, input_ids, generation_config=config, prefill_buckets=[16])
