@@ -20,9 +20,9 @@ then on prompts of `SECOND_PASS_LENGTHS` tokens, other lengths in the same bucke
   give other tokens on a 36-token prompt.)
 
 `--every-type` runs the types without such layers too (`layers`: `full`, or `-` where no static cache can be made
-from the config, or upstream's call on one fails; both calls then take the cache upstream takes): what a compiled bucketed call compiles on
-every architecture. `docs/source/en/architectures.md` publishes both tables. The target: every forward compiled, no
-graph in the second pass, the same tokens.
+from the config, or upstream's call on one fails; both calls then take the cache upstream takes): what a compiled
+bucketed call compiles on every architecture. `docs/source/en/architectures.md` publishes both tables. The target:
+every forward compiled, no graph in the second pass, the same tokens.
 """
 
 import copy
@@ -159,9 +159,8 @@ def sweep_one(model_type: str, timeout: float = 120.0, every_type: bool = False)
         for lengths in (PROMPT_LENGTHS, SECOND_PASS_LENGTHS)
     ]
     fields = {"max_new_tokens": NEW_TOKENS, "min_new_tokens": NEW_TOKENS, "do_sample": False, "pad_token_id": 0}
-    if (
-        row.kinds != "-"
-    ):  # the reference runs on the cache the bucketed call gets: upstream's tokens can differ by cache
+    # The reference runs on the cache the bucketed call gets: upstream's own tokens can differ by cache.
+    if row.kinds != "-":
         fields["cache_implementation"] = "static"
 
     def timed_out(error):
