@@ -94,16 +94,16 @@ class ModelState:
     side_assumptions: dict[str, str | None] = field(default_factory=dict)
     # Ragged right padding: whether that cache has sliding-window layers, by slots.
     ragged_sliding_layers: dict[int, bool] = field(default_factory=dict)
-    # The tensors of the static cache the last finished call made and did not hand back, for the next call's cache
-    # (`kvcache.sizing.keep_storage`; `None`: none kept). Allocated once per workload, not per call.
-    kept_cache_storage: Any = None
+    # The static cache the last finished call made and did not hand back, for the next call that makes one
+    # (`kvcache.sizing.keep_cache`, `reuse_cache`; `None`: none kept). Made once per workload, not per call.
+    kept_cache: Any = None
     # On a `torch.compile(model)` wrapper: the wrapped module's call compiled by the wrapper, and its users.
     wrapper_compiled_call: Any = None
     wrapper_users: int = 0
 
     def __reduce__(self):
-        # What bucketed calls keep on a model is about that object in this process (its hooked methods, its kept cache
-        # tensors, its graph accounts): a pickled (`torch.save(model)`) or deep-copied model starts afresh, and so
+        # What bucketed calls keep on a model is about that object in this process (its hooked methods, its kept
+        # cache, its graph accounts): a pickled (`torch.save(model)`) or deep-copied model starts afresh, and so
         # stays as picklable as upstream's.
         return ModelState, ()
 

@@ -12,14 +12,25 @@
 # - Static addresses: each layer's length counter is kept with its keys and values, so every static input of the
 #   compiled graphs stays where CUDA graphs recorded it.
 
+import copy
 import unittest
 
 import torch
 from parameterized import parameterized
-from transformers import GenerationConfig, StaticCache
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    GenerationConfig,
+    MistralConfig,
+    MistralForCausalLM,
+    StaticCache,
+)
 
 import prefill_buckets
 from prefill_buckets import GraphCounter
+from prefill_buckets.kvcache.sizing import early_initialize, reuse_cache
 from prefill_buckets.state import state_of
 
 from .tiny_models import CACHE, tiny_llama
@@ -38,9 +49,9 @@ def config(side: str, **kwargs) -> GenerationConfig:
 
 
 def kept_keys(model):
-    """The first layer's keys the model keeps for the next call, or `None`."""
-    kept = state_of(model).kept_cache_storage
-    return kept.tensors[0][0] if kept is not None else None
+    """The first layer's keys of the cache the model keeps for the next call, or `None`."""
+    kept = state_of(model).kept_cache
+    return kept.cache.layers[0].keys if kept is not None else None
 
 
 class StaticAddresses:
@@ -90,19 +101,20 @@ class CacheStorageTest(unittest.TestCase):
             out = prefill_buckets.generate(self.model, prompt(length), generation_config=config(side))
             expected = self.reference.generate(prompt(length), max_new_tokens=NEW_TOKENS, do_sample=False)
             self.assertEqual(out.tolist(), expected.tolist())
-            kept.append(kept_keys(self.model))
-        self.assertIsNotNone(kept[0])
-        self.assertTrue(all(keys is kept[0] for keys in kept), "every call's cache had the first call's tensors")
+            kept.append((kept_keys(self.model), state_of(self.model).kept_cache.cache))
+        self.assertIsNotNone(kept[0][0])
+        self.assertTrue(all(keys is kept[0][0] for keys, _ in kept), "every call's cache had the first call's tensors")
+        self.assertTrue(all(cache is kept[0][1] for _, cache in kept), "every call ran on the first call's cache")
 
     @parameterized.expand([("left",), ("right",)])
     def test_what_a_longer_call_wrote_is_zeroed(self, side):
         prefill_buckets.generate(self.model, prompt(30), generation_config=config(side))
         keys = kept_keys(self.model)
-        long_written = state_of(self.model).kept_cache_storage.written
+        long_written = state_of(self.model).kept_cache.written
         self.assertGreater(long_written, 32)
         prefill_buckets.generate(self.model, prompt(3), generation_config=config(side))
         self.assertIs(kept_keys(self.model), keys)
-        short_written = state_of(self.model).kept_cache_storage.written
+        short_written = state_of(self.model).kept_cache.written
         self.assertLess(short_written, long_written)
         self.assertTrue(bool(keys[:, :, :short_written].any()), "the short call's tokens are in the cache")
         self.assertFalse(bool(keys[:, :, short_written:].any()), "the longer call's slots are zero again")
@@ -166,6 +178,69 @@ class CacheStorageTest(unittest.TestCase):
                 self.assertEqual(out.tolist(), expected.tolist())
         self.assertIsNot(kept_keys(self.model), kept_keys(other))
 
+    # Full-attention layers; sliding-window layers beside them (rings in a call); sliding-window layers only.
+    @parameterized.expand([("llama",), ("gemma2",), ("mistral_sliding",)])
+    def test_a_reused_cache_holds_what_a_new_one_would(self, name):
+        # The kept cache, reset for the next call (`reuse_cache`), against the cache upstream's step makes for that call
+        # and `early_initialize` allocates: the same class and attributes, on the cache and on every layer (tensors by
+        # value, dtype and device), so the next call runs as on a new cache.
+        model = {"llama": tiny_llama, "gemma2": _tiny_gemma2, "mistral_sliding": _tiny_mistral}[name]()
+        model.compile(backend=GraphCounter(), dynamic=False, fullgraph=True)
+        prefill_buckets.generate(model, prompt(30), generation_config=config("right"))
+        kept = state_of(model).kept_cache
+        self.assertTrue(bool(kept.cache.layers[0].keys.any()), "the premise: the call wrote into the cache")
+        slots = kept.slots
+        reused = reuse_cache(model, "static", 1, slots)
+        self.assertIs(reused, kept.cache)
+        new = model._prepare_static_cache("static", 1, slots, None, {})
+        early_initialize(model, new, 1)
+        self.assertIsNot(new, reused)
+        self.assertEqual(_attributes(reused, skip="layers"), _attributes(new, skip="layers"))
+        for reused_layer, new_layer in zip(reused.layers, new.layers, strict=True):
+            self.assertIs(type(reused_layer), type(new_layer))
+            self.assertEqual(_attributes(reused_layer), _attributes(new_layer))
+
+    def test_a_cache_allocated_in_its_first_forward_is_not_kept(self):
+        # This GPT-NeoX config says 1 key/value head where its attention holds 4, so the cache is allocated by the
+        # first forward, inside the compiled graph, as upstream's. Reused, the next call's first forward would find it
+        # allocated: a graph of its own. Not kept, every call in the bucket compiles nothing new.
+        torch.manual_seed(0)
+        config_ = AutoConfig.for_model(
+            "gpt_neox", vocab_size=128, hidden_size=32, num_attention_heads=4, num_hidden_layers=2,
+            num_key_value_heads=1, intermediate_size=64, pad_token_id=0, eos_token_id=1, bos_token_id=2,
+        )  # fmt: skip
+        model = AutoModelForCausalLM.from_config(config_).eval()
+        reference = copy.deepcopy(model)
+        counter = GraphCounter()
+        model.compile(backend=counter, dynamic=False, fullgraph=True)
+        graphs = []
+        for length in (7, 9, 12):
+            out = prefill_buckets.generate(model, prompt(length), generation_config=config("right"))
+            expected = reference.generate(prompt(length), max_new_tokens=NEW_TOKENS, do_sample=False)
+            self.assertEqual(out.tolist(), expected.tolist())
+            self.assertIsNone(state_of(model).kept_cache)
+            graphs.append(counter.graphs)
+        self.assertEqual(graphs[1:], graphs[:1] * 2, "the later calls in the bucket compiled nothing new")
+
+    def test_a_class_that_makes_its_own_cache_makes_it_every_call(self):
+        # A model class that overrides upstream's `_prepare_static_cache` (Mllama sizes its cross-attention layers
+        # there) gets its own step on every call: the kept cache is upstream's step's, not the override's.
+        class OwnCache(type(self.model)):
+            made = 0
+
+            def _prepare_static_cache(self, *args, **kwargs):
+                OwnCache.made += 1
+                return super()._prepare_static_cache(*args, **kwargs)
+
+        model = tiny_llama()
+        model.__class__ = OwnCache
+        model.compile(backend=GraphCounter(), dynamic=False, fullgraph=True)
+        for length in (7, 12, 5):
+            out = prefill_buckets.generate(model, prompt(length), generation_config=config("right"))
+            expected = self.reference.generate(prompt(length), max_new_tokens=NEW_TOKENS, do_sample=False)
+            self.assertEqual(out.tolist(), expected.tolist())
+        self.assertEqual(OwnCache.made, 3)
+
     @parameterized.expand([("left",), ("right",)])
     def test_each_mode_writes_tensors_of_its_own(self, side):
         # Tensors made under `torch.inference_mode()` can't be written outside it (torch raises), and tensors of the
@@ -204,6 +279,37 @@ class CacheStorageTest(unittest.TestCase):
         model = tiny_llama()
         prefill_buckets.generate(model, prompt(7), generation_config=config("right"))
         self.assertIsNone(kept_keys(model))
+
+
+def _tiny_gemma2():
+    """A tiny Gemma 2: every other layer a sliding window of 8 slots."""
+    torch.manual_seed(0)
+    config = Gemma2Config(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, sliding_window=8, max_position_embeddings=1024, pad_token_id=0,
+        eos_token_id=1, bos_token_id=2,
+    )  # fmt: skip
+    return Gemma2ForCausalLM(config).eval()
+
+
+def _tiny_mistral():
+    """A tiny Mistral: every layer a sliding window of 8 slots."""
+    torch.manual_seed(0)
+    config = MistralConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=8, max_position_embeddings=1024, pad_token_id=0, eos_token_id=1,
+        bos_token_id=2,
+    )  # fmt: skip
+    return MistralForCausalLM(config).eval()
+
+
+def _attributes(thing, skip: str = "") -> dict:
+    """`vars(thing)` but `skip`, comparable with `==`: a tensor as its values, dtype and device."""
+    return {
+        name: (value.tolist(), value.dtype, value.device) if isinstance(value, torch.Tensor) else value
+        for name, value in vars(thing).items()
+        if name != skip
+    }
 
 
 if __name__ == "__main__":

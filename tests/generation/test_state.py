@@ -103,13 +103,13 @@ class ModelStateTest(unittest.TestCase):
         )
         prompt = torch.arange(5, 12).unsqueeze(0)
         expected = prefill_buckets.generate(model, prompt, generation_config=config)
-        self.assertIsNotNone(state_of(model).kept_cache_storage)  # the premise: what the state holds
+        self.assertIsNotNone(state_of(model).kept_cache)  # the premise: what the state holds
         self.assertNotEqual(state_of(model).hooked, {})
         buffer = io.BytesIO()
         torch.save(model, buffer)
         buffer.seek(0)
         for other in (torch.load(buffer, weights_only=False), copy.deepcopy(model)):
-            self.assertIsNone(state_of(other).kept_cache_storage)
+            self.assertIsNone(state_of(other).kept_cache)
             self.assertEqual(state_of(other).hooked, {})
             self.assertEqual(
                 prefill_buckets.generate(other, prompt, generation_config=config).tolist(), expected.tolist()

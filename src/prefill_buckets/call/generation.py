@@ -14,7 +14,7 @@ Upstream `generate` does all the real work. One bucketed call, in the steps `gen
 6. Run upstream `generate`, with the steps that must see through the padding hooked (`hooks.bucketed_call`); what the
    call learns as it runs goes to `plan.run`.
 7. Mark the cache: a later call that continues from it pads its prompt the same way (`kvcache.record.record_call`);
-   the tensors of a cache the call made and did not return go to the next call's (`kvcache.sizing.keep_storage`).
+   a cache the call made and did not return is kept for the next call's (`kvcache.sizing.keep_cache`).
 8. Strip: the added columns and rows come off what the user gets back (`views.strip_output`).
 
 A call without bucket fields is upstream `generate`, unchanged; this module only warns when it will recompile. A call
@@ -32,7 +32,7 @@ from ..compile.compiled_calls import compiled_forward, compiled_wrapper_forward
 from ..config import BUCKET_FIELDS, PREFILL_BUCKETS, PREFILL_PAD_TO_MULTIPLE_OF
 from ..distributed import generate_call, ranks_agree
 from ..kvcache.record import passed_cache, record_call
-from ..kvcache.sizing import keep_storage
+from ..kvcache.sizing import keep_cache
 from ..state import state_of
 from ..upstream import torch_api, transformers_api
 from ..upstream.transformers_api import cache_seq_length, tensor_parallel_group
@@ -125,15 +125,17 @@ def generate(model, *args, **kwargs):
         # Says so if torch ran some of the call's forwards eagerly, against the limit the call ran under.
         check_compiled(model, plan.run.expected_graphs, plan.run.recompile_limit, plan.run.decode_windows_read)
 
-    # 7. Mark the cache, passed in or returned, for a call that continues from it; keep the tensors of one the call
-    # made and did not return, for the next call's.
+    # 7. Mark the cache, passed in or returned, for a call that continues from it; keep one the call made and did not
+    # return, for the next call's.
     returned = _returned_cache(output)
     for cache in (passed_cache(prepared.model_kwargs), returned):  # often one cache, twice: idempotent
         if cache is not None:
             record_call(cache, plan, prepared.model_kwargs.get("attention_mask"), continues=call.continued is not None)
     made = plan.run.made_cache
-    if made is not None and made is not returned and plan.run.compiled:  # an eager call allocates as upstream's
-        keep_storage(model, made, max(plan.run.slots_written, plan.prompt_slots, cache_seq_length(made) or 0))
+    # Not an eager call's, nor a cache allocated inside the first forward: those are new every call, as upstream's.
+    if made is not None and made is not returned and plan.run.compiled and plan.run.allocated_early:
+        written = max(plan.run.slots_written, plan.prompt_slots, cache_seq_length(made) or 0)
+        keep_cache(model, made, plan.run.made_cache_slots, written)
 
     # 8. Strip the padding off what the user gets back.
     return strip_output(output, plan)

@@ -7,6 +7,8 @@ must see through the padding. Each is declared with `@hook` (`hook_registry.py`)
 - `_prepare_cache_for_generation`: a static cache without `max_cache_len` gets a bucketed length (`kvcache/sizing.py`), so
   calls with different prompt lengths share one cache shape, and so one decode graph; its layers read windows
   (`kvcache/windows.py`), and the call's graphs are accounted for (`budget.account_call`).
+- `_prepare_static_cache`: the cache the last call made and did not hand back, reset, in place of a new one of the
+  same shape (`kvcache.sizing.reuse_cache`): a workload makes its cache once.
 - `prepare_inputs_for_generation`: upstream skips the mask of a prompt that exactly fits its bucket (it drops an
   all-ones 2D mask before prefill, and with SDPA builds no 4D mask: `is_causal`), a graph apart from every padded
   prompt in the bucket. The hook puts the all-ones mask back and, while upstream builds the 4D mask, turns off the
@@ -33,8 +35,8 @@ from transformers.utils import logging
 
 from ..compile.compiled_calls import (
     EagerFallback,
+    call_compilation,
     compiled_forward,
-    forward_compiled_with_fullgraph,
     install_fallbacks,
     is_aot_forward,
     remove_fallbacks,
@@ -42,7 +44,7 @@ from ..compile.compiled_calls import (
 from ..config import PREFILL_PAD_TO_MULTIPLE_OF, PREFILL_PADDING_SIDE
 from ..kvcache.attention_keys import key_layouts
 from ..kvcache.record import passed_cache, sequence_length
-from ..kvcache.sizing import early_initialize, static_cache_length
+from ..kvcache.sizing import early_initialize, reuse_cache, static_cache_length
 from ..kvcache.windows import close_windows, has_windows, mask_to_window, open_windows, set_window
 from ..state import LOCK, PROCESS, state_of
 from ..upstream import torch_api, transformers_api, versions
@@ -106,7 +108,11 @@ def _prepare_cache_for_generation(plan, step):
     # `generation_config` is upstream's private copy: what the user passed is untouched.
     sized_here = creates_static and generation_config.max_cache_len is None
     if sized_here:
-        generation_config.max_cache_len = _bucketed_cache_length(plan, step["max_cache_length"])
+        # From the length upstream computed for the padded call. On the right the bucket is filled on top of the cached
+        # tokens, the new tokens' slots after it, as on the left (more than the `max(bucket, prompt + new tokens)` it
+        # needs: both sides size alike).
+        needed = step["max_cache_length"] + (plan.prompt_slots - plan.prompt_length if plan.right is not None else 0)
+        generation_config.max_cache_len = static_cache_length(plan.model, plan.settings, needed, plan.prompt_slots)
     if generation_config.compile_config is not None:
         # An explicit `compile_config` compiles on every device, CPU included (upstream: CUDA/XPU only).
         transformers_api.compile_on_all_devices(generation_config.compile_config)
@@ -119,9 +125,11 @@ def _prepare_cache_for_generation(plan, step):
         plan.run.made_cache = cache
     _learn_cache(plan, cache)
     rows = step["batch_size"] * max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
-    _learn_compilation(plan, model_kwargs, generation_config)
+    plan.run.auto_compile, plan.run.compiled, plan.run.fullgraph = call_compilation(
+        plan.model, model_kwargs, generation_config
+    )
     if creates_static and plan.run.compiled and cache is not None:
-        early_initialize(plan.model, cache, rows)
+        plan.run.allocated_early = early_initialize(plan.model, cache, rows)
     # What prefill runs on: the padded prompt, or, continuing from a cache, the tokens it lacks (`None`: none kept).
     cached_tokens = (transformers_api.cache_seq_length(cache) or 0) if cache is not None and not creates_static else 0
     prefill = plan.right.bucket if plan.right is not None else plan.padded_length - cached_tokens
@@ -133,17 +141,6 @@ def _prepare_cache_for_generation(plan, step):
     return result
 
 
-def _bucketed_cache_length(plan, max_cache_length: int) -> int:
-    """
-    The length of the static cache the call makes (`sizing.static_cache_length`), from the `max_cache_length` upstream
-    computed for the padded call. On the right the bucket is filled on top of the cached tokens: the new tokens' slots
-    come after it, as on the left (more than the `max(bucket, prompt + new tokens)` it needs: both sides size alike).
-    """
-    new_slots = max_cache_length - plan.prompt_length
-    needed = plan.prompt_slots + new_slots if plan.right is not None else max_cache_length
-    return static_cache_length(plan.model, plan.settings, needed, prompt_slots=plan.prompt_slots)
-
-
 def _learn_cache(plan, cache) -> None:
     """What the call's cache is: its length, whether its layers read windows (opened here), how they lay out keys."""
     plan.run.static_cache_length = cache.get_max_length() if hasattr(cache, "get_max_length") else -1
@@ -152,20 +149,6 @@ def _learn_cache(plan, cache) -> None:
         plan.run.reads_windows = has_windows(cache)
     if plan.settings.output_attentions or getattr(plan.model.config, "output_attentions", False):
         plan.run.key_layouts = key_layouts(cache)  # read now: the layers' classes change while the call runs
-
-
-def _learn_compilation(plan, model_kwargs: dict, generation_config) -> None:
-    """
-    Whether upstream compiles the forward itself, whether the call's forwards are compiled at all, and whether with
-    `fullgraph=True` (upstream compiles with `compile_config`'s, `False` by default).
-    """
-    auto_compile = transformers_api.valid_auto_compile(plan.model, model_kwargs, generation_config)
-    plan.run.auto_compile = auto_compile
-    plan.run.compiled = auto_compile or compiled_forward(plan.model) is not None
-    if auto_compile:
-        plan.run.fullgraph = bool(getattr(generation_config.compile_config, "fullgraph", False))
-    elif plan.run.compiled:
-        plan.run.fullgraph = forward_compiled_with_fullgraph(plan.model)
 
 
 def _prefill_through_compiled_call(plan, generation_config, prefill: int, cache) -> None:
@@ -189,6 +172,17 @@ def _prefill_through_compiled_call(plan, generation_config, prefill: int, cache)
             f"has its own shape, and its own compiled graph. Set `{PREFILL_PAD_TO_MULTIPLE_OF}` to a multiple of "
             f"{chunk}: then every chunk of every prompt shares one prefill graph."
         )
+
+
+@hook("_prepare_static_cache", reads=())  # reads upstream's own step's arguments only: an override runs as it is
+def _prepare_static_cache(plan, step):
+    # The cache the last call made, reset, where it is the one upstream's step would make (`sizing.reuse_cache`).
+    if getattr(step.original, "__func__", None) is not transformers_api.UPSTREAM_PREPARE_STATIC_CACHE:
+        return step.call()
+    slots = max(step["max_cache_len"], transformers_api.previous_max_cache_length(plan.model))  # as upstream's step
+    plan.run.made_cache_slots = slots
+    reused = reuse_cache(plan.model, step["cache_implementation"], step["batch_size"], slots)
+    return reused if reused is not None else step.call()
 
 
 @hook("_valid_auto_compile_criteria", reads=("model_kwargs", "generation_config"), positional=True)
@@ -326,6 +320,7 @@ def get_compiled_call(plan, step):
 HOOKS = hook_table(
     _prepare_generated_length,
     _prepare_cache_for_generation,
+    _prepare_static_cache,
     views.get_logits_processor,
     views.get_stopping_criteria,
     views.get_candidate_generator,

@@ -65,11 +65,15 @@ class CallRun:
     key_layouts: tuple | None = None
     # The windows the call's decode steps (1-token forwards) read (`None`: a cache without windows), for the budget.
     decode_windows_read: set = field(default_factory=set)
-    # The static cache upstream made for the call (`None`: a cache passed in, or none): the next call's cache takes its
-    # tensors (`kvcache.sizing.keep_storage`), zeroed up to the tokens it holds once the call returns, or up to the
-    # slots a right-padded prefill wrote past the prompt (`slots_written`, its pads), when that is more.
+    # The static cache made for the call (`None`: a cache passed in, or none): kept for the next call
+    # (`kvcache.sizing.keep_cache`), reset up to the tokens it holds once the call returns, or up to the slots a
+    # right-padded prefill wrote past the prompt (`slots_written`, its pads), when that is more.
     made_cache: Any = None
     slots_written: int = 0
+    # The length upstream's `_prepare_static_cache` made it for (0: another step made it), and whether it was allocated
+    # before the first forward (`kvcache.sizing.early_initialize`): else it is not kept.
+    made_cache_slots: int = 0
+    allocated_early: bool = False
 
 
 @dataclass(frozen=True, eq=False)  # one call's plan: compared by identity

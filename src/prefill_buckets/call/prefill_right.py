@@ -51,7 +51,7 @@ def prefill_right(plan: Plan, step):
     # as upstream's lazily initialized cache is (`None`: the cache hook did not run, so as if compiled).
     compiled = plan.run.compiled is not False or is_aot_forward(model)
     if compiled and not all(getattr(layer, "is_initialized", True) for layer in cache.layers):
-        early_initialize(model, cache, rows)
+        plan.run.allocated_early = early_initialize(model, cache, rows)
     # What a continued conversation holds; 0 for a fresh cache (one the call made holds nothing yet).
     past = 0 if cache is plan.run.made_cache else (cache_seq_length(cache) or 0)
     inputs_embeds = model_kwargs.get("inputs_embeds")

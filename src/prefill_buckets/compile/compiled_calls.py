@@ -2,6 +2,7 @@
 
 - `GraphCounter`: a `torch.compile` backend that counts the graphs it compiles and the calls that run them;
 - `compiled_forward`: how the user compiled a model's forward; `is_aot_forward`: whether it is an `aot_forward`'s;
+  `call_compilation`: how a call's forwards run (compiled by upstream, by the user, or not);
 - `compiled_wrapper_forward`: a `torch.compile(model)` wrapper's compiler around the wrapped module's call;
 - `EagerFallback`: a compiled forward that runs eagerly for the input shapes its backend fails on, put around the
   user's compiled forward while bucketed calls run (`install_fallbacks`, `remove_fallbacks`).
@@ -18,7 +19,7 @@ import torch
 from transformers.utils import logging
 
 from ..state import LOCK, state_of
-from ..upstream import torch_api
+from ..upstream import torch_api, transformers_api
 from ..upstream.transformers_api import cache_argument
 
 
@@ -101,6 +102,18 @@ def compiled_forward(model) -> str | None:
     if torch_api.eager_callable(model.__dict__.get("forward")) is not None:
         return "torch.compile(model.forward)"
     return None
+
+
+def call_compilation(model, model_kwargs: dict, generation_config) -> tuple[bool, bool, bool]:
+    """
+    How a call's forwards run, `(auto_compile, compiled, fullgraph)`: whether upstream compiles the forward itself,
+    whether they are compiled at all (by upstream or the user), and whether with `fullgraph=True` (upstream compiles
+    with `compile_config`'s, `False` by default).
+    """
+    if transformers_api.valid_auto_compile(model, model_kwargs, generation_config):
+        return True, True, bool(getattr(generation_config.compile_config, "fullgraph", False))
+    compiled = compiled_forward(model) is not None
+    return False, compiled, compiled and forward_compiled_with_fullgraph(model)
 
 
 def forward_compiled_with_fullgraph(model) -> bool:

@@ -28,15 +28,17 @@ with an unused `num_key_value_heads`).
 
 Upstream makes a new static cache for every call, and allocating it costs time in proportion to its slots (fresh
 memory is zeroed page by page: about 100 ms for SmolLM2's 8,192 slots on a 2-core CPU, where a prefill of 300 tokens
-takes 500 ms). So the cache is allocated once per workload, as the slots-cost-no-time rule assumes: a finished call
-that made its cache and did not hand it back leaves its tensors on the model (`keep_storage`), and the next call's
-cache of the same shape takes them (`early_initialize`), with the slots the last call wrote zeroed, so the cache holds
-what a new one would.
+takes 500 ms), and making the cache object costs time per layer. So the cache is made once per workload, as the
+slots-cost-no-time rule assumes: a finished call that made its cache and did not hand it back leaves it on the model
+(`keep_cache`), and the next call that makes a cache of the same shape gets it back (`reuse_cache`, in place of
+upstream's `_prepare_static_cache`), reset as upstream resets a cache it reuses, on the slots the last call wrote, so
+it holds what a new one would.
 
 `settings` arguments are the call's `call.resolved.CallSettings` (read by attribute: this package sits below `call/`).
 """
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers.utils import logging
@@ -44,15 +46,14 @@ from transformers.utils import logging
 from ..buckets import BucketPolicy, is_positive_int, round_up
 from ..config import PREFILL_BUCKETS
 from ..state import LOCK, state_of
-from ..upstream.torch_api import autocast_enabled, submodule, zero_all
+from ..upstream.torch_api import autocast_enabled, submodule
 from ..upstream.transformers_api import (
     holds_static_storage,
-    initializing_without_storage,
     is_static_cache,
-    layer_storage,
     lazy_static_cache,
     previous_max_cache_length,
-    set_layer_storage,
+    reset_slots,
+    set_previous_max_cache_length,
     sliding_window_slots,
     static_cache_init_shape,
     static_cache_slots,
@@ -192,7 +193,7 @@ def room_reason(settings, cache, holds_padding: bool, prompt_length: int, padded
     return None
 
 
-def early_initialize(model, cache, rows: int) -> None:
+def early_initialize(model, cache, rows: int) -> bool:
     """
     Allocates a lazily initialized static cache for `rows` rows, when the model's layout allows it and the shape
     upstream predicts from the config is the one the attention modules hold (`held_kv_shapes`). Done before the first
@@ -202,91 +203,85 @@ def early_initialize(model, cache, rows: int) -> None:
     decoder whose heads differ from the encoder's), the cache initializes from the first keys it gets, as upstream's
     own lazily allocated cache does: exact, at the cost of one more graph on the first compiled call. Under
     `torch.autocast` too: the keys then come in the autocast dtype, which the model's dtype does not tell.
+
+    Returns whether the cache is allocated before its first forward (here, or already: a cache reused from the last
+    call, `reuse_cache`), which `keep_cache` asks: a cache allocated inside the first forward is not kept, so every
+    call's first forward sees a cache as upstream's.
     """
-    if not hasattr(cache, "early_initialization") or all(
-        getattr(layer, "is_initialized", False) for layer in cache.layers
-    ):
-        return  # allocated already: the model's cache, reused by a later call
+    if not hasattr(cache, "early_initialization"):
+        return False
+    if all(getattr(layer, "is_initialized", False) for layer in cache.layers):
+        return True
     if autocast_enabled():
-        return
+        return False
     state = state_of(model)
     if state.cache_init_shape is None:  # read once per model, as `held_kv_shapes` is, which it must agree with
         state.cache_init_shape = (static_cache_init_shape(model),)
     (shape,) = state.cache_init_shape
     if shape is None:
-        return
+        return False
     num_heads, head_dim = shape
     heads, dims = _per_layer(num_heads, cache.layers), _per_layer(head_dim, cache.layers)
     if not _shape_is_held(model, cache, heads, dims):
-        return
-    dtype, device = model.dtype, model.device  # each a walk over the parameters: read once
-    kept = _take_storage(model, cache, rows, heads, dims, dtype, torch.device(device))
-    arguments = {"batch_size": rows, "num_heads": num_heads, "head_dim": head_dim, "dtype": dtype, "device": device}
-    if kept is None:
-        cache.early_initialization(**arguments)
-        return
-    with initializing_without_storage(cache.layers):
-        cache.early_initialization(**arguments)
-    written = []  # what the last call wrote, zeroed: the cache holds what a new one would
-    for layer, (keys, values, counter) in zip(cache.layers, kept.tensors):
-        slots = min(kept.written, keys.shape[2])  # a sliding-window layer has fewer
-        written += [keys.narrow(2, 0, slots), values.narrow(2, 0, slots)]
-        if counter is not None:
-            written.append(counter)
-        set_layer_storage(layer, keys, values, counter)
-    zero_all(written)
+        return False
+    arguments = {"batch_size": rows, "num_heads": num_heads, "head_dim": head_dim}
+    cache.early_initialization(**arguments, dtype=model.dtype, device=model.device)
+    return True
 
 
 @dataclass(frozen=True)
-class KeptStorage:
-    """The tensors of a static cache a finished call made and did not hand back (`keep_storage`)."""
+class KeptCache:
+    """A static cache a finished call made and did not hand back (`keep_cache`), for the next call to reuse."""
 
-    # Per layer `(keys, values, length counter)`: `[rows, heads, slots, head_dim]` twice, and the 0-d tensor that holds
-    # the layer's length (`None` where it counts in a Python int). All three are static addresses, which CUDA graphs
-    # read where they were recorded: a call that takes them all replays the graphs of the call before.
-    tensors: tuple
-    written: int  # the slots, from the first, that the call may have written: zeroed before a cache takes them
+    cache: Any
+    slots: int  # the length upstream's `_prepare_static_cache` made it for (its sliding-window layers have fewer)
+    written: int  # the slots, from the first, that the call may have written: reset before the cache is reused
 
 
-def keep_storage(model, cache, written: int) -> None:
+def keep_cache(model, cache, slots: int, written: int) -> None:
     """
-    Keeps the tensors of `cache` on `model` for the next call's cache (`early_initialize`): a static cache a finished
-    call made, which it did not hand back, and of which it wrote at most the first `written` slots. One cache's tensors
-    are kept per model (the last call's); a cache the model holds itself, or one with layers of another kind, is not.
+    Keeps `cache` on `model` for the next call that makes one (`reuse_cache`): a `StaticCache` that upstream's
+    `_prepare_static_cache` made for `slots` slots (0: another step made it, not kept) and a finished call allocated
+    before its first forward (`early_initialize`), which it did not hand back, and of which it wrote at most the first
+    `written` slots. One cache is kept per model (the last call's); a cache the model holds itself, an offloaded one,
+    or one with layers of another kind is not.
     """
     layers = cache.layers
-    if not layers or not all(holds_static_storage(layer) and layer.is_initialized for layer in layers):
+    if not slots or not is_static_cache(cache) or getattr(cache, "offloading", False) or not layers:
+        return
+    if not all(holds_static_storage(layer) and layer.is_initialized for layer in layers):
         return
     if id(cache) in {id(value) for value in vars(model).values()}:
         return  # the model keeps the cache object itself (a transformers that reuses it): it is not free
-    state_of(model).kept_cache_storage = KeptStorage(tuple(layer_storage(layer) for layer in layers), written)
+    state_of(model).kept_cache = KeptCache(cache, slots, written)
 
 
-def _take_storage(model, cache, rows: int, heads: list, dims: list, dtype, device) -> KeptStorage | None:
+def reuse_cache(model, cache_implementation: str, batch_size: int, slots: int):
     """
-    The tensors kept on `model` (`keep_storage`), taken, when they fit every layer of `cache` (lazily initialized),
-    for `rows` rows, each layer's `heads` and `dims`, and the model's `dtype` and `device`; else `None`, and tensors
-    that don't fit are dropped (the cache grew, the batch changed, or the call runs in another mode than the one that
-    made them: outside `torch.inference_mode()` torch forbids writing its tensors, and inside it other tensors are
-    other graph inputs than upstream's fresh cache, which dynamo compiles again).
+    The cache kept on `model` (`keep_cache`), taken, when it is the one upstream's `_prepare_static_cache` would make
+    (a `StaticCache` for `slots` slots, upstream's length, and `batch_size` rows, not offloaded) in the model's dtype
+    and on its device, made in the call's mode (outside `torch.inference_mode()` torch forbids writing tensors made
+    inside it, and inside it they are other graph inputs than a new cache's, which dynamo compiles again), and not
+    under `torch.autocast` (the keys would come in its dtype). Reset as upstream resets a cache it reuses (each
+    layer's `reset`), on the slots the last call wrote (the others still hold zeros), so it holds what a new one would.
+    Else `None`, and a kept cache that doesn't fit is dropped.
     """
     state = state_of(model)
-    with LOCK:  # two calls in flight never take the same tensors
-        kept, state.kept_cache_storage = state.kept_cache_storage, None
-    layers = cache.layers
-    if kept is None or len(kept.tensors) != len(layers) or len(heads) != len(layers) or len(dims) != len(layers):
+    with LOCK:  # two calls in flight never take the same cache
+        kept, state.kept_cache = state.kept_cache, None
+    if kept is None or kept.slots != slots or "offloaded" in cache_implementation or autocast_enabled():
         return None
-    inference_mode = torch.is_inference_mode_enabled()
-    if any(keys.is_inference() != inference_mode for keys, _, _ in kept.tensors):
-        return None
-    for layer, (keys, values, counter), layer_heads, layer_dim in zip(layers, kept.tensors, heads, dims):
-        shape = (rows, layer_heads, layer.max_cache_len, layer_dim)
-        fits = holds_static_storage(layer) and getattr(layer, "supports_early_init", True) and not layer.is_initialized
-        for tensor in (keys, values):
-            fits = fits and tuple(tensor.shape) == shape and tensor.dtype == dtype and tensor.device == device
-        if not fits or (counter is not None and counter.device != device):
+    cache, inference_mode = kept.cache, torch.is_inference_mode_enabled()
+    dtype, device = model.dtype, torch.device(model.device)  # each a walk over the parameters: read once
+    for layer in cache.layers:
+        keys = layer.keys
+        if keys.shape[0] != batch_size or keys.dtype != dtype or keys.device != device:
             return None
-    return kept
+        if keys.is_inference() != inference_mode:
+            return None
+    reset_slots(cache, kept.written)
+    set_previous_max_cache_length(model, slots)  # as upstream's step records the length of the cache it made
+    return cache
 
 
 def _per_layer(value, layers) -> list:

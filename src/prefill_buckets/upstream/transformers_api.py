@@ -34,6 +34,7 @@ __all__ = [
 # Captured at import, before `enable()` can replace it.
 UPSTREAM_GENERATE = GenerationMixin.generate
 UPSTREAM_GENERATE_SIGNATURE = inspect.signature(UPSTREAM_GENERATE)
+UPSTREAM_PREPARE_STATIC_CACHE = GenerationMixin._prepare_static_cache
 
 
 def get_sdpa_mask_skip():
@@ -84,6 +85,11 @@ def previous_max_cache_length(model) -> int:
     """The largest static cache upstream has made for `model`, which it reuses when a call fits (-1: none yet)."""
     previous = getattr(model, "_previous_max_cache_length", -1)
     return previous if isinstance(previous, int) else -1
+
+
+def set_previous_max_cache_length(model, length: int) -> None:
+    """Records `length` as the largest static cache made for `model`, as upstream's `_prepare_static_cache` does."""
+    model._previous_max_cache_length = length
 
 
 def tensor_parallel_size(model) -> int:
@@ -196,40 +202,20 @@ def holds_static_storage(layer) -> bool:
     return getattr(type(layer), "lazy_initialization", None) is StaticLayer.lazy_initialization
 
 
-def layer_storage(layer) -> tuple:
+def reset_slots(cache, slots: int) -> None:
     """
-    `(keys, values, length counter)` of an initialized static layer: the tensors `lazy_initialization` marks as static
-    addresses (`mark_static_address`), which CUDA graphs read where they were recorded. The counter is `None` where
-    the layer counts in a Python int.
+    Upstream's reset of a static cache it reuses (each layer's `reset`: its keys and values zeroed, its length counters
+    back to 0), on the first `slots` slots of each layer's keys and values only: the slots after them hold zeros
+    already. The tensors stay where they are (static addresses, which CUDA graphs read where they were recorded).
     """
-    counter = getattr(layer, "cumulative_length", None)
-    return layer.keys, layer.values, counter if isinstance(counter, torch.Tensor) else None
-
-
-@contextlib.contextmanager
-def initializing_without_storage(layers):
-    """
-    While upstream initializes `layers` (`early_initialization`), they have no slots: `lazy_initialization` sets every
-    attribute but allocates tensors of 0 slots, which `set_layer_storage` then replaces.
-    """
-    lengths = [layer.max_cache_len for layer in layers]
-    for layer in layers:
-        layer.max_cache_len = 0
-    try:
-        yield
-    finally:
-        for layer, length in zip(layers, lengths):
-            layer.max_cache_len = length
-
-
-def set_layer_storage(layer, keys, values, counter=None) -> None:
-    """
-    Gives an initialized static layer the tensors `keys` and `values` (of its shape, dtype and device), and `counter`,
-    a 0-d tensor that holds its length (reset to 0 by the caller), when given.
-    """
-    layer.keys, layer.values = keys, values
-    if counter is not None:
-        layer.cumulative_length = counter
+    for layer in cache.layers:
+        keys, values = layer.keys, layer.values
+        written = min(slots, keys.shape[2])  # a sliding-window layer has fewer
+        layer.keys, layer.values = keys.narrow(2, 0, written), values.narrow(2, 0, written)
+        try:
+            layer.reset()
+        finally:
+            layer.keys, layer.values = keys, values
 
 
 def set_static_cache_length(cache, length: int) -> None:
