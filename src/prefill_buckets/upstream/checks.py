@@ -76,7 +76,6 @@ OPTIONAL_TORCH_NAMES = (
     "torch._dynamo.eval_frame._TorchDynamoContext",
     "torch._dynamo.config._config",  # its entries say whether the config is per thread (`DYNAMO_CONFIG_PER_THREAD`)
     "torch._C._dynamo.guards.GlobalStateGuard",  # the global state dynamo guards on (`global_state`)
-    "torch._foreach_zero_",  # a kept cache's tensors zeroed in one call (`zero_all`)
 )
 # What `aot_forward` alone reads: `aot_compile_problem` checks them when one is made.
 AOT_TORCH_NAMES = (

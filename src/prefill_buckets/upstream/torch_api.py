@@ -88,16 +88,6 @@ def _remember_global_state(guard, state: str) -> None:
     _LAST_GLOBAL_STATE = (guard, state)
 
 
-def zero_all(tensors: list) -> None:
-    """Zeroes `tensors` in place, in one call where torch has `_foreach_zero_` (one op per tensor otherwise)."""
-    foreach_zero = getattr(torch, "_foreach_zero_", None)
-    if foreach_zero is not None:
-        foreach_zero(tensors)
-        return
-    for tensor in tensors:
-        tensor.zero_()
-
-
 def autocast_enabled() -> bool:
     """Whether `torch.autocast` is on for any device type."""
     for device in ("cpu", "cuda", "xpu", "mps"):
