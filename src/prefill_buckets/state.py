@@ -81,8 +81,8 @@ class ModelState:
         default_factory=weakref.WeakKeyDictionary
     )
     fallback_warned: bool = False
-    # `(key/value heads, head_dim)` the attention modules hold, by layer (`kvcache.sizing.held_kv_shapes`; `None` until looked
-    # up).
+    # `(key/value heads, head_dim)` the attention modules hold, by layer (`kvcache.kv_shapes.held_kv_shapes`; `None`
+    # until looked up).
     held_kv_shapes: dict | None = None
     # `(the (num_heads, head_dim) upstream predicts from the config for a static cache, or None,)`, read once with
     # `held_kv_shapes` (`kvcache.sizing.early_initialize` allocates only where the two agree); `None` until read.

@@ -90,7 +90,7 @@ class MisstatedHeadsTest(ArchitectureTestBase):
         self.assertExact(model)
 
     def test_held_shapes_come_from_the_modules(self):
-        from prefill_buckets.kvcache.sizing import held_kv_shapes
+        from prefill_buckets.kvcache.kv_shapes import held_kv_shapes
 
         model = tiny("gpt_neox", hidden_size=32, num_attention_heads=4, num_hidden_layers=2, num_key_value_heads=1)
         self.assertEqual(held_kv_shapes(model), {0: {(4, 8)}, 1: {(4, 8)}})  # 4 heads of 8, not the config's 1

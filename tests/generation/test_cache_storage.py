@@ -1,13 +1,15 @@
-# The static cache allocated once per workload (`kvcache/sizing.py`: `keep_storage`, `early_initialize`): upstream makes
-# a new cache for every call, and allocating it costs time in proportion to its slots. A compiled bucketed call that
-# made its cache and did not hand it back leaves its tensors to the next call's cache.
+# The static cache allocated once per workload (`kvcache/sizing.py`: `keep_cache`, `reuse_cache`): upstream makes a new
+# cache for every call, and allocating it costs time in proportion to its slots. A bucketed call that made its cache
+# and did not hand it back leaves it to the next call.
 #
 # - Reuse: every call of a compiled workload (mixed lengths, both sides) runs on the same tensors, and its tokens are
 #   an unpadded eager run's.
 # - Zeroed: the slots a longer call wrote are zero again when a shorter call takes the tensors, as in a new cache.
 # - Conversations and several models: a chat's own cache beside one-off calls, two models each with their own.
 # - Not shared: a cache handed back (`return_dict_in_generate=True`) is never reused, nor a cache passed in; a change
-#   of batch size or cache length allocates anew; an eager call keeps nothing, as upstream.
+#   of batch size or cache length allocates anew.
+# - Eager calls: a cache their first forward allocated as early initialization would have is kept too, and a compiled
+#   call that reuses it compiles nothing more; one of another shape or dtype is new every call.
 # - Modes: a call under `torch.inference_mode()` and one outside it each take tensors made in their own mode.
 # - Static addresses: each layer's length counter is kept with its keys and values, so every static input of the
 #   compiled graphs stays where CUDA graphs recorded it.
@@ -204,12 +206,7 @@ class CacheStorageTest(unittest.TestCase):
         # This GPT-NeoX config says 1 key/value head where its attention holds 4, so the cache is allocated by the
         # first forward, inside the compiled graph, as upstream's. Reused, the next call's first forward would find it
         # allocated: a graph of its own. Not kept, every call in the bucket compiles nothing new.
-        torch.manual_seed(0)
-        config_ = AutoConfig.for_model(
-            "gpt_neox", vocab_size=128, hidden_size=32, num_attention_heads=4, num_hidden_layers=2,
-            num_key_value_heads=1, intermediate_size=64, pad_token_id=0, eos_token_id=1, bos_token_id=2,
-        )  # fmt: skip
-        model = AutoModelForCausalLM.from_config(config_).eval()
+        model = _gpt_neox_misstating_its_heads()
         reference = copy.deepcopy(model)
         counter = GraphCounter()
         model.compile(backend=counter, dynamic=False, fullgraph=True)
@@ -275,10 +272,65 @@ class CacheStorageTest(unittest.TestCase):
         self.assertTrue(counters, "the layers' length counters are static inputs of the graphs")
         self.assertEqual(addresses.moved, [], "static inputs moved between calls: (graph, input index)")
 
-    def test_an_eager_call_keeps_nothing(self):
-        model = tiny_llama()
+    @parameterized.expand([("left",), ("right",)])
+    def test_an_eager_workload_runs_on_one_allocation(self, side):
+        # Eager, the first forward allocates the cache from its keys, as upstream's: what early initialization would
+        # have allocated, so it is kept and reused as a compiled call's.
+        model, kept = tiny_llama(), []
+        for length in (30, 7, 20, 3):
+            out = prefill_buckets.generate(model, prompt(length), generation_config=config(side))
+            expected = self.reference.generate(prompt(length), max_new_tokens=NEW_TOKENS, do_sample=False)
+            self.assertEqual(out.tolist(), expected.tolist())
+            kept.append(state_of(model).kept_cache.cache)
+        self.assertTrue(all(cache is kept[0] for cache in kept), "every eager call ran on the first call's cache")
+
+    def test_an_eager_call_keeps_what_a_compiled_call_would_allocate(self):
+        # A cache kept by an eager call, reused once the model is compiled, compiles the graphs a compiled call's own
+        # cache does: none more.
+        graphs = []
+        for eager_first in (False, True):
+            torch._dynamo.reset()
+            model, counter = tiny_llama(), GraphCounter()
+            if eager_first:
+                prefill_buckets.generate(model, prompt(9), generation_config=config("left"))
+                self.assertIsNotNone(kept_keys(model))
+            model.compile(backend=counter, dynamic=False, fullgraph=True)
+            for length in (7, 12, 25):
+                out = prefill_buckets.generate(model, prompt(length), generation_config=config("left"))
+                expected = self.reference.generate(prompt(length), max_new_tokens=NEW_TOKENS, do_sample=False)
+                self.assertEqual(out.tolist(), expected.tolist())
+            graphs.append(counter.graphs)
+        self.assertEqual(graphs[1], graphs[0])
+
+    def test_an_eager_cache_of_an_unpredicted_shape_is_not_kept(self):
+        # Keys of 4 heads where the config says 1 (GPT-NeoX with an unused `num_key_value_heads`): not the cache early
+        # initialization makes, so new every call, as upstream's.
+        model = _gpt_neox_misstating_its_heads()
         prefill_buckets.generate(model, prompt(7), generation_config=config("right"))
-        self.assertIsNone(kept_keys(model))
+        self.assertIsNone(state_of(model).kept_cache)
+
+    def test_an_eager_cache_of_another_dtype_is_not_kept(self):
+        # Under `torch.autocast` the values come in its dtype: not the cache early initialization makes.
+        model = tiny_llama()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            try:
+                tiny_llama().generate(prompt(7), generation_config=config("right"))
+            except RuntimeError as error:  # transformers 5.17: keys and values of two dtypes in one cache
+                self.skipTest(f"upstream: {error}")
+            prefill_buckets.generate(model, prompt(7), generation_config=config("right"))
+        self.assertIsNone(state_of(model).kept_cache)
+        prefill_buckets.generate(model, prompt(7), generation_config=config("right"))
+        self.assertIsNotNone(state_of(model).kept_cache, "the positive control: outside autocast it is kept")
+
+
+def _gpt_neox_misstating_its_heads():
+    """A tiny GPT-NeoX whose config says 1 key/value head where its attention holds 4."""
+    torch.manual_seed(0)
+    config_ = AutoConfig.for_model(
+        "gpt_neox", vocab_size=128, hidden_size=32, num_attention_heads=4, num_hidden_layers=2,
+        num_key_value_heads=1, intermediate_size=64, pad_token_id=0, eos_token_id=1, bos_token_id=2,
+    )  # fmt: skip
+    return AutoModelForCausalLM.from_config(config_).eval()
 
 
 def _tiny_gemma2():

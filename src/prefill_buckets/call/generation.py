@@ -14,7 +14,8 @@ Upstream `generate` does all the real work. One bucketed call, in the steps `gen
 6. Run upstream `generate`, with the steps that must see through the padding hooked (`hooks.bucketed_call`); what the
    call learns as it runs goes to `plan.run`.
 7. Mark the cache: a later call that continues from it pads its prompt the same way (`kvcache.record.record_call`);
-   a cache the call made and did not return is kept for the next call's (`kvcache.sizing.keep_cache`).
+   a cache the call made and did not return is kept for the next call's (`kvcache.sizing.keep_cache`), compiled or
+   eager.
 8. Strip: the added columns and rows come off what the user gets back (`views.strip_output`).
 
 A call without bucket fields is upstream `generate`, unchanged; this module only warns when it will recompile. A call
@@ -32,7 +33,7 @@ from ..compile.compiled_calls import compiled_forward, compiled_wrapper_forward
 from ..config import BUCKET_FIELDS, PREFILL_BUCKETS, PREFILL_PAD_TO_MULTIPLE_OF
 from ..distributed import generate_call, ranks_agree
 from ..kvcache.record import passed_cache, record_call
-from ..kvcache.sizing import keep_cache
+from ..kvcache.sizing import allocated_as_early, keep_cache
 from ..state import state_of
 from ..upstream import torch_api, transformers_api
 from ..upstream.transformers_api import cache_seq_length, tensor_parallel_group
@@ -132,8 +133,9 @@ def generate(model, *args, **kwargs):
         if cache is not None:
             record_call(cache, plan, prepared.model_kwargs.get("attention_mask"), continues=call.continued is not None)
     made = plan.run.made_cache
-    # Not an eager call's, nor a cache allocated inside the first forward: those are new every call, as upstream's.
-    if made is not None and made is not returned and plan.run.compiled and plan.run.allocated_early:
+    # Allocated before its first forward, or by an eager call's as it would have been: not inside a compiled first
+    # forward (the next call's would find it allocated: a graph of its own), nor of a shape upstream did not predict.
+    if made is not None and made is not returned and (plan.run.allocated_early or _eager_as_early(plan, made)):
         written = max(plan.run.slots_written, plan.prompt_slots, cache_seq_length(made) or 0)
         keep_cache(model, made, plan.run.made_cache_slots, written)
 
@@ -168,6 +170,10 @@ def _prepare(call: ResolvedCall) -> PreparedCall:
     # 4. Plan: pad the prompt and the batch.
     plan, arguments, model_kwargs = plan_call(call, side)
     return PreparedCall(arguments, model_kwargs, plan=plan)
+
+
+def _eager_as_early(plan: Plan, cache) -> bool:
+    return not plan.run.compiled and allocated_as_early(plan.model, cache)
 
 
 def _returned_cache(output):

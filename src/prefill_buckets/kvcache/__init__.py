@@ -4,8 +4,9 @@ Below `call/`, above `upstream/`: it imports nothing of `call/` or `compile/` (`
 Import the module you need; nothing is re-exported here.
 
 - `sizing.py`: the length of the static cache a call makes (`static_cache_length`, the rule in one place), whether a
-  call fits a pinned or passed cache (`room_reason`), and its allocation before the first compiled forward
-  (`early_initialize`, with the key/value shapes the attention modules hold).
+  call fits a pinned or passed cache (`room_reason`), its allocation before the first compiled forward
+  (`early_initialize`), and the cache a call made, kept for the next call's (`keep_cache`, `reuse_cache`).
+- `kv_shapes.py`: the key/value heads and head size the attention modules hold, which early allocation must agree with.
 - `record.py`: the record a bucketed call leaves on the cache it filled (`record_call`), which a later call that
   continues from it reads (`PassedCache`).
 - `windows.py`: the attention windows, a full-attention layer reading only the slots its tokens fill.

@@ -30,9 +30,10 @@ Upstream makes a new static cache for every call, and allocating it costs time i
 memory is zeroed page by page: about 100 ms for SmolLM2's 8,192 slots on a 2-core CPU, where a prefill of 300 tokens
 takes 500 ms), and making the cache object costs time per layer. So the cache is made once per workload, as the
 slots-cost-no-time rule assumes: a finished call that made its cache and did not hand it back leaves it on the model
-(`keep_cache`), and the next call that makes a cache of the same shape gets it back (`reuse_cache`, in place of
-upstream's `_prepare_static_cache`), reset as upstream resets a cache it reuses, on the slots the last call wrote, so
-it holds what a new one would.
+(`keep_cache`; an eager call's where its first forward allocated what `early_initialize` would have), and the next
+call that makes a cache of the same shape gets it back (`reuse_cache`, in place of upstream's
+`_prepare_static_cache`), reset as upstream resets a cache it reuses, on the slots the last call wrote, so it holds
+what a new one would.
 
 `settings` arguments are the call's `call.resolved.CallSettings` (read by attribute: this package sits below `call/`).
 """
@@ -43,10 +44,10 @@ from typing import Any
 import torch
 from transformers.utils import logging
 
-from ..buckets import BucketPolicy, is_positive_int, round_up
+from ..buckets import BucketPolicy, round_up
 from ..config import PREFILL_BUCKETS
 from ..state import LOCK, state_of
-from ..upstream.torch_api import autocast_enabled, submodule
+from ..upstream.torch_api import autocast_enabled
 from ..upstream.transformers_api import (
     holds_static_storage,
     is_static_cache,
@@ -58,6 +59,7 @@ from ..upstream.transformers_api import (
     static_cache_init_shape,
     static_cache_slots,
 )
+from .kv_shapes import held_kv_shapes
 
 
 logger = logging.get_logger(__name__)
@@ -123,10 +125,7 @@ def cache_bytes_per_row(model, slots: int) -> int | None:
     The bytes a static cache of `slots` slots takes per batch row (sliding layers hold their window), or `None` when
     the layout can't be told from the config. Head counts and head sizes may be per layer (Gemma 4).
     """
-    state = state_of(model)
-    if state.cache_init_shape is None:  # read once per model, as `held_kv_shapes` is, which it must agree with
-        state.cache_init_shape = (static_cache_init_shape(model),)
-    (shape,) = state.cache_init_shape
+    shape = _init_shape(model)
     if shape is None:
         return None
     num_heads, head_dim = shape
@@ -214,17 +213,10 @@ def early_initialize(model, cache, rows: int) -> bool:
         return True
     if autocast_enabled():
         return False
-    state = state_of(model)
-    if state.cache_init_shape is None:  # read once per model, as `held_kv_shapes` is, which it must agree with
-        state.cache_init_shape = (static_cache_init_shape(model),)
-    (shape,) = state.cache_init_shape
-    if shape is None:
+    shapes = _early_shapes(model, cache)
+    if shapes is None:
         return False
-    num_heads, head_dim = shape
-    heads, dims = _per_layer(num_heads, cache.layers), _per_layer(head_dim, cache.layers)
-    if not _shape_is_held(model, cache, heads, dims):
-        return False
-    arguments = {"batch_size": rows, "num_heads": num_heads, "head_dim": head_dim}
+    arguments = {"batch_size": rows, "num_heads": shapes[0], "head_dim": shapes[1]}
     cache.early_initialization(**arguments, dtype=model.dtype, device=model.device)
     return True
 
@@ -242,8 +234,8 @@ def keep_cache(model, cache, slots: int, written: int) -> None:
     """
     Keeps `cache` on `model` for the next call that makes one (`reuse_cache`): a `StaticCache` that upstream's
     `_prepare_static_cache` made for `slots` slots (0: another step made it, not kept) and a finished call allocated
-    before its first forward (`early_initialize`), which it did not hand back, and of which it wrote at most the first
-    `written` slots. One cache is kept per model (the last call's); a cache the model holds itself, an offloaded one,
+    before its first forward (`early_initialize`) or, eager, in it as early initialization would have
+    (`allocated_as_early`), which it did not hand back, and of which it wrote at most the first `written` slots. One cache is kept per model (the last call's); a cache the model holds itself, an offloaded one,
     or one with layers of another kind is not.
     """
     layers = cache.layers
@@ -284,99 +276,64 @@ def reuse_cache(model, cache_implementation: str, batch_size: int, slots: int):
     return cache
 
 
+def allocated_as_early(model, cache) -> bool:
+    """
+    Whether `cache`, allocated by its first forward (an eager call's: upstream allocates a static layer from the first
+    keys it gets), holds what `early_initialize` would have allocated: on every layer, keys and values of the heads and
+    head size early initialization gives it, in the model's dtype and on its device. Such a cache is kept as one
+    allocated early; one of another shape or dtype (a config that misstates its key/value heads, keys computed in
+    another dtype) is new every call, as upstream's.
+    """
+    shapes = _early_shapes(model, cache, allocated=True) if hasattr(cache, "early_initialization") else None
+    if shapes is None:
+        return False
+    dtype, device = model.dtype, torch.device(model.device)
+    for layer, heads, dim in zip(cache.layers, *shapes):
+        for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if not isinstance(tensor, torch.Tensor) or tensor.ndim != 4 or tensor.shape[1] != heads:
+                return False
+            if tensor.shape[3] != dim or tensor.dtype != dtype or tensor.device != device:
+                return False
+    return True
+
+
+def _init_shape(model):
+    """Upstream's `(num_heads, head_dim)` for the model's static cache (each an int or a list per layer), or `None`."""
+    state = state_of(model)
+    if state.cache_init_shape is None:  # read once per model, as `held_kv_shapes` is, which it must agree with
+        state.cache_init_shape = (static_cache_init_shape(model),)
+    return state.cache_init_shape[0]
+
+
+def _early_shapes(model, cache, allocated: bool = False) -> tuple[list, list] | None:
+    """
+    The heads and head sizes, per layer, early initialization gives `cache`'s layers, when they are what every
+    attention module holds (`_shape_is_held`; with `allocated`, allocated layers are checked too); else `None`.
+    """
+    shape = _init_shape(model)
+    if shape is None:
+        return None
+    heads, dims = _per_layer(shape[0], cache.layers), _per_layer(shape[1], cache.layers)
+    return (heads, dims) if _shape_is_held(model, cache, heads, dims, allocated) else None
+
+
 def _per_layer(value, layers) -> list:
     """A head count or head size upstream gives for every layer (an int) or per layer (a list), as a list per layer."""
     return list(value) if isinstance(value, (list, tuple)) else [value] * len(layers)
 
 
-def _shape_is_held(model, cache, heads: list, dims: list) -> bool:
-    """Whether every layer early initialization would allocate gets the `(heads, head_dim)` its attention holds."""
+def _shape_is_held(model, cache, heads: list, dims: list, allocated: bool = False) -> bool:
+    """Whether every layer early initialization would allocate (with `allocated`, or has allocated) gets the
+    `(heads, head_dim)` its attention holds."""
     layers = cache.layers
     if len(heads) != len(layers) or len(dims) != len(layers):
         return False
     held = held_kv_shapes(model)
     for index, layer in enumerate(layers):
-        if not getattr(layer, "supports_early_init", True) or getattr(layer, "is_initialized", False):
+        if not getattr(layer, "supports_early_init", True) or (
+            getattr(layer, "is_initialized", False) and not allocated
+        ):
             continue
         if held.get(index, held.get(None)) != {(heads[index], dims[index])}:
             return False
     return True
-
-
-# Where an attention module keeps its head size, its key projection (or its fused query/key/value projection), and,
-# where its projections don't tell, its key/value head count: the names the transformers models use.
-_HEAD_DIMS = ("head_dim", "head_size", "attention_head_size", "d_head")
-_KEY_PROJECTIONS = ("k_proj", "key", "k", "key_proj", "wk", "k_lin")
-_FUSED_PROJECTIONS = ("query_key_value", "c_attn", "qkv_proj", "Wqkv", "qkv", "W_pack")
-_OUTPUT_PROJECTIONS = ("dense", "o_proj", "out_proj", "c_proj")
-_QUERY_HEAD_COUNTS = ("num_heads", "num_attention_heads", "n_head", "n_heads")
-_KV_HEAD_COUNTS = ("num_key_value_heads", "num_kv_heads", "kv_heads", "n_kv_heads")
-
-
-def _int_attribute(module, names) -> int | None:
-    for name in names:
-        value = module.__dict__.get(name)
-        if is_positive_int(value):
-            return value
-    return None
-
-
-def _output_rows(projection) -> int | None:
-    """The output features of a linear projection on this rank (a tensor-parallel shard's own), or `None`."""
-    weight = getattr(projection, "weight", None)
-    if not isinstance(weight, torch.Tensor) or weight.ndim != 2:
-        return None
-    local = weight.to_local() if hasattr(weight, "to_local") else weight  # a DTensor shard: this rank's rows
-    if hasattr(projection, "nf"):  # GPT-2's `Conv1D` stores its weight transposed: [in, out]
-        return local.shape[1]
-    return local.shape[0]
-
-
-def _output_projection_inputs(module) -> int | None:
-    """The input features of an attention module's output projection: its query heads times `head_dim`."""
-    for name in _OUTPUT_PROJECTIONS:
-        projection = submodule(module, name)
-        weight = getattr(projection, "weight", None)
-        if isinstance(weight, torch.Tensor) and weight.ndim == 2 and not hasattr(projection, "nf"):
-            local = weight.to_local() if hasattr(weight, "to_local") else weight
-            return local.shape[1]  # nn.Linear: [out, in]
-    return None
-
-
-def _module_kv_shape(module) -> tuple[int, int] | None:
-    """`(key/value heads, head_dim)` of an attention module, read from its own projections, or `None`."""
-    head_dim = _int_attribute(module, _HEAD_DIMS)
-    if head_dim is None:
-        return None
-    for name in _KEY_PROJECTIONS:
-        rows = _output_rows(submodule(module, name))
-        if rows is not None:
-            return (rows // head_dim, head_dim) if rows % head_dim == 0 else None
-    query_heads = _int_attribute(module, _QUERY_HEAD_COUNTS)
-    query_rows = query_heads * head_dim if query_heads is not None else _output_projection_inputs(module)
-    for name in _FUSED_PROJECTIONS:
-        rows = _output_rows(submodule(module, name))
-        if rows is not None and query_rows is not None:
-            kv_rows = rows - query_rows  # queries first, then keys and values of one size
-            if kv_rows <= 0 or kv_rows % (2 * head_dim):
-                return None
-            return kv_rows // (2 * head_dim), head_dim
-    kv_heads = _int_attribute(module, _KV_HEAD_COUNTS)
-    return (kv_heads, head_dim) if kv_heads is not None else None
-
-
-def held_kv_shapes(model) -> dict[int | None, set[tuple[int, int]]]:
-    """
-    The `(key/value heads, head_dim)` the attention modules hold, by their `layer_idx` (`None`: modules that don't say
-    their layer). Read from the modules' own projections once per model, never from the config.
-    """
-    state = state_of(model)
-    if state.held_kv_shapes is None:
-        held = {}
-        for module in model.modules():
-            shape = _module_kv_shape(module) if module is not model else None
-            if shape is not None:
-                layer = module.__dict__.get("layer_idx")
-                held.setdefault(layer if isinstance(layer, int) else None, set()).add(shape)
-        state.held_kv_shapes = held
-    return state.held_kv_shapes

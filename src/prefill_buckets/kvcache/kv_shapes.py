@@ -1,0 +1,93 @@
+"""The key/value heads and head size each attention module of a model holds, read from its own projections.
+
+A static cache is allocated from the shape upstream predicts from the config (`_get_static_cache_init_shape`), and
+a config may misstate it (multi-query Falcon and GPT-BigCode, a GPT-NeoX config with an unused `num_key_value_heads`).
+`sizing.early_initialize` allocates a cache before its first forward, and `sizing.allocated_as_early` keeps an eager
+call's, only where the prediction is what the modules hold (`held_kv_shapes`), read from the names the transformers
+models use, never from the config.
+"""
+
+import torch
+
+from ..buckets import is_positive_int
+from ..state import state_of
+from ..upstream.torch_api import submodule
+
+
+# Where an attention module keeps its head size, its key projection (or its fused query/key/value projection), and,
+# where its projections don't tell, its key/value head count: the names the transformers models use.
+_HEAD_DIMS = ("head_dim", "head_size", "attention_head_size", "d_head")
+_KEY_PROJECTIONS = ("k_proj", "key", "k", "key_proj", "wk", "k_lin")
+_FUSED_PROJECTIONS = ("query_key_value", "c_attn", "qkv_proj", "Wqkv", "qkv", "W_pack")
+_OUTPUT_PROJECTIONS = ("dense", "o_proj", "out_proj", "c_proj")
+_QUERY_HEAD_COUNTS = ("num_heads", "num_attention_heads", "n_head", "n_heads")
+_KV_HEAD_COUNTS = ("num_key_value_heads", "num_kv_heads", "kv_heads", "n_kv_heads")
+
+
+def _int_attribute(module, names) -> int | None:
+    for name in names:
+        value = module.__dict__.get(name)
+        if is_positive_int(value):
+            return value
+    return None
+
+
+def _output_rows(projection) -> int | None:
+    """The output features of a linear projection on this rank (a tensor-parallel shard's own), or `None`."""
+    weight = getattr(projection, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.ndim != 2:
+        return None
+    local = weight.to_local() if hasattr(weight, "to_local") else weight  # a DTensor shard: this rank's rows
+    if hasattr(projection, "nf"):  # GPT-2's `Conv1D` stores its weight transposed: [in, out]
+        return local.shape[1]
+    return local.shape[0]
+
+
+def _output_projection_inputs(module) -> int | None:
+    """The input features of an attention module's output projection: its query heads times `head_dim`."""
+    for name in _OUTPUT_PROJECTIONS:
+        projection = submodule(module, name)
+        weight = getattr(projection, "weight", None)
+        if isinstance(weight, torch.Tensor) and weight.ndim == 2 and not hasattr(projection, "nf"):
+            local = weight.to_local() if hasattr(weight, "to_local") else weight
+            return local.shape[1]  # nn.Linear: [out, in]
+    return None
+
+
+def _module_kv_shape(module) -> tuple[int, int] | None:
+    """`(key/value heads, head_dim)` of an attention module, read from its own projections, or `None`."""
+    head_dim = _int_attribute(module, _HEAD_DIMS)
+    if head_dim is None:
+        return None
+    for name in _KEY_PROJECTIONS:
+        rows = _output_rows(submodule(module, name))
+        if rows is not None:
+            return (rows // head_dim, head_dim) if rows % head_dim == 0 else None
+    query_heads = _int_attribute(module, _QUERY_HEAD_COUNTS)
+    query_rows = query_heads * head_dim if query_heads is not None else _output_projection_inputs(module)
+    for name in _FUSED_PROJECTIONS:
+        rows = _output_rows(submodule(module, name))
+        if rows is not None and query_rows is not None:
+            kv_rows = rows - query_rows  # queries first, then keys and values of one size
+            if kv_rows <= 0 or kv_rows % (2 * head_dim):
+                return None
+            return kv_rows // (2 * head_dim), head_dim
+    kv_heads = _int_attribute(module, _KV_HEAD_COUNTS)
+    return (kv_heads, head_dim) if kv_heads is not None else None
+
+
+def held_kv_shapes(model) -> dict[int | None, set[tuple[int, int]]]:
+    """
+    The `(key/value heads, head_dim)` the attention modules hold, by their `layer_idx` (`None`: modules that don't say
+    their layer). Read from the modules' own projections once per model, never from the config.
+    """
+    state = state_of(model)
+    if state.held_kv_shapes is None:
+        held = {}
+        for module in model.modules():
+            shape = _module_kv_shape(module) if module is not model else None
+            if shape is not None:
+                layer = module.__dict__.get("layer_idx")
+                held.setdefault(layer if isinstance(layer, int) else None, set()).add(shape)
+        state.held_kv_shapes = held
+    return state.held_kv_shapes
