@@ -12,10 +12,12 @@ import unittest
 import torch
 from parameterized import parameterized
 from transformers import GenerationConfig
+from transformers.generation.candidate_generator import AssistedCandidateGenerator, PromptLookupCandidateGenerator
 
 import prefill_buckets
 from prefill_buckets import GraphCounter
 from prefill_buckets.kvcache.windows import window_length
+from prefill_buckets.upstream import candidates
 
 from .tiny_models import tiny_llama
 
@@ -119,3 +121,54 @@ class BoundedByDefaultTest(unittest.TestCase):
         # Buckets before the growth, then every bucket after it at the new length, and the windows at each length.
         windows = windows_used(lengths[:2], policy.bucket, 128) | windows_used(lengths[2:], policy.bucket, POSITIONS)
         self.assertLessEqual(counter.graphs, len(before) + len(after) + len(windows) + 2, counter.shapes)
+
+
+class CandidateDecodingTest(unittest.TestCase):
+    @parameterized.expand([("prompt_lookup",), ("assistant",)])
+    def test_room_for_every_candidate_count(self, drafter):
+        # Prompt-lookup and assisted decoding have no prefill step: the first forward runs the prompt with the first
+        # candidates, and each later one checks up to 10 of them (`prompt_lookup_num_tokens`; an assistant's
+        # `num_assistant_tokens`, which its heuristic schedule moves): a graph per count, in every window, more than torch's default limit of 8. With
+        # `fullgraph=True` a forward past the limit raises (`FailOnRecompileLimitHit`), so the budget makes room for
+        # them (`budget.account_candidates`).
+        torch._dynamo.reset()
+        self.addCleanup(torch._dynamo.reset)
+        model, counter = tiny_llama(max_position_embeddings=POSITIONS), GraphCounter()
+        reference = tiny_llama(max_position_embeddings=POSITIONS)
+        model.compile(backend=counter, dynamic=False, fullgraph=True)
+        fields = {"cache_implementation": "static", "do_sample": False, "max_new_tokens": 24}
+        if drafter == "prompt_lookup":
+            fields["prompt_lookup_num_tokens"] = 10
+        else:
+            # Other weights: candidates rejected, so the heuristic schedule drafts 10 at first, then more or fewer.
+            assistant = tiny_llama(seed=1, max_position_embeddings=POSITIONS)
+            assistant.generation_config.num_assistant_tokens = 10
+            assistant.generation_config.num_assistant_tokens_schedule = "heuristic_transient"
+            assistant.generation_config.assistant_confidence_threshold = 0  # drafts every token it may
+            fields["assistant_model"] = assistant
+        try:
+            reference.generate(torch.arange(3, 8).unsqueeze(0), max_cache_len=256, **fields)
+        except ValueError as error:  # transformers 5.17: no candidate decoding on a static cache at all
+            self.skipTest(f"upstream: {error}")
+        generator = torch.Generator().manual_seed(0)
+        with torch._dynamo.config.patch(recompile_limit=8):
+            for length in (5, 9, 13, 7, 21, 30, 11, 6):
+                ids = torch.randint(3, 20, (1, 4), generator=generator).repeat(1, 8)[:, :length]  # repeats: matches
+                out = prefill_buckets.generate(model, ids, prefill_buckets="pow2", **fields)
+                # Upstream's own call on a cache of its own length overflows it with candidates: a longer one.
+                expected = reference.generate(ids, max_cache_len=256, **fields)
+                self.assertEqual(out.tolist(), expected.tolist())
+        self.assertGreater(counter.graphs, 8, "the premise: more graphs than torch's default limit")
+
+    def test_most_drafted_per_generator(self):
+        # The most candidates a check holds, as each of upstream's generators drafts them, never past what remains.
+        lookup = PromptLookupCandidateGenerator(num_output_tokens=4, max_length=64)
+        self.assertEqual(candidates.most_drafted(lookup, 10), 4)
+        self.assertEqual(candidates.most_drafted(lookup, 2), 2)
+        assistant = tiny_llama()
+        assistant.generation_config.num_assistant_tokens = 6
+        for schedule, expected in (("constant", 6), ("heuristic", 10), ("heuristic_transient", 10)):
+            assistant.generation_config.num_assistant_tokens_schedule = schedule
+            ids = torch.ones(1, 3, dtype=torch.long)
+            generator = AssistedCandidateGenerator(ids, assistant, GenerationConfig(), {"attention_mask": ids})
+            self.assertEqual(candidates.most_drafted(generator, 10), expected, schedule)

@@ -26,7 +26,7 @@ from transformers.utils import logging
 
 from ..kvcache.windows import window_length, windows_between
 from ..state import PROCESS, state_of
-from ..upstream import torch_api
+from ..upstream import candidates, torch_api
 from ..upstream.torch_api import recompile_limit
 
 
@@ -181,7 +181,7 @@ def account_call(plan, rows: int, prefill: int, chunk: int | None, max_cache_len
     reach. A prompt given as `inputs_embeds` (`embeds`) is another input of the prefill forwards than ids: other
     graphs.
     """
-    cache_length = plan.run.static_cache_length
+    cache_length, plan.run.prefill_tokens = plan.run.static_cache_length, prefill
     cached = plan.prompt_slots - prefill
     chunks = [prefill] if chunk is None else [min(chunk, prefill - start) for start in range(0, prefill, chunk)]
     shapes, filled = set(), cached
@@ -199,6 +199,31 @@ def account_call(plan, rows: int, prefill: int, chunk: int | None, max_cache_len
     plan.run.expected_graphs = budget_of(plan.model).account(
         plan.model, rows, shapes, cache_length, side, decode_windows, variant, plan.run.fullgraph
     )
+
+
+def account_candidates(plan, generator, max_length: int) -> None:
+    """
+    Room for what assisted and prompt-lookup decoding (`_assisted_decoding`) compile besides prefill and decode: its
+    first forward runs the prompt with up to `drafted` candidates (`candidates.most_drafted`), each later one checks up
+    to `drafted` (that many tokens plus one), each count a graph of its own, in every window. Which counts a call
+    drafts depends on the text: room made on every such call, never recorded.
+    """
+    expected, filled, slots = plan.run.expected_graphs, plan.prompt_slots, plan.run.static_cache_length
+    drafted = candidates.most_drafted(generator, max_length - filled - 1)
+    if expected is None or drafted < 1:
+        return
+    windows = windows_between(filled + 2, max(filled + 2, max_length), slots) if plan.run.reads_windows else {None}
+    shapes = {(plan.run.prefill_tokens + k, window_of(plan, filled + k, slots)) for k in range(1, drafted + 1)}
+    shapes |= {(k + 1, window) for k in range(1, drafted + 1) for window in windows}
+    new = [f"[{expected.rows}, {n}] with candidates{_read(w)}" for n, w in sorted(shapes, key=str)]
+    with _LIMIT_LOCK:  # `graphs_in_flight` holds this call's own new graphs too
+        held = expected.held_before + PROCESS.graphs_in_flight
+        make_room(plan.model, held, len(new), "Bucketed calls", breaks_graph=not plan.run.fullgraph)
+        PROCESS.graphs_in_flight += len(new)
+        PROCESS.graphs_accounted += len(new)
+        expected.accounted += len(new)
+        expected.new_shapes.extend(new)
+    plan.run.recompile_limit = recompile_limit()
 
 
 def graph_variant(returned_outputs: tuple[str, ...] = ()) -> GraphVariant:

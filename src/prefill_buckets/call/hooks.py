@@ -18,7 +18,8 @@ must see through the padding. Each is declared with `@hook` (`hook_registry.py`)
   of `aot_forward` is not compiled again.
 - `_valid_auto_compile_criteria`: whether upstream compiles the forward, decided once a call, for upstream too.
 - `_get_logits_processor`, `_get_stopping_criteria`, `_get_candidate_generator` (`views.py`): what reads token
-  content sees the ids without padding.
+  content sees the ids without padding; the candidate counts the generator drafts are accounted for
+  (`budget.account_candidates`).
 - `_prefill` (`prefill_right.py`), on a right-padded call only: one forward of the prompt padded after its end to the
   bucket, with no mask, then the cache's length set to the prompt's. Upstream, which sees the unpadded prompt, does
   everything else; the hooks above have nothing to undo (`added_id_columns == 0`).

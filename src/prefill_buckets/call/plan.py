@@ -46,6 +46,7 @@ class CallRun:
 
     recompile_limit: int | None = None  # torch's limit once the call's graphs are accounted for
     expected_graphs: Any = None  # with a compiled forward: what the call expects to compile (`budget.CallGraphs`)
+    prefill_tokens: int = 0  # the tokens its first forward runs: the padded prompt, less those a passed cache holds
     static_cache_length: int | None = None  # slots of the call's static cache, once it is made
     # Whether upstream compiles the forward itself (`transformers_api.valid_auto_compile`), and whether the call's forwards are
     # compiled at all (that, or the user's compiled forward): decided in the cache step (`None` until then); eager forwards

@@ -5,7 +5,8 @@ words, the user's own) must see the ids an unpadded run has: `ids[:, pad:]`. A s
 the added columns and no dummy rows. Each view wraps one object and forwards every other attribute to it.
 
 The hooks of the steps that build those objects (`_get_logits_processor`, `_get_stopping_criteria`,
-`_get_candidate_generator`) are declared here: they wrap what upstream built.
+`_get_candidate_generator`) are declared here: they wrap what upstream built (and the last has the budget make room
+for the graphs of its candidate counts: `budget.account_candidates`).
 
 What `generate` returns loses the added columns and the dummy rows too (`strip_output`, step 8): the inverse of the
 plan, with a static cache's attentions laid out as upstream's layers lay them (`kvcache/attention_keys.py`).
@@ -23,6 +24,7 @@ from transformers.utils import ModelOutput
 from ..kvcache.attention_keys import layouts_for, place_keys, upstream_keys
 from ..upstream import candidates
 from ..upstream.transformers_api import CACHE_KWARGS, parameters_of
+from .budget import account_candidates
 from .hook_registry import hook
 
 
@@ -216,6 +218,7 @@ def get_stopping_criteria(plan, step):
 @hook("_get_candidate_generator", reads=("generation_config",), side="left")
 def get_candidate_generator(plan, step):
     generator = step.call()
+    account_candidates(plan, generator, step["generation_config"].max_length)  # the graphs its counts compile
     if plan.added_positions and candidates.drafts_from_padding(generator):
         raise RuntimeError(
             f"prefill_buckets padded this call, but upstream drafts its candidates with {type(generator).__name__}, "

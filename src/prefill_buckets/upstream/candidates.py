@@ -19,6 +19,22 @@ def is_assistant_model(candidate_generator) -> bool:
     return type(candidate_generator).__name__ in ("AssistedCandidateGenerator", "EarlyExitCandidateGenerator")
 
 
+def most_drafted(candidate_generator, remaining: int) -> int:
+    """
+    The most candidates one check of `candidate_generator` may hold (a check is a forward of that many tokens plus
+    one), at most `remaining`: a prompt lookup's `num_output_tokens`; an assistant's `num_assistant_tokens` under the
+    `"constant"` schedule; under a heuristic one it grows by 2 after every check it wins, so `remaining`.
+    """
+    drafted = remaining  # any generator that says less of itself
+    if is_prompt_lookup(candidate_generator):
+        drafted = getattr(candidate_generator, "num_output_tokens", remaining)
+    elif is_assistant_model(candidate_generator):
+        config = getattr(candidate_generator, "assistant_generation_config", None)
+        if getattr(config, "num_assistant_tokens_schedule", None) == "constant":
+            drafted = int(getattr(candidate_generator, "num_assistant_tokens", remaining))
+    return max(0, min(drafted, remaining))
+
+
 @contextlib.contextmanager
 def processors_merged_by(model, wrap):
     """
