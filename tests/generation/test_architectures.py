@@ -166,6 +166,25 @@ class NeitherSideTest(ArchitectureTestBase):
         logs = self.assertExact(model, prefill_padding_side="right")
         self.assertIn("keep their state on their modules", logs[0])
 
+    def test_padding_read_from_the_ids(self):
+        # CPM-Ant ignores the attention mask and reads padding from its ids: every id 0 hides one position from the
+        # front. Padded in front with another id, the pads were attended (other tokens); with pads of 0, the step after
+        # it generated a 0 had other logits (5.3 off; upstream's own call on the same pads has them too). Unpadded.
+        model = tiny("cpmant", hidden_size=32, num_attention_heads=4, dim_head=8, dim_ff=64, num_hidden_layers=2)
+        prompt = torch.tensor([[28, 18, 107, 99, 87, 77, 82, 23, 104, 67, 124, 98, 40]])
+        for pad_token_id in (5, 0):
+            fields = {"max_new_tokens": NEW_TOKENS, "do_sample": False, "pad_token_id": pad_token_id}
+            expected = model.generate(prompt, output_logits=True, return_dict_in_generate=True, **fields)
+            std_logging.Logger.warning_once.cache_clear()
+            with CaptureLogger(package_logger) as captured:
+                actual = prefill_buckets.generate(
+                    model, prompt, prefill_buckets="pow2", output_logits=True, return_dict_in_generate=True, **fields
+                )
+            self.assertEqual(actual.sequences.tolist(), expected.sequences.tolist())
+            for ours, theirs in zip(actual.logits, expected.logits, strict=True):
+                torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
+            self.assertIn("ignores the attention mask", captured.out)
+
     def test_mask_dropped_by_the_model(self):
         # XLNet's own `prepare_inputs_for_generation` builds its inputs without the mask: a ragged batch runs
         # unpadded, one prompt right-padded (no mask needed).

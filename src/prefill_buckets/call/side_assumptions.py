@@ -47,8 +47,11 @@ def _positions_count_from_the_cache(model) -> bool:
     )
 
 
-# Models whose forward takes an attention mask and ignores it: pads in front would run through them.
-MASK_IGNORED_BY = ("RwkvForCausalLM",)
+# Models whose forward takes an attention mask and ignores it: pads in front would run through them. CPM-Ant reads
+# padding from the ids instead (every id 0, wherever it is, hides one position from the front): pads of another id are
+# attended, and once it generates a 0 after pads of 0 its logits part from the unpadded call's (upstream's own call on
+# the same pads gives the padded logits: the model's, not the package's).
+MASK_IGNORED_BY = ("RwkvForCausalLM", "CpmAntForCausalLM")
 # Models whose attention builds its own mask from the key states over every slot it reads (Doge's dynamic mask): pads
 # on either side reach it (other tokens on transformers 5.17, right and left).
 MASK_FROM_KEYS = ("DogeForCausalLM",)
