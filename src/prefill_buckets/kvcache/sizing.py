@@ -235,8 +235,9 @@ def keep_cache(model, cache, slots: int, written: int) -> None:
     Keeps `cache` on `model` for the next call that makes one (`reuse_cache`): a `StaticCache` that upstream's
     `_prepare_static_cache` made for `slots` slots (0: another step made it, not kept) and a finished call allocated
     before its first forward (`early_initialize`) or, eager, in it as early initialization would have
-    (`allocated_as_early`), which it did not hand back, and of which it wrote at most the first `written` slots. One cache is kept per model (the last call's); a cache the model holds itself, an offloaded one,
-    or one with layers of another kind is not.
+    (`allocated_as_early`), which it did not hand back, and of which it wrote at most the first `written` slots. One
+    cache is kept per model (the last call's); a cache the model holds itself, an offloaded one, or one with layers of
+    another kind is not.
     """
     layers = cache.layers
     if not slots or not is_static_cache(cache) or getattr(cache, "offloading", False) or not layers:
