@@ -1,21 +1,18 @@
 """`GraphBudget`: the graphs a compiled model has needed, and the only code that changes torch's recompile limit.
 
 Torch keeps at most `torch._dynamo.config.recompile_limit` graphs per compiled code object (8 by default) and runs
-the rest eagerly, without an error. The limit counts every graph on the code object, whichever model compiled it, and
-models share code objects: transformers' decorators wrap the `forward` of most model classes in one function. So two
-compiled models in one process share one limit. Bucketed calls need a known, bounded set of graphs; this module counts
-what torch counts (the graphs on the forward's code objects, `torch_api.forward_graphs`), adds what a call will compile,
-and, when that passes the limit, raises it, with a warning, never below what the process needs. When no bucketed call
-is in flight the limits are the user's again (`restore_user_recompile_limits`): each call raises them for itself.
-After a call, a code object at the limit with other graphs than the call should have made means torch refused some:
-that is said too.
+the rest eagerly, without an error. Models share code objects (transformers' decorators wrap most `forward`s in one
+function), so two compiled models in one process share one limit. This module counts what torch counts (the graphs on
+the forward's code objects, `torch_api.forward_graphs`), adds what a call will compile, and, past the limit, raises
+it, with a warning, never below what the process needs; with no bucketed call in flight the limits are the user's
+again (`restore_user_recompile_limits`). After a call, a code object at the limit with other graphs than the call
+should have made means torch refused some: that is said too.
 
-A forward compiled without `fullgraph=True` may break its graph (`output_hidden_states`: transformers' capture lock),
-and resumes in frames of its own; those that start in a decorated function (`create_causal_mask`, in the same
-`wrapped_func` as the forward) are entries on the forward's code object, which no shape predicts. One frame past the
-limit and torch marks the code object run-only for good: every model's new shapes on it then run eagerly. So such a
-call runs with room above the graphs it needs: the user's limit again, or the most unpredicted entries one call of
-the model has added, if more.
+A forward compiled without `fullgraph=True` may break its graph (`output_hidden_states`), and the frames it resumes in
+that start in a decorated function (`create_causal_mask`, in the forward's `wrapped_func`) are entries on the
+forward's code object that no shape predicts. One frame past the limit and torch runs that code object's new shapes
+eagerly for good. So such a call runs with room above its graphs: the user's limit, or the most unpredicted entries one
+call of the model has added, if more.
 """
 
 import threading
@@ -55,31 +52,24 @@ class CallGraphs:
     cache_length: int = -1
     variant: GraphVariant = GraphVariant()  # what else makes its graphs their own (`graph_variant`)
     breaks_graph: bool = False  # whether the forward may break its graph: the call ran with room for its frames
-    # Graphs calls beside it expected: those in flight when it was accounted for, and `PROCESS.graphs_accounted` then,
-    # to add those accounted for since (threads: torch's count may hold them by the time the call ends).
-    in_flight_before: int = 0
-    accounted: int = 0
+    in_flight_before: int = 0  # graphs calls beside it (threads) expected, in flight when it was accounted for
+    accounted: int = 0  # `PROCESS.graphs_accounted` then, to add those accounted for since (torch may hold them)
     # `torch_api.graphs_compiled()` then: if dynamo compiled nothing since, a forward without graph breaks holds as many.
     compiled_before: int = -1
 
 
 class GraphBudget:
     """
-    The graphs a compiled model has needed so far, by shape, for one static-cache generation workload.
+    The graphs a compiled model has needed so far, by shape, for one static-cache generation workload: a prefill graph
+    per `(rows, prompt length, cache length, side, window, variant)` (a right-padded prefill has no mask: another
+    graph, another again onto cached tokens; a prompt as embeddings: another) and a decode graph per `(rows, cache
+    length, window, variant)`. Rows are `batch * max(num_beams, num_return_sequences)`, the window the slots the
+    forward reads (`kvcache/windows.py`; `None`: no windowed layers), the variant what else dynamo compiles other
+    graphs for (`graph_variant`). A 1-token prefill is a decode step. Sliding-window layers add no shape (`ring.py`).
 
-    A compiled forward compiles one graph per distinct input shape: a prefill graph per `(rows, prompt length,
-    cache length, side, window, variant)` (a right-padded prefill has no mask: another graph, and another again onto
-    cached tokens; a prompt given as embeddings is another input: another graph) and a decode graph per `(rows, cache
-    length, window, variant)`, where rows are `batch * max(num_beams, num_return_sequences)` and the window is the
-    slots the forward reads (`kvcache/windows.py`; `None` where the cache has no windowed layers), and the variant is
-    what else dynamo compiles other graphs for (`graph_variant`: outputs besides the logits, inference mode, torch's
-    global state). A 1-token prefill is a decode step: the decode graph. Sliding-window layers add no shape
-    (`kvcache/ring.py`: their graphs depend on none of these).
-
-    A call's prefill shapes are recorded when it is accounted for: prefill runs. Its decode windows are recorded once
-    it has run, those its decode steps read (`reached`): a call predicts every window its new tokens could reach, and
-    one that stops at eos reads fewer. A window predicted but not read is predicted again by the call that reads it,
-    and counted then; recorded at the prediction, it would count as held while torch holds no graph for it.
+    Prefill shapes are recorded when the call is accounted for: prefill runs. Decode windows are recorded once the call
+    has run, those its steps read (`reached`): a call predicts every window its new tokens could reach, and one that
+    stops at eos reads fewer; recorded at the prediction, a window would count as held with no graph for it.
     """
 
     def __init__(self):
@@ -166,11 +156,8 @@ class GraphBudget:
         return CallGraphs(held, new, rows, cache_length, variant, not fullgraph, in_flight, accounted, compiled)
 
     def account_unbucketed(self, model, rows: int, prompt_length: int, cache_length: int) -> None:
-        """
-        An unbucketed compiled call's shapes. They share the compiled function's limit with bucketed ones, so they are
-        counted, but the limit is left alone. (What they cost is said once, by `generate`'s advice for unbucketed
-        calls, and torch says when it reaches its limit.)
-        """
+        """An unbucketed compiled call's shapes: counted (they share the limit), the limit left alone (`generate`'s
+        advice for unbucketed calls says what they cost, and torch says when it reaches its limit)."""
         self.add(rows, ((prompt_length, None),), cache_length, variant=graph_variant())
 
 
@@ -202,12 +189,9 @@ def account_call(plan, rows: int, prefill: int, chunk: int | None, max_cache_len
 
 
 def account_candidates(plan, generator, max_length: int) -> None:
-    """
-    Room for what assisted and prompt-lookup decoding (`_assisted_decoding`) compile besides prefill and decode: its
-    first forward runs the prompt with up to `drafted` candidates (`candidates.most_drafted`), each later one checks up
-    to `drafted` (that many tokens plus one), each count a graph of its own, in every window. Which counts a call
-    drafts depends on the text: room made on every such call, never recorded.
-    """
+    """Room for what assisted and prompt-lookup decoding compile besides prefill and decode: the first forward runs the
+    prompt with up to `drafted` candidates (`candidates.most_drafted`), each later one checks up to `drafted`, each
+    count a graph of its own in every window. The counts depend on the text: room on every such call, not recorded."""
     expected, filled, slots = plan.run.expected_graphs, plan.prompt_slots, plan.run.static_cache_length
     drafted = candidates.most_drafted(generator, max_length - filled - 1)
     if expected is None or drafted < 1:
@@ -227,12 +211,9 @@ def account_candidates(plan, generator, max_length: int) -> None:
 
 
 def graph_variant(returned_outputs: tuple[str, ...] = ()) -> GraphVariant:
-    """
-    The `GraphVariant` of a call: the outputs its forwards return besides the logits (`output_attentions`,
-    `output_hidden_states`), `torch.inference_mode()` (a static cache's tensors are made in the call's mode:
-    `kvcache.sizing`), and torch's global state (autocast, default dtype, deterministic algorithms, matmul precision,
-    threads: `torch_api.global_state`). Dynamo guards on each, so a call that differs in one compiles graphs of its own.
-    """
+    """The `GraphVariant` of a call, what dynamo guards on besides shapes: the outputs its forwards return besides the
+    logits, `torch.inference_mode()` (a static cache's tensors are made in the call's mode), and torch's global state
+    (autocast, default dtype, deterministic algorithms, matmul precision, threads: `torch_api.global_state`)."""
     words = tuple(f"returning {name}" for name in returned_outputs)
     if torch.is_inference_mode_enabled():
         words += ("under `torch.inference_mode()`",)
@@ -277,11 +258,9 @@ def budget_of(model) -> "GraphBudget":
 
 
 def make_room(model, held: int, graphs: int, who: str, breaks_graph: bool = False) -> None:
-    """
-    Raises torch's recompile limits, if needed, so `model`'s forward can hold `held` graphs plus `graphs` more; if its
-    forward may break its graph, with room for the frames that starts while calls run (entries, not graphs the process
-    needs: the user's limit again, or the most one call added, if more).
-    """
+    """Raises torch's recompile limits, if needed, so `model`'s forward can hold `held` graphs plus `graphs` more; if
+    its forward may break its graph, with room for the frames that starts while calls run (entries, not graphs the
+    process needs: the user's limit again, or the most one call added, if more)."""
     needed = held + graphs
     with _LIMIT_LOCK:
         limit = recompile_limit()
@@ -326,12 +305,10 @@ def make_room(model, held: int, graphs: int, who: str, breaks_graph: bool = Fals
 
 
 def check_compiled(model, expected: CallGraphs | None, limit: int | None = None, decode_windows_read=()) -> None:
-    """
-    Ends a bucketed call's accounting (`GraphBudget.account`): records the windows its decode steps read, and warns
-    when torch may have run forwards of the call eagerly: its forward's code objects are at the recompile limit, with
-    other graphs than the call expected to add (torch refused some, or the call compiled graphs the budget did not
-    predict, and the next will be refused). Calls beside it (threads) may have added up to the graphs they expected.
-    """
+    """Ends a bucketed call's accounting (`GraphBudget.account`): records the windows its decode steps read, and warns
+    when torch may have run forwards of the call eagerly: its code objects are at the limit with other graphs than the
+    call expected (torch refused some, or the budget missed some, which the next call will be refused). Calls beside it
+    (threads) may have added up to the graphs they expected."""
     if expected is None:
         return
     with _LIMIT_LOCK:
@@ -363,10 +340,8 @@ def model_name(model) -> str:
 
 
 def restore_recompile_limit(at_least: int | None) -> None:
-    """
-    Puts the limit back to `at_least` if something lowered it during a call: transformers < 5.23 sets it to 64 before
-    every chunked prefill, which a bucketed call with `compile_config` runs.
-    """
+    """Puts the limit back to `at_least` if something lowered it during a call: transformers < 5.23 sets it to 64
+    before every chunked prefill, which a bucketed call with `compile_config` runs."""
     if at_least is not None and recompile_limit() < at_least:
         torch_api.set_recompile_limit(at_least)
 
