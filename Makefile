@@ -44,7 +44,7 @@ NEWEST_TESTS := $(RANGE_TESTS) tests/generation/test_serve.py tests/generation/t
 # Every test run spreads its tests over TEST_WORKERS processes (pytest-xdist), a test class (or a module's functions)
 # to one process, so a class's `setUpClass` runs once. Most tests are Python-bound (dynamo tracing, tiny models), so
 # two processes on the 2-core CI machine take about half the time of one. `make test TEST_WORKERS=0` runs them in
-# this process (what a debugger or `-s` needs).
+# this process (what a debugger or `-s` needs). Each worker computes on its share of the cores (`tests/conftest.py`).
 TEST_WORKERS ?= 2
 PYTEST := -m pytest -n $(TEST_WORKERS) --dist loadscope -q
 
