@@ -32,6 +32,7 @@ from transformers.utils import logging
 import prefill_buckets
 from prefill_buckets import GraphCounter
 from prefill_buckets.buckets import BucketPolicy
+from prefill_buckets.call import generation
 from prefill_buckets.compile.compiled_calls import forward_compiled_with_fullgraph
 from prefill_buckets.compile.precompile import bucket_lengths
 from prefill_buckets.testing_utils import as_new_process
@@ -827,6 +828,46 @@ class GuidanceTest(CompilationTestCase):
                 self.guided_config(),
             )
         self.assertEqual(counter.graphs, 2, counter.shapes)  # prefill 16, decode
+
+
+class NoCacheTest(CompilationTestCase):
+    """
+    Without a cache (`use_cache=False`) every step's forward runs the whole sequence, a token longer than the last: a
+    forward the user compiled gets a graph per step of every call, which no bucket bounds.
+    """
+
+    def test_a_forward_the_user_compiled_runs_upstreams_call(self):
+        # Bucketed, the package took each step for a decode step on a cache and raised torch's limit for the graphs it
+        # predicted, so torch compiled past its own limit (12 graphs here), and then said torch may have run forwards
+        # eagerly. Upstream's call compiles up to torch's limit (8), then runs eagerly.
+        model = make_model()
+        reference = make_reference(model)
+        counter = GraphCounter()
+        model.compile(backend=counter, dynamic=False)  # no fullgraph: torch runs past its limit eagerly
+        config = make_config(use_cache=False, prefill_buckets=[8, 16, 32])
+        with CaptureLogger(logging.get_logger("prefill_buckets.call.generation")) as captured:
+            for length in (5, 12, 20):  # 12 lengths of forwards, padded or not: more than torch's limit of 8
+                got = prefill_buckets.generate(model, make_prompt(length), generation_config=config)
+                expected = reference.generate(make_prompt(length), generation_config=make_config(use_cache=False))
+                self.assertEqual(got.tolist(), expected.tolist(), f"prompt {length}")
+        self.assertEqual(torch._dynamo.config.recompile_limit, 8)
+        self.assertLessEqual(counter.graphs, 8, "torch's own limit: the package raised it")
+        self.assertIn("are ignored for this call: without a cache (`use_cache=False`)", captured.out)
+        self.assertIn("compiled with `model.compile()`", captured.out)
+
+    def test_an_eager_forward_is_bucketed(self):
+        # Eager, nothing compiles: the call is padded on the left (`padding_side.RULE`), exact.
+        model = make_model()
+        reference = make_reference(model)
+        config = make_config(use_cache=False, prefill_buckets=BUCKETS)
+        sides = []
+        choose_side = generation.choose_side
+        with mock.patch.object(generation, "choose_side", lambda call: sides.append(choose_side(call)) or sides[-1]):
+            for length in (5, 9):
+                got = prefill_buckets.generate(model, make_prompt(length), generation_config=config)
+                expected = reference.generate(make_prompt(length), generation_config=make_config(use_cache=False))
+                self.assertEqual(got.tolist(), expected.tolist(), f"prompt {length}")
+        self.assertEqual([side.side for side in sides], ["left", "left"])
 
 
 class SharedRecompileLimitTest(CompilationTestCase):

@@ -54,13 +54,11 @@ class Unsupported:
     error: bool = False  # a `ValueError`: nothing upstream runs would be what the user asked for
 
 
-def _guidance_compiled(call: RuleFacts) -> str | None:
+def _user_compiled(call: RuleFacts) -> str | None:
     """
-    How the user compiled the forward that classifier-free guidance runs from its logits processor, or `None` (no
-    guidance, or a forward upstream compiles itself: its processor then calls the eager module).
+    How the user compiled the model's forward, or `None`: eager, or compiled by upstream (`compile_config`), which
+    compiles the steps of `generate` only, and only on a static cache.
     """
-    if call.settings.guidance_scale is None or call.settings.guidance_scale == 1:
-        return None
     if call.call.wrapper is not None:
         return "the `torch.compile(model)` wrapper"
     if is_aot_forward(call.model):
@@ -135,11 +133,18 @@ UNSUPPORTED = (
     ),
     Unsupported(
         "classifier-free guidance (`guidance_scale`) on a forward the user compiled",
-        _guidance_compiled,
+        lambda call: call.settings.guidance_scale not in (None, 1) and _user_compiled(call),
         "classifier-free guidance (`guidance_scale={call.settings.guidance_scale}`) runs the model's forward from its "
         "logits processor at every step, on a view of the last token whose stride is the sequence's length, with a "
         "cache that grows: the forward, compiled with {why}, compiles new graphs for those on every call, which no "
         "bucket bounds. Generate with a forward upstream compiles (`compile_config`) to bucket guided calls",
+    ),
+    Unsupported(
+        "no cache (`use_cache=False`) on a forward the user compiled",
+        lambda call: not call.settings.use_cache and _user_compiled(call),
+        "without a cache (`use_cache=False`) every step's forward runs the whole sequence, a token longer than the "
+        "last: the forward, compiled with {why}, compiles a graph per step of every call, which no bucket bounds. "
+        "Generate with a cache to bucket the call",
     ),
     Unsupported(
         "chunked prefill (`prefill_chunk_size`) with PEFT's activated LoRA (`alora_offsets`)",
