@@ -108,6 +108,21 @@ class OneDecisionTest(unittest.TestCase):
         self.assert_unpadded(model, prompt, expected, generation_config=config, **{CACHE: cache}, **fields)
         self.assertIn("the cache passed in has 32 slots", self.decisions[-1].reason)
 
+    def test_token_healing(self):
+        # Upstream decodes the padded prompt and tokenizes it again: padded, the call raised (`narrow()`) or returned
+        # two tokens short, with the tokenizer's pad as the model's.
+        model = tiny_llama(pad_token_id=0)
+        tokenizer = word_tokenizer({f"w{i}": i for i in range(128)})
+        config = GenerationConfig(max_new_tokens=5, do_sample=False, token_healing=True)
+        for text in ("w10 w11 w12 w1", "w20 w21 w22 w23 w24 w25 w26"):
+            prompt = tokenizer([text], return_tensors="pt").input_ids
+            expected = model.generate(prompt, generation_config=config, tokenizer=tokenizer)
+            logging.get_logger("prefill_buckets").warning_once.cache_clear()  # the reason is logged for each
+            self.assert_unpadded(
+                model, prompt, expected, generation_config=config, tokenizer=tokenizer, prefill_buckets=[16]
+            )
+            self.assertIn("token healing decodes the prompt", self.decisions[-1].reason)
+
     def test_prompt_lookup_from_inputs_embeds_alone(self):
         # Upstream cuts the mask to the ids (the candidates): padded, the prompt's mask would be lost, and the tokens.
         model = tiny_llama()

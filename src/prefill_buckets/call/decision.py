@@ -55,10 +55,7 @@ class Unsupported:
 
 
 def _user_compiled(call: RuleFacts) -> str | None:
-    """
-    How the user compiled the model's forward, or `None`: eager, or compiled by upstream (`compile_config`), which
-    compiles the steps of `generate` only, and only on a static cache.
-    """
+    """How the user compiled the model's forward, or `None` (eager, or compiled by upstream: `compile_config`)."""
     if call.call.wrapper is not None:
         return "the `torch.compile(model)` wrapper"
     if is_aot_forward(call.model):
@@ -132,6 +129,12 @@ UNSUPPORTED = (
         "while the cache fits the window: padding could take the cache past it",
     ),
     Unsupported(
+        "token healing (`token_healing=True`)",
+        lambda call: call.settings.token_healing,
+        "token healing decodes the prompt and tokenizes it again inside `generate`, then regenerates each prompt's "
+        "last token in `generate` calls of its own: the padding would be decoded with the prompt",
+    ),
+    Unsupported(
         "classifier-free guidance (`guidance_scale`) on a forward the user compiled",
         lambda call: call.settings.guidance_scale not in (None, 1) and _user_compiled(call),
         "classifier-free guidance (`guidance_scale={call.settings.guidance_scale}`) runs the model's forward from its "
@@ -167,8 +170,7 @@ def unsupported_table() -> str:
 
 
 def choose_side(call: ResolvedCall) -> PaddingSide:
-    """How `call` is padded (the module docstring): a `PaddingSide` (`"left"`, `"right"` or `"unpadded"`, and why).
-    Raises `ValueError` for inputs padding can't serve."""
+    """How `call` is padded (the module docstring), or a `ValueError` for inputs padding can't serve."""
     facts = RuleFacts(call)
     for case in UNSUPPORTED:
         why = case.applies(facts)
@@ -268,10 +270,8 @@ def _count(number: int, thing: str) -> str:
 
 
 def _padded_batch(facts: RuleFacts) -> int:
-    """
-    The rows the call's batch is padded to (step 4): its batch bucket, or its own rows, with the reason logged. A call
-    that continues a cache brings back the dummy rows the call that filled it added, and raises where it can't.
-    """
+    """The rows the call's batch is padded to (step 4): its batch bucket, or its own rows, with the reason logged. A call
+    that continues a cache brings back the dummy rows the call that filled it added, and raises where it can't."""
     call = facts.call
     rows, policy, continued = call.rows, call.settings.batch_policy, call.continued
     if continued is not None:

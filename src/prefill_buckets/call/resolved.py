@@ -57,6 +57,7 @@ class CallSettings:
     max_length: int | None = None
     config_pad_token_id: int | None = None  # the model config's own, which its forward checks unmasked inputs for
     guidance_scale: float | None = None  # classifier-free guidance: on unless `None` or 1
+    token_healing: bool = False  # the prompt decoded and tokenized again inside `generate`
     model_config: Any = dataclasses.field(default=None, compare=False, repr=False)  # read for `reserved_token_ids`
 
     @functools.cached_property
@@ -137,10 +138,7 @@ class CallSettings:
 
 @dataclass(frozen=True)
 class ResolvedCall:
-    """
-    One `generate` call's inputs, as step 1 resolved them, each fact read once (`resolve_call`). Its dicts are the
-    call's own: no step modifies them.
-    """
+    """One `generate` call's inputs, as step 1 resolved them, each read once (`resolve_call`); no step modifies them."""
 
     model: Any  # the model (unwrapped from a `torch.compile(model)` wrapper)
     wrapper: Any  # the `torch.compile(model)` wrapper the call was made on, or `None`
@@ -214,9 +212,8 @@ def resolve_call(model, wrapper, arguments: dict, model_kwargs: dict, field_kwar
 
 
 # `generate`'s parameters after `self`, in order, and those that may come by position.
-_PARAMETERS = tuple(
-    p for p in transformers_api.UPSTREAM_GENERATE_SIGNATURE.parameters.values() if p.kind != p.VAR_KEYWORD
-)[1:]
+_SIGNATURE = transformers_api.UPSTREAM_GENERATE_SIGNATURE
+_PARAMETERS = tuple(p for p in _SIGNATURE.parameters.values() if p.kind != p.VAR_KEYWORD)[1:]
 _NAMED = tuple(p.name for p in _PARAMETERS)
 _POSITIONAL = tuple(p.name for p in _PARAMETERS if p.kind == p.POSITIONAL_OR_KEYWORD)
 
@@ -227,7 +224,7 @@ def _bind(model, args: tuple, kwargs: dict) -> tuple[dict, dict]:
     their order; the rest of the keyword arguments)`. What only `inspect` can bind, or must reject, goes through it.
     """
     if len(args) > len(_POSITIONAL) or "self" in kwargs or any(name in kwargs for name in _POSITIONAL[: len(args)]):
-        arguments = dict(transformers_api.UPSTREAM_GENERATE_SIGNATURE.bind(model, *args, **kwargs).arguments)
+        arguments = dict(_SIGNATURE.bind(model, *args, **kwargs).arguments)
         arguments.pop("self")
         return arguments, arguments.pop("kwargs", {})
     passed = dict(zip(_POSITIONAL, args))
@@ -344,6 +341,7 @@ _GENERATION_FIELDS = (
     "max_new_tokens",
     "max_length",
     "guidance_scale",
+    "token_healing",
 )
 
 
@@ -381,6 +379,7 @@ def resolve_settings(
         max_length=value["max_length"],
         config_pad_token_id=next(iter(_token_ids(getattr(model.config, "pad_token_id", None))), None),
         guidance_scale=value["guidance_scale"],
+        token_healing=bool(value["token_healing"]),
         model_config=model.config,
     )
 
