@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .upstream.gate import SELF_TEST_PENDING
+from .upstream.torch_api import DYNAMO_CONFIG_PER_THREAD
 
 
 _STATE = "_prefill_buckets_state"
@@ -109,6 +110,16 @@ class ModelState:
 
 
 @dataclass
+class SavedLimits:
+    """torch's recompile limits before the package raised them (the user's), and the values it set them to."""
+
+    limit: int
+    accumulated: int | None
+    limit_set: int | None = None  # restored only if nobody has changed them since
+    accumulated_set: int | None = None
+
+
+@dataclass
 class ProcessState:
     """What bucketed calls on every model share. Changes under `LOCK` (the recompile limits under `budget`'s lock)."""
 
@@ -121,7 +132,7 @@ class ProcessState:
     # Graphs every bucketed call has expected to compile, since the process started: what calls beside one call added
     # to torch's count is told from graphs nobody predicted (`budget.check_compiled`).
     graphs_accounted: int = 0
-    # torch's recompile limits before the package raised them, and the values it set (`budget.SavedLimits`), restored
+    # torch's recompile limits before the package raised them, and the values it set (`SavedLimits`), restored
     # when no bucketed call is in flight; `None` while they are the user's. From torch 2.13 torch keeps them per thread
     # (`torch_api.DYNAMO_CONFIG_PER_THREAD`), and so does this: the context variable's value, each call's thread's own.
     saved_recompile_limits: Any = None
@@ -150,6 +161,19 @@ class ProcessState:
     staged_from: list[str] = field(default_factory=list)
     # Every live `AOTForward`: `save_compile_cache` saves their graphs.
     aot_forwards: "weakref.WeakSet[Any]" = field(default_factory=weakref.WeakSet)
+
+    def saved_limits(self) -> SavedLimits | None:
+        """The user's limits the package raised, where torch keeps them: this thread's (torch >= 2.13), or the
+        process's."""
+        if DYNAMO_CONFIG_PER_THREAD:
+            return self.saved_recompile_limits_per_thread.get()
+        return self.saved_recompile_limits
+
+    def set_saved_limits(self, saved: SavedLimits | None) -> None:
+        if DYNAMO_CONFIG_PER_THREAD:
+            self.saved_recompile_limits_per_thread.set(saved)
+        else:
+            self.saved_recompile_limits = saved
 
 
 PROCESS = ProcessState()

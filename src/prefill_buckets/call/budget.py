@@ -22,7 +22,7 @@ import torch
 from transformers.utils import logging
 
 from ..kvcache.windows import window_length, windows_between
-from ..state import PROCESS, state_of
+from ..state import PROCESS, SavedLimits, state_of
 from ..upstream import candidates, torch_api
 from ..upstream.torch_api import recompile_limit
 
@@ -266,7 +266,7 @@ def make_room(model, held: int, graphs: int, who: str, breaks_graph: bool = Fals
         limit = recompile_limit()
         # The limit as it would be had the package never put it back between calls: raised once per new high, and
         # said then, not again for each call. A limit the user changed starts over.
-        if _saved_limits() is None and PROCESS.raised_recompile_limit[0] != limit:
+        if PROCESS.saved_limits() is None and PROCESS.raised_recompile_limit[0] != limit:
             PROCESS.raised_recompile_limit = (limit, limit)
         user_limit, highest = PROCESS.raised_recompile_limit
         frames_room = max(user_limit or limit, budget_of(model).unpredicted_frames) if breaks_graph else 0
@@ -346,36 +346,12 @@ def restore_recompile_limit(at_least: int | None) -> None:
         torch_api.set_recompile_limit(at_least)
 
 
-@dataclass
-class SavedLimits:
-    """torch's recompile limits before the package raised them (the user's), and the values it set them to."""
-
-    limit: int
-    accumulated: int | None
-    limit_set: int | None = None  # restored only if nobody has changed them since
-    accumulated_set: int | None = None
-
-
-def _saved_limits() -> SavedLimits | None:
-    """The user's limits the package raised, where torch keeps them: this thread's (torch >= 2.13), or the process's."""
-    if torch_api.DYNAMO_CONFIG_PER_THREAD:
-        return PROCESS.saved_recompile_limits_per_thread.get()
-    return PROCESS.saved_recompile_limits
-
-
-def _set_saved_limits(saved: SavedLimits | None) -> None:
-    if torch_api.DYNAMO_CONFIG_PER_THREAD:
-        PROCESS.saved_recompile_limits_per_thread.set(saved)
-    else:
-        PROCESS.saved_recompile_limits = saved
-
-
 def _save_user_recompile_limits() -> SavedLimits:
     """The user's limits, saved before the first raise (kept until they are restored)."""
-    saved = _saved_limits()
+    saved = PROCESS.saved_limits()
     if saved is None:
         saved = SavedLimits(recompile_limit(), torch_api.accumulated_recompile_limit())
-        _set_saved_limits(saved)
+        PROCESS.set_saved_limits(saved)
     return saved
 
 
@@ -389,10 +365,10 @@ def restore_user_recompile_limits() -> None:
     with _LIMIT_LOCK:
         if PROCESS.calls_in_flight and not torch_api.DYNAMO_CONFIG_PER_THREAD:
             return
-        saved = _saved_limits()
+        saved = PROCESS.saved_limits()
         if saved is None:
             return
-        _set_saved_limits(None)
+        PROCESS.set_saved_limits(None)
         if recompile_limit() == saved.limit_set:
             torch_api.set_recompile_limit(saved.limit)
         current = torch_api.accumulated_recompile_limit()
