@@ -127,6 +127,11 @@ class ProcessState:
     calls_in_flight: int = 0
     # Upstream's `masking_utils._ignore_causal_mask_sdpa`, replaced while any bucketed call runs (`hooks.py`).
     sdpa_skip_original: Any = None
+    # Calls on upstream's path on a compiled forward (`budget.room_for_upstream_call`) in flight: the user's limits are
+    # restored once neither these nor bucketed calls are. And the graphs such calls compiled (the code dynamo compiled
+    # for each, gone with the graph): the rest on a forward count as bucketed calls'.
+    upstream_calls_in_flight: int = 0
+    upstream_graph_codes: "weakref.WeakSet[Any]" = field(default_factory=weakref.WeakSet)
     # Graphs that calls in flight expect to compile (`budget.GraphBudget.account`), on top of those torch holds.
     graphs_in_flight: int = 0
     # Graphs every bucketed call has expected to compile, since the process started: what calls beside one call added

@@ -870,6 +870,44 @@ class NoCacheTest(CompilationTestCase):
         self.assertEqual([side.side for side in sides], ["left", "left"])
 
 
+class UpstreamCallAfterBucketedCallsTest(CompilationTestCase):
+    """
+    A call on upstream's path (no bucket fields, or fields it can't honor) on a forward where bucketed calls left more
+    graphs than torch's limit: the package put the user's limit back after them, so the graphs it made counted
+    against it, and torch compiled none of the call's new shapes: it raised, compiled with `fullgraph=True`
+    (`FailOnRecompileLimitHit`), or ran them eagerly. The call gets the user's limit above those graphs.
+    """
+
+    BUCKETS = [4, 8, 12, 16, 20, 24, 28, 32]  # a prefill graph each, and a decode graph: 9, past torch's 8
+
+    @parameterized.expand([("fullgraph", True), ("graph_breaks_allowed", False)])
+    def test_it_compiles_as_upstreams_call_would(self, _, fullgraph):
+        torch._dynamo.config.recompile_limit = 8  # torch's default, as in a fresh process
+        model = make_model()
+        reference = make_reference(model)
+        counter = GraphCounter()
+        model.compile(backend=counter, dynamic=False, fullgraph=fullgraph)
+        bucketed = make_config(max_cache_len=64, prefill_buckets=self.BUCKETS)
+        for length in (3, 7, 11, 15, 19, 23, 27, 31):
+            got = prefill_buckets.generate(model, make_prompt(length), generation_config=bucketed)
+            expected = reference.generate(make_prompt(length), generation_config=make_config(max_cache_len=64))
+            self.assertEqual(got.tolist(), expected.tolist(), f"bucketed, prompt {length}")
+        self.assertGreater(counter.graphs, 8)
+        self.assertEqual(torch._dynamo.config.recompile_limit, 8, "the user's again")
+        graphs, calls = counter.graphs, counter.calls
+        unbucketed = make_config(max_cache_len=64)
+        no_cache = make_config(use_cache=False, prefill_buckets=self.BUCKETS)  # a row of `UNSUPPORTED`
+        for config, length in ((unbucketed, 5), (unbucketed, 6), (no_cache, 9)):
+            got = prefill_buckets.generate(model, make_prompt(length), generation_config=config)
+            upstream = make_config(max_cache_len=64, use_cache=config.use_cache)
+            expected = reference.generate(make_prompt(length), generation_config=upstream)
+            self.assertEqual(got.tolist(), expected.tolist(), f"upstream's path, prompt {length}")
+        # Two prefill graphs, and a graph per forward without a cache: within the user's limit of 8.
+        self.assertEqual(counter.graphs - graphs, 2 + MAX_NEW_TOKENS)
+        self.assertEqual(counter.calls - calls, 3 * MAX_NEW_TOKENS, "every forward ran compiled")
+        self.assertEqual(torch._dynamo.config.recompile_limit, 8, "the user's again")
+
+
 class SharedRecompileLimitTest(CompilationTestCase):
     """
     torch's recompile limit counts graphs per code object, and transformers' decorators make most classes' `forward`

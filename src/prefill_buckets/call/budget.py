@@ -4,9 +4,10 @@ Torch keeps at most `torch._dynamo.config.recompile_limit` graphs per compiled c
 the rest eagerly, without an error. Models share code objects (transformers' decorators wrap most `forward`s in one
 function), so two compiled models in one process share one limit. This module counts what torch counts (the graphs on
 the forward's code objects, `torch_api.forward_graphs`), adds what a call will compile, and, past the limit, raises
-it, with a warning, never below what the process needs; with no bucketed call in flight the limits are the user's
-again (`restore_user_recompile_limits`). After a call, a code object at the limit with other graphs than the call
-should have made means torch refused some: that is said too.
+it, with a warning, never below what the process needs; with no call that counts on it in flight the limits are the
+user's again (`restore_user_recompile_limits`). A call on upstream's path gets the user's limit above the graphs
+bucketed calls left (`room_for_upstream_call`). After a call, a code object at the limit with other graphs than the
+call should have made means torch refused some: that is said too.
 
 A forward compiled without `fullgraph=True` may break its graph (`output_hidden_states`), and the frames it resumes in
 that start in a decorated function (`create_causal_mask`, in the forward's `wrapped_func`) are entries on the
@@ -15,6 +16,7 @@ eagerly for good. So such a call runs with room above its graphs: the user's lim
 call of the model has added, if more.
 """
 
+import contextlib
 import threading
 from dataclasses import dataclass
 
@@ -228,12 +230,8 @@ def window_of(plan, tokens: int, cache_length: int) -> int | None:
 
 
 def _room(frames_room: int) -> str:
-    if not frames_room:
-        return ""
-    return (
-        f" (and {frames_room} more while its calls run: a forward compiled without `fullgraph=True` starts frames "
-        "after a graph break, which torch counts against the same limit)"
-    )
+    frames = "a forward compiled without `fullgraph=True` starts frames after a graph break, counted alike"
+    return f" (and {frames_room} more while its calls run: {frames})" if frames_room else ""
 
 
 def _in_this_thread() -> str:
@@ -250,10 +248,9 @@ def _read(window: int | None) -> str:
 def budget_of(model) -> "GraphBudget":
     """The `GraphBudget` of `model`, made on first use (kept in its `ModelState`)."""
     state = state_of(model)
-    if state.budget is None:
-        with _LIMIT_LOCK:
-            if state.budget is None:
-                state.budget = GraphBudget()
+    with _LIMIT_LOCK:
+        if state.budget is None:
+            state.budget = GraphBudget()
     return state.budget
 
 
@@ -340,8 +337,7 @@ def model_name(model) -> str:
 
 
 def restore_recompile_limit(at_least: int | None) -> None:
-    """Puts the limit back to `at_least` if something lowered it during a call: transformers < 5.23 sets it to 64
-    before every chunked prefill, which a bucketed call with `compile_config` runs."""
+    """Puts the limit back to `at_least` if lowered during a call (transformers < 5.23's chunked prefill sets 64)."""
     if at_least is not None and recompile_limit() < at_least:
         torch_api.set_recompile_limit(at_least)
 
@@ -355,18 +351,46 @@ def _save_user_recompile_limits() -> SavedLimits:
     return saved
 
 
-def restore_user_recompile_limits() -> None:
+@contextlib.contextmanager
+def room_for_upstream_call(model):
     """
-    Puts torch's recompile limits back to the user's once no bucketed call that counts on them is in flight
-    (`hooks.bucketed_call` calls it at the end of each call): any call, where torch keeps one limit for the process;
-    from torch 2.13, which keeps them per thread, those of the thread whose call ends. The graphs compiled stay, and
-    the next call raises the limits again for what it needs. A limit set by anyone else since is left as it is.
+    Around a call on upstream's path (no bucket fields, or fields it can't honor) on a compiled forward: the graphs it
+    holds but such calls didn't compile (bucketed calls') don't count against the user's recompile limit, so it has
+    the room it would have without them. Else, past the limit, torch runs its new shapes eagerly, or raises (fullgraph).
     """
     with _LIMIT_LOCK:
-        if PROCESS.calls_in_flight and not torch_api.DYNAMO_CONFIG_PER_THREAD:
-            return
+        before = torch_api.forward_graph_codes(model)
+        left = max((len(graphs.difference(PROCESS.upstream_graph_codes)) for graphs in before.values()), default=0)
+        PROCESS.upstream_calls_in_flight += 1
         saved = PROCESS.saved_limits()
-        if saved is None:
+        needed = (recompile_limit() if saved is None else saved.limit) + left
+        if needed > recompile_limit():
+            _save_user_recompile_limits().limit_set = needed
+            torch_api.set_recompile_limit(needed)
+        if needed > (torch_api.accumulated_recompile_limit() or needed):
+            _save_user_recompile_limits().accumulated_set = needed
+            torch_api.set_accumulated_recompile_limit(needed)
+    try:
+        yield
+    finally:
+        with _LIMIT_LOCK:
+            for code, graphs in torch_api.forward_graph_codes(model).items():
+                PROCESS.upstream_graph_codes.update(graphs - before.get(code, set()))
+            PROCESS.upstream_calls_in_flight -= 1
+            restore_user_recompile_limits()
+
+
+def restore_user_recompile_limits() -> None:
+    """
+    Puts torch's recompile limits back to the user's once no call that counts on them is in flight (called as each
+    call ends): any call, where torch keeps one limit for the process; from torch 2.13, which keeps them per thread,
+    those of the thread whose call ends. The graphs compiled stay, and the next call raises the limits again for what
+    it needs. A limit set by anyone else since is left as it is.
+    """
+    with _LIMIT_LOCK:
+        saved = PROCESS.saved_limits()
+        in_flight = PROCESS.calls_in_flight + PROCESS.upstream_calls_in_flight
+        if saved is None or (in_flight and not torch_api.DYNAMO_CONFIG_PER_THREAD):
             return
         PROCESS.set_saved_limits(None)
         if recompile_limit() == saved.limit_set:

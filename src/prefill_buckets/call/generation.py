@@ -38,7 +38,7 @@ from ..state import state_of
 from ..upstream import torch_api, transformers_api
 from ..upstream.transformers_api import cache_seq_length, tensor_parallel_group
 from . import support
-from .budget import budget_of, check_compiled
+from .budget import budget_of, check_compiled, room_for_upstream_call
 from .decision import choose_side
 from .hook_registry import active_plan
 from .hooks import bucketed_call
@@ -111,7 +111,10 @@ def generate(model, *args, **kwargs):
         call = resolve_call(model, wrapper, arguments, model_kwargs, field_kwargs)
         prepared = _prepare(call)
     if prepared.plan is None:
-        output = UPSTREAM_GENERATE(model, **prepared.arguments, **prepared.model_kwargs)
+        # On a compiled forward, the graphs bucketed calls left don't count against the user's limit.
+        room = room_for_upstream_call(model) if compiled_forward(model) else contextlib.nullcontext()
+        with room:
+            output = UPSTREAM_GENERATE(model, **prepared.arguments, **prepared.model_kwargs)
         if prepared.after is not None:
             prepared.after()
         return output

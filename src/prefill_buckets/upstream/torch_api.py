@@ -213,12 +213,27 @@ def forward_graphs(model) -> int:
     entries = getattr(torch._dynamo.eval_frame, "_debug_get_cache_entry_list", None)
     if entries is None:
         return 0
+    return max((len(entries(code)) for code in _forward_codes(model)), default=0)
+
+
+def forward_graph_codes(model) -> dict:
+    """
+    By code object a compiled forward starts in (as `forward_graphs` counts them), the graphs dynamo holds there: the
+    code it compiled for each, alive (and weakly referable) while dynamo holds that graph. Empty where torch can't tell.
+    """
+    entries = getattr(torch._dynamo.eval_frame, "_debug_get_cache_entry_list", None)
+    if entries is None:
+        return {}
+    return {code: {entry.code for entry in entries(code)} for code in _forward_codes(model)}
+
+
+def _forward_codes(model) -> frozenset:
     codes = _wrapped_codes(getattr(type(model), "forward", None))
     instance_forward = model.__dict__.get("forward")
     if instance_forward is not None:  # `torch.compile(model.forward)`, or a forward set on the instance
         codes = codes | _wrapped_codes(eager_callable(instance_forward), cached=False)
         codes = codes | _wrapped_codes(instance_forward, cached=False)
-    return max((len(entries(code)) for code in codes), default=0)
+    return codes
 
 
 def _wrapped_codes(function, cached: bool = True) -> frozenset:
