@@ -906,6 +906,11 @@ class UpstreamCallAfterBucketedCallsTest(CompilationTestCase):
         self.assertEqual(counter.graphs - graphs, 2 + MAX_NEW_TOKENS)
         self.assertEqual(counter.calls - calls, 3 * MAX_NEW_TOKENS, "every forward ran compiled")
         self.assertEqual(torch._dynamo.config.recompile_limit, 8, "the user's again")
+        if not fullgraph:  # past the user's limit, as upstream's call would be: 8 graphs of such calls, the rest eager
+            got = prefill_buckets.generate(model, make_prompt(13), generation_config=no_cache)
+            expected = reference.generate(make_prompt(13), generation_config=make_config(use_cache=False))
+            self.assertEqual(got.tolist(), expected.tolist(), "upstream's path, prompt 13")
+            self.assertEqual(counter.graphs - graphs, 8)
 
 
 class SharedRecompileLimitTest(CompilationTestCase):

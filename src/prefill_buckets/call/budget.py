@@ -353,14 +353,13 @@ def _save_user_recompile_limits() -> SavedLimits:
 
 @contextlib.contextmanager
 def room_for_upstream_call(model):
-    """
-    Around a call on upstream's path (no bucket fields, or fields it can't honor) on a compiled forward: the graphs it
-    holds but such calls didn't compile (bucketed calls') don't count against the user's recompile limit, so it has
-    the room it would have without them. Else, past the limit, torch runs its new shapes eagerly, or raises (fullgraph).
-    """
+    """Around a call on upstream's path (no bucket fields, or fields it can't honor) on a compiled forward: graphs such
+    calls didn't compile (bucketed calls') don't count against the user's recompile limit, so it has the room it would
+    have without them. Else, past the limit, torch runs its new shapes eagerly, or raises (`fullgraph=True`)."""
     with _LIMIT_LOCK:
         before = torch_api.forward_graph_codes(model)
-        left = max((len(graphs.difference(PROCESS.upstream_graph_codes)) for graphs in before.values()), default=0)
+        upstream = PROCESS.upstream_graph_codes
+        left = max((sum(code not in upstream for code in graphs) for graphs in before.values()), default=0)
         PROCESS.upstream_calls_in_flight += 1
         saved = PROCESS.saved_limits()
         needed = (recompile_limit() if saved is None else saved.limit) + left
@@ -375,7 +374,7 @@ def room_for_upstream_call(model):
     finally:
         with _LIMIT_LOCK:
             for code, graphs in torch_api.forward_graph_codes(model).items():
-                PROCESS.upstream_graph_codes.update(graphs - before.get(code, set()))
+                upstream.update(graphs.difference(before.get(code, ())))
             PROCESS.upstream_calls_in_flight -= 1
             restore_user_recompile_limits()
 
