@@ -37,6 +37,7 @@ from prefill_buckets.compile.compiled_calls import forward_compiled_with_fullgra
 from prefill_buckets.compile.precompile import bucket_lengths
 from prefill_buckets.testing_utils import as_new_process
 from prefill_buckets.upstream import torch_api
+from prefill_buckets.upstream.transformers_api import compile_on_all_devices
 
 
 PAD, EOS, BOS = 0, 1, 2
@@ -911,6 +912,28 @@ class UpstreamCallAfterBucketedCallsTest(CompilationTestCase):
             expected = reference.generate(make_prompt(13), generation_config=make_config(use_cache=False))
             self.assertEqual(got.tolist(), expected.tolist(), "upstream's path, prompt 13")
             self.assertEqual(counter.graphs - graphs, 8)
+
+    def test_a_forward_generate_compiles(self):
+        # With `compile_config` upstream compiles decode itself (`fullgraph=True`, its default): a new cache length is
+        # a new decode graph, and bucketed calls' graphs are on the same code objects.
+        torch._dynamo.config.recompile_limit = 8
+        model = make_model()
+        reference = make_reference(model)
+        counter = self.registered_counter()
+        compile_config = CompileConfig(backend=COUNTER_BACKEND, fullgraph=True, dynamic=False, mode=None)
+        compile_on_all_devices(compile_config)  # upstream compiles on CUDA only, and bucketed calls everywhere
+        bucketed = make_config(max_cache_len=64, compile_config=compile_config, prefill_buckets=self.BUCKETS)
+        for length in (3, 7, 11, 15, 19, 23, 27, 31):
+            prefill_buckets.generate(model, make_prompt(length), generation_config=bucketed)
+        self.assertGreater(counter.graphs, 8)
+        graphs = counter.graphs
+        for length in (70, 100, 130):  # each a cache longer than the last: a decode graph each
+            config = make_config(compile_config=compile_config)
+            got = prefill_buckets.generate(model, make_prompt(length), generation_config=config)
+            expected = reference.generate(make_prompt(length), generation_config=make_config())
+            self.assertEqual(got.tolist(), expected.tolist(), f"upstream's path, prompt {length}")
+        self.assertEqual(counter.graphs - graphs, 3)
+        self.assertEqual(torch._dynamo.config.recompile_limit, 8, "the user's again")
 
 
 class SharedRecompileLimitTest(CompilationTestCase):

@@ -303,9 +303,8 @@ def make_room(model, held: int, graphs: int, who: str, breaks_graph: bool = Fals
 
 def check_compiled(model, expected: CallGraphs | None, limit: int | None = None, decode_windows_read=()) -> None:
     """Ends a bucketed call's accounting (`GraphBudget.account`): records the windows its decode steps read, and warns
-    when torch may have run forwards of the call eagerly: its code objects are at the limit with other graphs than the
-    call expected (torch refused some, or the budget missed some, which the next call will be refused). Calls beside it
-    (threads) may have added up to the graphs they expected."""
+    when torch may have run forwards of the call eagerly: its code objects at the limit with other graphs than it
+    expected (torch refused some, or the budget missed some). Calls beside it (threads) may add what they expected."""
     if expected is None:
         return
     with _LIMIT_LOCK:
@@ -353,9 +352,13 @@ def _save_user_recompile_limits() -> SavedLimits:
 
 @contextlib.contextmanager
 def room_for_upstream_call(model):
-    """Around a call on upstream's path (no bucket fields, or fields it can't honor) on a compiled forward: graphs such
-    calls didn't compile (bucketed calls') don't count against the user's recompile limit, so it has the room it would
-    have without them. Else, past the limit, torch runs its new shapes eagerly, or raises (`fullgraph=True`)."""
+    """Around a call on upstream's path (no bucket fields, or fields it can't honor): graphs on its forward that such
+    calls didn't compile (bucketed calls') don't count against the user's recompile limit, so a forward compiled by the
+    user or by `generate` has the room it would have without them. Else, past the limit, torch runs its new shapes
+    eagerly, or raises (`fullgraph=True`). Free until a bucketed call has run (graphs before count as bucketed)."""
+    if not PROCESS.graphs_accounted:
+        yield
+        return
     with _LIMIT_LOCK:
         before = torch_api.forward_graph_codes(model)
         upstream = PROCESS.upstream_graph_codes
@@ -380,12 +383,9 @@ def room_for_upstream_call(model):
 
 
 def restore_user_recompile_limits() -> None:
-    """
-    Puts torch's recompile limits back to the user's once no call that counts on them is in flight (called as each
-    call ends): any call, where torch keeps one limit for the process; from torch 2.13, which keeps them per thread,
-    those of the thread whose call ends. The graphs compiled stay, and the next call raises the limits again for what
-    it needs. A limit set by anyone else since is left as it is.
-    """
+    """Puts torch's recompile limits back to the user's as a call ends, once no call that counts on them is in flight
+    (from torch 2.13, which keeps them per thread: the thread's). The graphs stay; the next call raises the limits
+    again for what it needs. A limit set by anyone else since is left as it is."""
     with _LIMIT_LOCK:
         saved = PROCESS.saved_limits()
         in_flight = PROCESS.calls_in_flight + PROCESS.upstream_calls_in_flight

@@ -111,9 +111,7 @@ def generate(model, *args, **kwargs):
         call = resolve_call(model, wrapper, arguments, model_kwargs, field_kwargs)
         prepared = _prepare(call)
     if prepared.plan is None:
-        # On a compiled forward, the graphs bucketed calls left don't count against the user's limit.
-        room = room_for_upstream_call(model) if compiled_forward(model) else contextlib.nullcontext()
-        with room:
+        with room_for_upstream_call(model):  # the graphs bucketed calls left don't count against the user's limit
             output = UPSTREAM_GENERATE(model, **prepared.arguments, **prepared.model_kwargs)
         if prepared.after is not None:
             prepared.after()
