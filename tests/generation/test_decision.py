@@ -283,3 +283,23 @@ class DrafterBackstopTest(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class CacheImplementationTest(unittest.TestCase):
+    def test_hybrid_is_the_dynamic_cache_upstream_makes(self):
+        # Upstream unsets `cache_implementation="hybrid"` and makes a dynamic cache, though "hybrid" is listed as
+        # static: the call was planned on the right for a static cache, and ran its prefill unpadded when none came.
+        model = tiny_llama()
+        config = GenerationConfig(max_new_tokens=4, do_sample=False, cache_implementation="hybrid")
+        sides = []
+        choose_side = generation.choose_side
+        logger = logging.get_logger("prefill_buckets")
+        logger.warning_once.cache_clear()
+        with mock.patch.object(generation, "choose_side", lambda call: sides.append(choose_side(call)) or sides[-1]):
+            for length in (5, 11):
+                prompt = torch.arange(3, 3 + length).unsqueeze(0)
+                with CaptureLogger(logger) as captured:
+                    tokens = prefill_buckets.generate(model, prompt, generation_config=config, prefill_buckets=[16])
+                self.assertEqual(tokens.tolist(), model.generate(prompt, generation_config=config).tolist())
+                self.assertNotIn("made no static cache", captured.out)
+        self.assertEqual([side.side for side in sides], ["left", "left"])  # a dynamic cache's side

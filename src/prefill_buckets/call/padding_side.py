@@ -256,7 +256,7 @@ RULE = (
         "the prompt is not a [batch, length] tensor",
     ),
     Case(
-        "a dynamic cache (or an offloaded one) for `generate` to make",
+        "a dynamic cache (or an offloaded one, or `'hybrid'`, which it makes dynamic) for `generate` to make",
         "left",
         "not compiled: there is no graph to share",
         lambda call: call.cache is None and transformers_api.is_dynamic(call.settings.cache_implementation),

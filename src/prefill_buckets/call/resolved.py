@@ -361,7 +361,7 @@ def resolve_settings(
         bos_token_id=bos_token_ids[0] if bos_token_ids else None,
         num_beams=value["num_beams"] or 1,
         num_return_sequences=value["num_return_sequences"] or 1,
-        cache_implementation=value["cache_implementation"],
+        cache_implementation=transformers_api.cache_implementation_made(value["cache_implementation"]),
         stop_strings=value["stop_strings"],
         vocab_size=vocabulary_size(model),
         max_positions=max_positions(model),

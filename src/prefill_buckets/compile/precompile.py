@@ -192,7 +192,9 @@ def precompile(
     max_new_tokens = generation_config.max_new_tokens
     if max_new_tokens is None:
         max_new_tokens = (generation_config.max_length or 20) - 1
-    cache_implementation = generation_config.cache_implementation or module.generation_config.cache_implementation
+    cache_implementation = transformers_api.cache_implementation_made(
+        generation_config.cache_implementation or module.generation_config.cache_implementation
+    )
     if cache_implementation in ALL_STATIC_CACHE_IMPLEMENTATIONS and generation_config.max_cache_len is None:
         # Pinned, so one decode graph whatever its size: the slots the longest bucket needs, rounded up to a
         # multiple of 64 (not to the next power of two, which a growing cache uses to bound its sizes).
