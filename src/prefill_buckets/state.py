@@ -35,8 +35,9 @@ The rest must live where it is, each for its reason:
   model's classes first, `transformers_api.line_up_output_capture_registry`), so its graphs load in a replica;
 - the active plan and the mask flag, in context variables (`call/hook_registry.py`, `call/hooks.py`): they belong to
   one call, and concurrent calls on one model (threads, tasks) must not see each other's;
-- torch's `recompile_limit` itself (raised by `call.budget.make_room` while calls need it, restored when none is in
-  flight; from torch 2.13 torch keeps it per thread, and each thread's is restored when its call ends);
+- torch's `recompile_limit` itself (raised by `call.budget.make_room` while calls need it, and around a call on
+  upstream's path by `room_for_upstream_call`, restored when none is in flight; from torch 2.13 torch keeps it per
+  thread, and each thread's is restored when its call ends);
 - `call.hooks.HOOKS`: the table of hook declarations, a constant, not state;
 - checks of the installed torch and transformers, cached with `functools.cache` in `upstream/checks.py`
   (`torch_problems`, `aot_compile_problem`, `sliding_layer_problem`): facts of the code installed, which can't
@@ -127,9 +128,9 @@ class ProcessState:
     calls_in_flight: int = 0
     # Upstream's `masking_utils._ignore_causal_mask_sdpa`, replaced while any bucketed call runs (`hooks.py`).
     sdpa_skip_original: Any = None
-    # Calls on upstream's path on a compiled forward (`budget.room_for_upstream_call`) in flight: the user's limits are
-    # restored once neither these nor bucketed calls are. And the graphs such calls compiled (the code dynamo compiled
-    # for each, gone with the graph): the rest on a forward count as bucketed calls'.
+    # Calls on upstream's path given room above bucketed calls' graphs (`budget.room_for_upstream_call`) in flight: the
+    # user's limits are restored once neither these nor bucketed calls are. And the graphs such calls compiled (the
+    # code dynamo compiled for each, gone with the graph): the rest on a forward count as bucketed calls'.
     upstream_calls_in_flight: int = 0
     upstream_graph_codes: "weakref.WeakSet[Any]" = field(default_factory=weakref.WeakSet)
     # Graphs that calls in flight expect to compile (`budget.GraphBudget.account`), on top of those torch holds.
