@@ -51,11 +51,12 @@ PYTEST := -m pytest -n $(TEST_WORKERS) --dist loadscope -q
 # ---- environments ----------------------------------------------------------------------------------------------
 
 # build_venv FOLDER,CONSTRAINTS,EXTRAS: creates the environment if needed and installs into it in the order above.
+# `wheel`: a fresh venv's setuptools (< 70.1) needs it to build the offline editable install `utils/gpu_check.sh` runs.
 define build_venv
 	test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
 	$(1)/bin/python -m pip install "torch==$(call pin,torch,$(2))"
 	$(1)/bin/python -m pip install transformers -c $(2)
-	$(1)/bin/python -m pip install -e ".[$(3)]" -c $(2)
+	$(1)/bin/python -m pip install -e ".[$(3)]" wheel -c $(2)
 	touch $(1)/.stamp
 endef
 
