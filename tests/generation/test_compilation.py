@@ -913,6 +913,24 @@ class UpstreamCallAfterBucketedCallsTest(CompilationTestCase):
             self.assertEqual(got.tolist(), expected.tolist(), "upstream's path, prompt 13")
             self.assertEqual(counter.graphs - graphs, 8)
 
+    def test_a_forward_called_directly_counts_them(self):
+        # The guide's troubleshooting row: outside `generate` the package can't make room, so a forward called
+        # directly runs under the user's limit with the bucketed graphs counted; raised by those graphs, it compiles.
+        torch._dynamo.config.recompile_limit = 2
+        model = make_model()
+        counter = GraphCounter()
+        model.compile(backend=counter, dynamic=False, fullgraph=True)
+        bucketed = make_config(max_cache_len=64, prefill_buckets=[4, 8])
+        for length in (3, 7):
+            prefill_buckets.generate(model, make_prompt(length), generation_config=bucketed)
+        self.assertEqual((counter.graphs, torch._dynamo.config.recompile_limit), (3, 2))
+        with torch.no_grad():
+            with self.assertRaises(torch._dynamo.exc.FailOnRecompileLimitHit):
+                model(make_prompt(9))
+            torch._dynamo.config.recompile_limit += counter.graphs
+            model(make_prompt(9))
+        self.assertEqual(counter.graphs, 4)
+
     def test_a_forward_generate_compiles(self):
         # With `compile_config` upstream compiles decode itself (`fullgraph=True`, its default): a new cache length is
         # a new decode graph, and bucketed calls' graphs are on the same code objects.
