@@ -154,6 +154,9 @@ class ProcessState:
     # The version gate's verdict per model class (`upstream.gate.check_upstream`): `None` (passed) or the message it
     # raises, every time it is asked.
     upstream_verdicts: dict[type, str | None] = field(default_factory=dict)
+    # The classes the gate passed for good (a verdict of `None`, and the self-test's where it runs): a bucketed call on
+    # one asks the gate nothing more (`call/generation.py`).
+    upstream_passed: set[type] = field(default_factory=set)
     # The self-test's verdict for this process (it tests the installed versions, not a class): `SELF_TEST_PENDING`
     # until it has run, `SELF_TEST_RUNNING` while it runs (the gate's sentinels), then `None` (passed) or the message
     # every bucketed call raises.

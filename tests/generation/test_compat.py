@@ -23,9 +23,10 @@ from transformers.utils import logging
 import prefill_buckets
 from prefill_buckets import GraphCounter, upstream
 from prefill_buckets.call import support
-from prefill_buckets.state import PROCESS, SELF_TEST_PENDING
+from prefill_buckets.state import PROCESS
 from prefill_buckets.testing_utils import as_new_process
 from prefill_buckets.upstream import checks, gate, transformers_api, versions
+from prefill_buckets.upstream.gate import SELF_TEST_RUNNING
 from prefill_buckets.upstream.selftest import self_test
 
 from .tiny_models import tiny_llama, tiny_llama_config
@@ -169,6 +170,28 @@ class CheckUpstreamTest(unittest.TestCase):
         model = ReshapedHookTarget(tiny_llama_config()).eval()
         with self.assertRaisesRegex(RuntimeError, "takes no parameter `model_input_name`"):
             prefill_buckets.generate(model, random_ids(5), max_new_tokens=2, prefill_buckets=[8])
+
+    def test_the_gate_is_asked_until_a_class_passes(self):
+        # A class that passed is not asked again (a warm call skips the gate); one that failed raises on every call,
+        # and so does every call while the self-test runs.
+        self.enterContext(as_new_process())
+        kwargs = {"max_new_tokens": 2, "do_sample": False, "prefill_buckets": [8]}
+        with mock.patch.object(support, "check_upstream", wraps=support.check_upstream) as asked:
+            model = tiny_llama()
+            for _ in range(3):
+                prefill_buckets.generate(model, random_ids(5), **kwargs)
+            self.assertEqual(asked.call_count, 1)
+            self.assertIn(LlamaForCausalLM, PROCESS.upstream_passed)
+            broken = ReshapedHookTarget(tiny_llama_config()).eval()
+            for _ in range(2):
+                with self.assertRaisesRegex(RuntimeError, "takes no parameter `model_input_name`"):
+                    prefill_buckets.generate(broken, random_ids(5), **kwargs)
+            self.assertEqual(asked.call_count, 3)
+            self.assertNotIn(ReshapedHookTarget, PROCESS.upstream_passed)
+        PROCESS.upstream_passed.clear()
+        PROCESS.self_test_verdict = SELF_TEST_RUNNING  # as the self-test's own calls see it: passing, not for good
+        support.check_upstream(LlamaForCausalLM, generate=prefill_buckets.generate)
+        self.assertNotIn(LlamaForCausalLM, PROCESS.upstream_passed)
 
 
 class _PausingStreamer(BaseStreamer):
@@ -503,8 +526,7 @@ class TorchVersionTest(unittest.TestCase):
         # runs the self-test once; a step that changed meaning then fails loudly.
         model = tiny_llama()
         for installed in (OLDER_TORCH, NEWER_TORCH):
-            with self.subTest(installed=installed):
-                PROCESS.self_test_verdict = SELF_TEST_PENDING
+            with self.subTest(installed=installed), as_new_process():  # each version in a process of its own
                 with mock.patch.object(versions, "TORCH_VERSION", Version(installed)):
                     self.assertTrue(gate.is_tested_transformers())
                     self.assertFalse(gate.is_tested_range())
@@ -515,8 +537,7 @@ class TorchVersionTest(unittest.TestCase):
                 self.assertEqual(spy.call_count, 1)
                 oldest, newest = versions.TESTED_TORCH
                 self.assertIn(f"torch {oldest} to {newest}, and this is torch {torch.__version__}", logs.out)
-        PROCESS.self_test_verdict = SELF_TEST_PENDING
-        with mock.patch.object(versions, "TORCH_VERSION", Version(NEWER_TORCH)):
+        with as_new_process(), mock.patch.object(versions, "TORCH_VERSION", Version(NEWER_TORCH)):
             with mock.patch("prefill_buckets.call.generation.strip_output", lambda output, plan: output):
                 with self.assertRaisesRegex(RuntimeError, r"self-test failed on transformers .* \(torch "):
                     prefill_buckets.generate(model, random_ids(5), max_new_tokens=2, prefill_buckets=[8])

@@ -34,7 +34,7 @@ from ..config import BUCKET_FIELDS, PREFILL_BUCKETS, PREFILL_PAD_TO_MULTIPLE_OF
 from ..distributed import generate_call, ranks_agree
 from ..kvcache.record import passed_cache, record_call
 from ..kvcache.sizing import allocated_as_early, keep_cache
-from ..state import state_of
+from ..state import PROCESS, state_of
 from ..upstream import torch_api, transformers_api
 from ..upstream.transformers_api import cache_seq_length, tensor_parallel_group
 from . import support
@@ -158,8 +158,9 @@ def _prepare(call: ResolvedCall) -> PreparedCall:
     """Steps 2 to 4 of a resolved call: its support, its padding decided, its plan (see the module docstring)."""
     if call.settings.policy is None:
         return PreparedCall(call.arguments, call.model_kwargs, after=_warn_unbucketed(call))
-    # 2. Check support: the hooked steps of upstream `generate`.
-    support.check_upstream(type(call.model), generate=generate)
+    # 2. Check support: the hooked steps of upstream `generate` (once per class that passes: the gate keeps it).
+    if type(call.model) not in PROCESS.upstream_passed:
+        support.check_upstream(type(call.model), generate=generate)
     # 3. Decide: left, right or unpadded (every reason the call runs unpadded, or raises, is decided there).
     side = choose_side(call)
     if side.side == "unpadded":

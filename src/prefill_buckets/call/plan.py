@@ -134,8 +134,11 @@ def plan_call(call: ResolvedCall, side: PaddingSide) -> tuple[Plan, dict, dict]:
 
 
 def _default_attention_mask(settings: CallSettings, input_ids: torch.Tensor) -> torch.Tensor:
-    """The mask upstream infers when none is passed: pad tokens are masked, unless the pad token is also eos."""
-    if settings.pad_token_is_inferable and (input_ids == settings.pad_token_id).any():
+    """
+    The mask upstream infers when none is passed: pad tokens are masked, unless the pad token is also eos (without a
+    pad token in the ids, all ones either way).
+    """
+    if settings.pad_token_is_inferable:
         return input_ids.ne(settings.pad_token_id).long()
     return torch.ones(input_ids.shape[:2], dtype=torch.long, device=input_ids.device)
 

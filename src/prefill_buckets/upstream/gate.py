@@ -68,8 +68,8 @@ def check_upstream(
             Returns the hook targets to check, `{method: (parameters the hook reads, whether upstream passes them by
             position)}` (`call/hook_registry.py`); called once per class.
         verdicts:
-            Where the verdicts are kept: `upstream_verdicts` (a dict, by class) and `self_test_verdict`
-            (`state.PROCESS`).
+            Where the verdicts are kept: `upstream_verdicts` (a dict, by class), `self_test_verdict`, and
+            `upstream_passed`, the classes that passed both (`state.PROCESS`).
     """
     with VERDICT_LOCK:
         kept = verdicts.upstream_verdicts
@@ -78,6 +78,8 @@ def check_upstream(
         failure = kept[model_class]
         if failure is None and not is_tested_range():
             failure = _self_test_failure(generate, verdicts)
+        if failure is None and verdicts.self_test_verdict is not SELF_TEST_RUNNING:
+            verdicts.upstream_passed.add(model_class)  # for good: neither verdict changes once made
     if failure is not None:
         raise RuntimeError(failure)
 
