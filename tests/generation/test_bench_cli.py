@@ -17,7 +17,7 @@ import torch
 
 import prefill_buckets
 from prefill_buckets import benchmark as bench
-from prefill_buckets.benchmark import worker
+from prefill_buckets.benchmark import second_pass, worker
 from prefill_buckets.cli import main
 from prefill_buckets.testing_utils import SMOLLM2_REQUIREMENTS, tiny_llama
 
@@ -140,9 +140,41 @@ class BenchQuickTest(unittest.TestCase):
         self.assertIsNone(eager["payback_calls"])
         second = results["pow2"]["record"]["second_calls"]
         self.assertEqual([c["length"] for c in second], list(bench.QUICK_LENGTHS))
+        # The second passes ran interleaved, prompt by prompt: each strategy's call of a prompt started before either
+        # strategy's call of the next; eager's process waited, paused, while pow2's ran its cold pass.
+        self.assertEqual(report["second_pass"], "interleaved")
+        starts = [[c["started_at"] for c in results[name]["record"]["second_calls"]] for name in ("eager", "pow2")]
+        for index in range(len(bench.QUICK_LENGTHS) - 1):
+            self.assertLess(max(s[index] for s in starts), min(s[index + 1] for s in starts), index)
+        eager_record = results["eager"]["record"]
+        self.assertGreater(eager_record["idle_seconds"], pow2["total_seconds"])  # paused through pow2's cold pass
         for call in results["pow2"]["record"]["calls"] + second:
             self.assertEqual(len(call["tokens"]), report["max_new_tokens"])
             self.assertEqual(call["forwards"], report["max_new_tokens"])
+
+
+class SecondPassMemoryTest(unittest.TestCase):
+    def test_more_wait_while_the_memory_holds_another(self):
+        pass_ = second_pass.SecondPass()
+        pass_.workers = [mock.Mock(), mock.Mock()]
+        gib = 2**30
+        with mock.patch.object(second_pass, "_resident_bytes", return_value=gib):
+            with mock.patch.object(second_pass, "_available_bytes", return_value=second_pass.MEMORY_MARGIN + 2 * gib):
+                self.assertFalse(pass_.full)
+                pass_.workers = [mock.Mock()] * second_pass.MAX_LIVE_WORKERS
+                self.assertTrue(pass_.full)  # the count's cap, memory or not
+                pass_.workers = pass_.workers[:2]
+                pass_.on_accelerator = True  # the driver doesn't see an accelerator's memory: the count decides
+                self.assertFalse(pass_.full)
+                pass_.workers = [mock.Mock()] * second_pass.LIVE_WORKERS_UNREAD
+                self.assertTrue(pass_.full)
+            pass_.workers, pass_.on_accelerator = pass_.workers[:2], False
+            with mock.patch.object(second_pass, "_available_bytes", return_value=second_pass.MEMORY_MARGIN + gib // 2):
+                self.assertTrue(pass_.full)  # another as large as the largest would not fit with the margin
+            with mock.patch.object(second_pass, "_available_bytes", return_value=None):
+                self.assertFalse(pass_.full)  # unread (another OS): the count decides
+        self.assertIsNotNone(second_pass._available_bytes())  # on Linux, read
+        self.assertGreater(second_pass._resident_bytes(os.getpid()), 0)
 
 
 def tiny_workload(lengths):

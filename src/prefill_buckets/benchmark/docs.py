@@ -20,6 +20,9 @@ GUIDE = DOCS / "llm_optims.md"
 PLOT = DOCS / "imgs" / "bench_cpu_smollm2.png"
 RESULTS = DOCS / "imgs" / "bench_cpu_smollm2.json"
 START, END = "<!-- bench-docs:start -->", "<!-- bench-docs:end -->"
+# How a run's second passes ran (`bench.json`'s "second_pass"): interleaved across the strategies' paused processes
+# (`second_pass.py`), or, in runs before that, each right after its own cold pass.
+SECOND_PASS_INTERLEAVED, SECOND_PASS_AFTER = "interleaved", "after the first"
 # The strategies `make bench-docs` runs (each model's reference always runs first): upstream's recipe, its strongest
 # peer and that peer warm-started from torch's own artifacts, the package's simplest config with each named bucket set,
 # chunked prefill unpinned and pinned, the warm start of pow2, and the sliding-window pair (a tiny model, cheap).
@@ -66,6 +69,7 @@ def docs_summary(report: dict) -> dict:
         "prompt_lengths": [prompt["length"] for prompt in report["prompts"]],
         "machine": report["machine"],
         "wall_seconds": report["wall_seconds"],
+        "second_pass": report.get("second_pass", SECOND_PASS_AFTER),
         "strategies": [
             {
                 "strategy": result["strategy"],
@@ -277,10 +281,19 @@ def render(summary: dict, plot_name: str = PLOT.name) -> str:
     lengths = summary["prompt_lengths"]
     load = machine.get("load_average_start"), machine.get("load_average_end")
     load_text = "" if None in load else f", load average {load[0][0]:.1f} at the start and {load[1][0]:.1f} at the end"
+    interleaved = summary.get("second_pass", SECOND_PASS_AFTER) == SECOND_PASS_INTERLEAVED
+    interleaved_text = ", their second passes interleaved prompt by prompt" if interleaved else ""
+    second_pass_text = (
+        "the workload again in each process, paused after its cold pass, the processes taking each prompt in turn "
+        "(interleaved: a load that comes and goes weighs on every strategy alike)"
+        if interleaved
+        else "the workload again in the same process, the same prompts in the same order"
+    )
     caption = (
         f"{summary['model']}, {summary['device']} {summary['dtype']}; {len(lengths)} prompts of {min(lengths)} to "
         f"{max(lengths)} tokens, {summary['max_new_tokens']} greedy new tokens each. Each strategy ran in its own "
-        f"process with an empty compile cache, one after the other, in one run of {summary['wall_seconds']:.0f} s on "
+        f"process with an empty compile cache, one after the other{interleaved_text}, in one run of "
+        f"{summary['wall_seconds']:.0f} s on "
         f"{machine['date']}: {machine['processor']}, {machine['cpu_count']} cores ({machine['torch_threads']} torch "
         f"threads{load_text}); torch {machine['torch']}, transformers {machine['transformers']}, prefill_buckets "
         f"{machine['prefill_buckets']}, Python {machine['python']}."
@@ -302,8 +315,8 @@ def render(summary: dict, plot_name: str = PLOT.name) -> str:
         _wrap(
             "Graphs: compiled by the backend. Total: the whole workload, compiles included. TTFT (time to first token) "
             "and decode: over the calls that compiled nothing. Pad: pad tokens per real prompt token. Eager fallbacks: "
-            "forwards that ran no compiled graph. Second pass: the workload again in the same process, the same "
-            "prompts in the same order, medians (the steady state, on the same prompts for every strategy). Paid back "
+            f"forwards that ran no compiled graph. Second pass: {second_pass_text}, medians (the steady state, on "
+            "the same prompts for every strategy). Paid back "
             "after: the calls of this workload's mix after which the strategy's process has caught up with eager's, "
             "compiles included (never: not faster than eager once warm). The `sliding-*` rows run a tiny "
             "Gemma-3-like model built from a config (a sliding-window layer of 128 tokens and a full-attention "

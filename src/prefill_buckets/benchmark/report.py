@@ -103,7 +103,7 @@ def summarize(
         "recompile_limit_hits": record.get("recompile_limit_hits", 0),
         "tokens_equal_eager": None if mismatches is None else not mismatches,
         "mismatched_prompts": mismatches,
-        # The second pass: the same prompts, in the same order, in the same process (steady state).
+        # The second pass: the same prompts, in the same process (steady state; `second_pass.py`).
         "second_pass_seconds": record.get("second_pass_seconds"),
         "second_pass_graphs": None if second is None else sum(c["graphs"] for c in second),
         "second_pass_fallbacks": (
@@ -176,8 +176,8 @@ come from the second (cb-*: TTFT from a request's creation, its wait included). 
 (cb-*: not counted). fallbacks: forwards that ran no compiled graph (eager past the recompile limit; cb-*: not
 counted, "limit xN": N functions hit dynamo's recompile limit and run their new shapes eagerly). tokens==eager: every
 prompt's new tokens equal the eager run's (sliding-*: sliding-eager's), in both passes. 2nd TTFT, 2nd dec: medians
-over the second pass (the same prompts, same order, same process; ms, ms/token): the steady state, on the same prompts
-for every strategy. payback: calls of this workload's mix after which the strategy's process has caught up with
+over the second pass (the same prompts, in the same process, each prompt through every strategy's process in turn;
+ms, ms/token): the steady state, measured side by side on the same prompts for every strategy. payback: calls of this workload's mix after which the strategy's process has caught up with
 eager's, compiles included ("never": not faster than eager once warm)."""
 
 

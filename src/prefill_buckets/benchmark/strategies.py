@@ -45,8 +45,8 @@ STRATEGIES = {
         Strategy("dynamic-auto", "torch.compile(model.forward, dynamic=None): automatic dynamic shapes", dynamic=None),
         Strategy(
             "dynamic-auto-warm",
-            "dynamic-auto started from torch's own compile artifacts (torch.compiler.save_cache_artifacts at the end "
-            "of dynamic-auto's process, load_cache_artifacts in a new one): the warm peer of pow2-warm",
+            "dynamic-auto started from torch's own compile artifacts (torch.compiler.save_cache_artifacts after "
+            "dynamic-auto's cold pass, load_cache_artifacts in a new process): the warm peer of pow2-warm",
             dynamic=None,
             artifacts_from="dynamic-auto",
         ),

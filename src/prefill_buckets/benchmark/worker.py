@@ -5,13 +5,19 @@ The driver (`command.py`) writes the spec (strategy, model folder, workload file
 record this writes: per call its tokens, wall time, graphs compiled, time to first token and decode time per token;
 over the run the graphs, compiled calls, forwards, graph breaks and inductor cache hits.
 
-A "generate" strategy runs the workload twice, on the same prompts in the same order: the first (cold) pass compiles
-and is the strategy's total time; the second (`second_calls`) is its steady state.
+A "generate" strategy runs the workload twice: the first (cold) pass compiles and is the strategy's total time; the
+second (`second_calls`) is its steady state. With `spec["reply_fd"]`, the second pass runs as the driver asks
+(`second_pass.py`): the cold pass's record is written, the process answers `ready` on that file descriptor, then runs
+one prompt per line it reads on stdin (the prompt's index in the workload file), answering `done` after each, until
+an empty line; then it writes its whole record. The driver interleaves the second passes of several strategies that
+way, prompt by prompt, so a load that comes and goes on the machine weighs on each of them alike. Without it, the
+second pass follows the first, on the same prompts in the same order.
 """
 
 import copy
 import json
 import logging
+import os
 import sys
 import time
 
@@ -146,7 +152,7 @@ def run_worker(spec: dict) -> dict:
     start_process(spec)
     model, load_seconds = load_model(spec)
     with open(spec["workload"], encoding="utf-8") as f:
-        workload = json.load(f)
+        prompts = workload = json.load(f)  # `prompts`: in the file's order, which the driver's indices count in
     if strategy.shuffled:
         workload = shuffled(workload, SHUFFLE_SEED)
     new_tokens = spec["max_new_tokens"]
@@ -222,14 +228,23 @@ def run_worker(spec: dict) -> dict:
     record["total_seconds"] = time.perf_counter() - begin
     # The forwards (and compiled calls) of the cold pass, precompile included: its eager fallbacks.
     record["cold_forwards"], record["cold_compiled_calls"] = forwards[0], counter.calls
-    if spec["phase"] == "run":
+    if spec.get("save_artifacts"):  # what the cold pass compiled: the steady state compiles nothing more
+        record.update(save_artifacts(spec["save_artifacts"]))
+    if spec["phase"] == "run" and spec.get("reply_fd") is not None:
+        # The cold pass's record, for the driver to report while the second pass waits.
+        write_record(dict(record, **run_counters(counter, forwards[0])), spec)
+
+        def run_one(index):
+            return run_workload([prompts[index]], model, run, config, counter, forwards, synchronize, False, spec)[0]
+
+        record["second_calls"], record["idle_seconds"] = second_pass_on_request(run_one, spec["reply_fd"])
+        record["second_pass_seconds"] = sum(call["seconds"] for call in record["second_calls"])
+    elif spec["phase"] == "run":
         second = time.perf_counter()
         record["second_calls"] = run_workload(
             workload, model, run, config, counter, forwards, synchronize, progress, spec
         )
         record["second_pass_seconds"] = time.perf_counter() - second
-    if spec.get("save_artifacts"):
-        record.update(save_artifacts(spec["save_artifacts"]))
     record.update(run_counters(counter, forwards[0]))
     return record
 
@@ -245,7 +260,7 @@ def run_workload(workload, model, run, config, counter, forwards, synchronize, p
         clock = TokenClock(synchronize)
         graphs, compiled_calls, forward_count = counter.graphs, counter.calls, forwards[0]
         synchronize()
-        start = time.perf_counter()
+        started_at, start = time.time(), time.perf_counter()  # the wall clock, which other processes share
         output = run(input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config, streamer=clock)
         synchronize()
         end = time.perf_counter()
@@ -253,6 +268,7 @@ def run_workload(workload, model, run, config, counter, forwards, synchronize, p
             {
                 "name": item["name"],
                 "length": item["length"],
+                "started_at": started_at,
                 "seconds": end - start,
                 "ttft_seconds": clock.first_token_seconds(since=start),
                 "decode_seconds_per_token": clock.decode_seconds_per_token(),
@@ -266,13 +282,34 @@ def run_workload(workload, model, run, config, counter, forwards, synchronize, p
     return calls
 
 
+def second_pass_on_request(run_one, reply_fd: int) -> tuple[list[dict], float]:
+    """
+    The second pass as the driver asks for it (the module docstring): `(a record per call, in the order asked; the
+    seconds spent waiting to be asked)`.
+    """
+    calls, idle = [], 0.0
+    with os.fdopen(reply_fd, "w", buffering=1) as reply:
+        reply.write("ready\n")
+        while True:
+            waiting = time.perf_counter()
+            line = sys.stdin.readline().strip()
+            idle += time.perf_counter() - waiting
+            if not line:
+                return calls, idle
+            calls.append(run_one(int(line)))
+            reply.write(f"done {line}\n")
+
+
+def write_record(record: dict, spec: dict) -> None:
+    with open(spec["result"], "w", encoding="utf-8") as f:
+        json.dump(record, f)
+
+
 def main(argv: list[str]) -> int:
     (spec_path,) = argv
     with open(spec_path, encoding="utf-8") as f:
         spec = json.load(f)
-    record = run_worker(spec)
-    with open(spec["result"], "w", encoding="utf-8") as f:
-        json.dump(record, f)
+    write_record(run_worker(spec), spec)
     return 0
 
 
