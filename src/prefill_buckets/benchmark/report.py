@@ -173,12 +173,13 @@ process that compiled and saved that cache. warm: calls that compiled nothing; T
 those. TTFT: generate() call to first new token. tok/s: new tokens per second of those calls. batch-* and cb-* hand
 every prompt over at once and run the workload twice: total s is the first (cold) pass; warm, TTFT, decode and tok/s
 come from the second (cb-*: TTFT from a request's creation, its wait included). pad: pad tokens per real prompt token
-(cb-*: not counted). fallbacks: forwards that ran no compiled graph (eager past the recompile limit; cb-*: not
-counted, "limit xN": N functions hit dynamo's recompile limit and run their new shapes eagerly). tokens==eager: every
-prompt's new tokens equal the eager run's (sliding-*: sliding-eager's), in both passes. 2nd TTFT, 2nd dec: medians
-over the second pass (the same prompts, in the same process, each prompt through every strategy's process in turn;
-ms, ms/token): the steady state, measured side by side on the same prompts for every strategy. payback: calls of this workload's mix after which the strategy's process has caught up with
-eager's, compiles included ("never": not faster than eager once warm)."""
+(cb-*: not counted). fallbacks: forwards that ran no compiled graph (eager past the recompile limit; cb-*: not counted,
+"limit xN": N functions hit dynamo's recompile limit and run their new shapes eagerly). tokens==eager: every prompt's
+new tokens equal the eager run's (sliding-*: sliding-eager's), in both passes. 2nd TTFT, 2nd dec: medians over the
+second pass (the same prompts, in the same process, each prompt through every strategy's process in turn; ms,
+ms/token): the steady state, measured side by side on the same prompts for every strategy. payback: calls of this
+workload's mix after which the strategy's process has caught up with eager's, compiles included ("never": not faster
+than eager once warm)."""
 
 
 def plot(results: list[dict], path: Path, title: str) -> None:
