@@ -130,7 +130,7 @@ demo: bench-venv
 # One benchmark run writes every table and the plot of the guide's "Measured results", with the machine, versions and
 # date in its caption (prefill_buckets/benchmark/docs.py). Run it on a quiet machine; commit the three files it writes.
 bench-docs: bench-venv
-	$(VENV_PYTHON) -m prefill_buckets bench --write-docs
+	$(VENV_PYTHON) -m prefill_buckets bench --write-docs --second-pass-rounds 3
 
 # ---- docs ------------------------------------------------------------------------------------------------------
 

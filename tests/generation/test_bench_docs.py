@@ -108,6 +108,16 @@ class RenderTest(unittest.TestCase):
         self.assertIn("`pow2-default` decode median: 1.05x `dynamic-auto`'s (target: at most 1.05x).", flat)
         self.assertIn("`pow2-default` time to first token 1.15x and decode 1.02x `dynamic-auto`'s", flat)
 
+    def test_the_caption_says_how_the_second_passes_ran(self):
+        report = synthetic_report()
+        flat = " ".join(docs.render(docs.docs_summary(report)).split())  # a run from before: no interleaving said
+        self.assertIn("Second pass: the workload again in the same process, the same prompts in the same order,", flat)
+        report.update(second_pass=docs.SECOND_PASS_INTERLEAVED, second_pass_rounds=3)
+        flat = " ".join(docs.render(docs.docs_summary(report)).split())
+        self.assertIn("one after the other, their second passes interleaved prompt by prompt, in one run", flat)
+        self.assertIn("the processes taking each prompt in turn", flat)
+        self.assertIn("3 times over, each prompt's fastest call", flat)
+
     def test_each_target_said_met_or_missed(self):
         report = synthetic_report()
         report["strategies"] += [

@@ -10,8 +10,8 @@ from pathlib import Path
 from unittest import mock
 
 from prefill_buckets import benchmark as bench
-from prefill_buckets.benchmark import command, sliding, worker
-from prefill_buckets.benchmark.report import payback_calls
+from prefill_buckets.benchmark import command, second_pass, sliding, worker
+from prefill_buckets.benchmark.report import fastest_per_prompt, payback_calls
 
 from .test_bench_cli import _bench_parser, tiny_workload
 
@@ -29,6 +29,12 @@ class PaybackTest(unittest.TestCase):
         self.assertEqual(68 + 60 * 1, 8 + 60 * 2)
         # A cold pass faster than eager's has paid back within it.
         self.assertEqual(payback_calls(record(total=5.0, second=4.0), eager), 1)
+
+    def test_several_rounds_count_as_one_pass(self):
+        # With `--second-pass-rounds 2`, a second pass's seconds are two passes' (each prompt ran twice).
+        eager = record(total=8.0, second=8.0)
+        twice = dict(record(total=68.0, second=8.0), second_pass_rounds=2)
+        self.assertEqual(payback_calls(twice, eager), 64)  # as `record(total=68.0, second=4.0)` above
 
     def test_never_when_not_faster_once_warm(self):
         eager = record(total=8.0, second=4.0)
@@ -127,3 +133,34 @@ class SlidingPairTest(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class SecondPassRoundsTest(unittest.TestCase):
+    def test_each_prompt_its_fastest_call(self):
+        calls = [
+            {"name": "a", "ttft_seconds": 0.30},
+            {"name": "b", "ttft_seconds": 0.50},
+            {"name": "a", "ttft_seconds": 0.20},  # the second round: another job took less of this one
+            {"name": "b", "ttft_seconds": None},  # no first token timed
+        ]
+        self.assertEqual(fastest_per_prompt(calls, "ttft_seconds"), [0.20, 0.50])
+        self.assertEqual(fastest_per_prompt(calls[:2], "ttft_seconds"), [0.30, 0.50])  # one round: every call
+
+    def test_rounds_ask_each_prompt_in_turn(self):
+        pass_ = second_pass.SecondPass(rounds=2)
+        asked = []
+        for name in ("x", "y"):
+            worker = mock.Mock(strategy=name)
+            worker.ask.side_effect = lambda index, name=name: asked.append((name, index))
+            worker.finish.return_value = {"second_calls": []}
+            pass_.workers.append(worker)
+        records = {"x": {"calls": []}, "y": {"calls": []}}
+        pass_.run(records, prompts=3)
+        # Each prompt through both processes, the first asked rotating; then the whole pass again.
+        self.assertEqual(
+            asked,
+            [("x", 0), ("y", 0), ("y", 1), ("x", 1), ("x", 2), ("y", 2)]
+            + [("y", 0), ("x", 0), ("x", 1), ("y", 1), ("y", 2), ("x", 2)],
+        )
+        self.assertEqual(records["x"], {"calls": [], "second_calls": [], "second_pass_rounds": 2})
+        self.assertEqual(pass_.workers, [])

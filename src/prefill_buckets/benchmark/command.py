@@ -38,7 +38,7 @@ from pathlib import Path
 
 from ..testing_utils import missing_smollm2_requirements, smollm2_folder, tiny_llama, tiny_llama_config
 from . import docs
-from .report import DEFAULT_OMP_WAIT_POLICY, TABLE_NOTES, format_table, machine_info, plot, summarize
+from .report import DEFAULT_OMP_WAIT_POLICY, TABLE_NOTES, command_line, format_table, machine_info, plot, summarize
 from .second_pass import SecondPass
 from .sliding import save_tiny_sliding_model
 from .strategies import DEFAULT_STRATEGIES, QUICK_STRATEGIES, REFERENCE, STRATEGIES, TINY_SLIDING
@@ -183,19 +183,6 @@ def run_strategy(
     return record
 
 
-def command_line(args, names: list[str]) -> str:
-    """The `bench` command that reruns this one's workload and strategies (output options left out)."""
-    parts = ["python -m prefill_buckets bench"]
-    parts += ["--quick"] if args.quick else ["--full"] if args.full and not args.strategies else []
-    if args.strategies or not (args.quick or args.full):
-        parts.append(f"--strategies {','.join(name for name in names if name not in REFERENCE.values())}")
-    for option in ("model", "device", "dtype", "prompts", "num_prompts", "max_new_tokens"):
-        value = getattr(args, option)
-        if value is not None and value != {"device": "cpu", "dtype": "float32"}.get(option):
-            parts.append(f"--{option.replace('_', '-')} {value}")
-    return " ".join(parts)
-
-
 def bench(args) -> int:
     """The `bench` command."""
     if args.docs_from:
@@ -208,6 +195,9 @@ def bench(args) -> int:
     missing = missing_requirements(args)
     if missing:
         print("The benchmark can't start; missing:\n" + "\n".join(f"- {line}" for line in missing), file=sys.stderr)
+        return 2
+    if args.second_pass_rounds < 1:
+        print(f"--second-pass-rounds must be 1 or more, got {args.second_pass_rounds}.", file=sys.stderr)
         return 2
     began = time.perf_counter()
     info = machine_info(args.device)
@@ -253,7 +243,7 @@ def bench(args) -> int:
 
         records, references = {}, {}
         # The second passes, interleaved across the strategies' paused processes.
-        second_pass = SecondPass(on_accelerator=args.device != "cpu")
+        second_pass = SecondPass(on_accelerator=args.device != "cpu", rounds=args.second_pass_rounds)
         for index, name in enumerate(names, 1):
             strategy = STRATEGIES[name]
             print(f"[{index}/{len(names)}] {name}: {strategy.summary}", flush=True)
@@ -302,6 +292,7 @@ def bench(args) -> int:
         "machine": info,
         "wall_seconds": wall,
         "second_pass": docs.SECOND_PASS_INTERLEAVED,
+        "second_pass_rounds": args.second_pass_rounds,
         "notes": TABLE_NOTES.replace("\n", " "),
         "prompts": [{"name": item["name"], "length": item["length"]} for item in workload],
         "strategies": results,
@@ -340,6 +331,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-new-tokens",
         type=int,
         help=f"new tokens per prompt (default: {DEFAULT_MAX_NEW_TOKENS}, {QUICK_MAX_NEW_TOKENS} with --quick)",
+    )
+    parser.add_argument(
+        "--second-pass-rounds",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run each prompt N times in the second pass and report its fastest call (default: 1)",
     )
     parser.add_argument("--output", default=DEFAULT_OUTPUT, help="folder for bench.json and bench.png")
     parser.add_argument("--no-plot", action="store_true", help="write the table and bench.json only (no matplotlib)")

@@ -70,6 +70,7 @@ def docs_summary(report: dict) -> dict:
         "machine": report["machine"],
         "wall_seconds": report["wall_seconds"],
         "second_pass": report.get("second_pass", SECOND_PASS_AFTER),
+        "second_pass_rounds": report.get("second_pass_rounds", 1),
         "strategies": [
             {
                 "strategy": result["strategy"],
@@ -283,12 +284,13 @@ def render(summary: dict, plot_name: str = PLOT.name) -> str:
     load_text = "" if None in load else f", load average {load[0][0]:.1f} at the start and {load[1][0]:.1f} at the end"
     interleaved = summary.get("second_pass", SECOND_PASS_AFTER) == SECOND_PASS_INTERLEAVED
     interleaved_text = ", their second passes interleaved prompt by prompt" if interleaved else ""
+    rounds = summary.get("second_pass_rounds", 1)
     second_pass_text = (
         "the workload again in each process, paused after its cold pass, the processes taking each prompt in turn "
         "(interleaved: a load that comes and goes weighs on every strategy alike)"
         if interleaved
         else "the workload again in the same process, the same prompts in the same order"
-    )
+    ) + (f", {rounds} times over, each prompt's fastest call" if rounds > 1 else "")
     caption = (
         f"{summary['model']}, {summary['device']} {summary['dtype']}; {len(lengths)} prompts of {min(lengths)} to "
         f"{max(lengths)} tokens, {summary['max_new_tokens']} greedy new tokens each. Each strategy ran in its own "

@@ -30,6 +30,19 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
+def command_line(args, names: list[str]) -> str:
+    """The `bench` command that reruns this one's workload and strategies (output options left out)."""
+    parts = ["python -m prefill_buckets bench"]
+    parts += ["--quick"] if args.quick else ["--full"] if args.full and not args.strategies else []
+    if args.strategies or not (args.quick or args.full):
+        parts.append(f"--strategies {','.join(name for name in names if name not in REFERENCE.values())}")
+    for option in ("model", "device", "dtype", "prompts", "num_prompts", "max_new_tokens", "second_pass_rounds"):
+        value = getattr(args, option)
+        if value is not None and value != {"device": "cpu", "dtype": "float32", "second_pass_rounds": 1}.get(option):
+            parts.append(f"--{option.replace('_', '-')} {value}")
+    return " ".join(parts)
+
+
 def payback_calls(record: dict, eager: dict | None) -> int | None:
     """
     Calls (of this workload's mix) after which a compiled strategy's process has paid back its compile time against
@@ -40,10 +53,24 @@ def payback_calls(record: dict, eager: dict | None) -> int | None:
     if eager is None or "second_pass_seconds" not in record or "second_pass_seconds" not in eager:
         return None
     calls = len(record["calls"])
-    saving = (eager["second_pass_seconds"] - record["second_pass_seconds"]) / calls  # per steady-state call
+    saving = (_pass_seconds(eager) - _pass_seconds(record)) / calls  # per steady-state call
     if saving <= 0:
         return None
     return max(1, math.ceil(calls + (record["total_seconds"] - eager["total_seconds"]) / saving))
+
+
+def _pass_seconds(record: dict) -> float:
+    """The seconds of one second pass (of several rounds, their mean)."""
+    return record["second_pass_seconds"] / record.get("second_pass_rounds", 1)
+
+
+def fastest_per_prompt(calls: list[dict], key: str) -> list[float]:
+    """Each prompt's fastest `key` over the calls of it (one per round of the second pass), in the calls' order."""
+    fastest = {}
+    for call in calls:
+        if call[key] is not None:
+            fastest[call["name"]] = min(fastest.get(call["name"], call[key]), call[key])
+    return list(fastest.values())
 
 
 def summarize(
@@ -81,8 +108,8 @@ def summarize(
     # The cold pass's forwards (older records: the whole run's).
     forwards = record.get("cold_forwards", record["forwards"])
     compiled_calls = record.get("cold_compiled_calls", record["compiled_calls"])
-    second_ttft = [c["ttft_seconds"] for c in second or () if c["ttft_seconds"] is not None]
-    second_decode = [c["decode_seconds_per_token"] for c in second or () if c["decode_seconds_per_token"] is not None]
+    second_ttft = fastest_per_prompt(second or (), "ttft_seconds")
+    second_decode = fastest_per_prompt(second or (), "decode_seconds_per_token")
     return {
         "graphs": record["graphs"],
         "fxgraph_cache_hits": record["fxgraph_cache_hits"],
@@ -176,8 +203,9 @@ come from the second (cb-*: TTFT from a request's creation, its wait included). 
 (cb-*: not counted). fallbacks: forwards that ran no compiled graph (eager past the recompile limit; cb-*: not counted,
 "limit xN": N functions hit dynamo's recompile limit and run their new shapes eagerly). tokens==eager: every prompt's
 new tokens equal the eager run's (sliding-*: sliding-eager's), in both passes. 2nd TTFT, 2nd dec: medians over the
-second pass (the same prompts, in the same process, each prompt through every strategy's process in turn; ms,
-ms/token): the steady state, measured side by side on the same prompts for every strategy. payback: calls of this
+second pass (the same prompts, in the same process, each prompt through every strategy's process in turn; with
+--second-pass-rounds N, N times over, each prompt's fastest call; ms, ms/token): the steady state, measured side by side
+on the same prompts for every strategy. payback: calls of this
 workload's mix after which the strategy's process has caught up with eager's, compiles included ("never": not faster
 than eager once warm)."""
 

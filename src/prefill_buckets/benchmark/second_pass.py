@@ -6,8 +6,9 @@ of figures measured side by side, prompt by prompt, not minutes apart.
 
 `command.spawn` hands a run-phase "generate" strategy's worker to `SecondPass.start`, which starts it with a pipe back
 (`reply_fd`, see `worker.py`) and returns the cold pass's record once it is paused. `SecondPass.run` then asks every
-paused process for each prompt of the workload in turn (the first one asked rotating from prompt to prompt), ends them,
-and returns their whole records.
+paused process for each prompt of the workload in turn (the first one asked rotating from prompt to prompt), `rounds`
+times over, ends them, and returns their whole records. A call's time on a shared machine is its cost plus what other
+jobs took from it, so with several rounds the report takes each prompt's fastest call (`report.summarize`).
 
 Each paused process holds its model and its compiled graphs. The driver runs the second passes of those it has before
 starting another (`SecondPass.full`) when `MAX_LIVE_WORKERS` wait, or when the memory left (Linux's `MemAvailable`)
@@ -77,6 +78,7 @@ class SecondPass:
     """The paused processes whose second passes run interleaved (the module docstring)."""
 
     on_accelerator: bool = False  # the models live on an accelerator, whose memory the driver doesn't see
+    rounds: int = 1  # times each prompt runs in the second pass
     workers: list[PausedWorker] = field(default_factory=list)
 
     def start(self, spec: dict, spec_path: Path, command: list[str], env: dict, cleanup: Callable[[], None]) -> dict:
@@ -119,15 +121,18 @@ class SecondPass:
         if not workers:
             return
         names = ", ".join(worker.strategy for worker in workers)
-        print(f"Second pass, {prompts} prompts, interleaved prompt by prompt: {names}", flush=True)
-        for index in range(prompts):
-            first = index % len(workers)  # none is always asked first
+        rounds = f", {self.rounds} rounds" if self.rounds > 1 else ""
+        print(f"Second pass, {prompts} prompts{rounds}, interleaved prompt by prompt: {names}", flush=True)
+        for turn in range(prompts * self.rounds):
+            first = turn % len(workers)  # none is always asked first
             for worker in workers[first:] + workers[:first]:
-                worker.ask(index)
+                worker.ask(turn % prompts)
         for worker in workers:
             record = worker.finish()
             if "error" in record:
                 print(f"    {worker.strategy}: FAILED in its second pass: {record['error']}", flush=True)
+            else:
+                record["second_pass_rounds"] = self.rounds
             records[worker.strategy] = dict(records[worker.strategy], **record)
 
 
