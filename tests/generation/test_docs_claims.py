@@ -391,6 +391,9 @@ class BenchDefaultsTest(unittest.TestCase):
         self.assertIn("make bench runs the benchmark on SmolLM2-135M-Instruct", readme)
         self.assertRegex(readme, rf"make bench runs the benchmark [^:]*, {prompts} of its prompts")
         self.assertIn(f"--num-prompts {prompts}", readme)
+        rounds = re.search(r"^BENCH_ROUNDS := (\d+)$", makefile, re.M).group(1)
+        self.assertIn("--second-pass-rounds $(BENCH_ROUNDS)", makefile)
+        self.assertIn(f"--second-pass-rounds {rounds}", readme)
 
 
 class StaleClaimsTest(unittest.TestCase):
