@@ -204,10 +204,9 @@ come from the second (cb-*: TTFT from a request's creation, its wait included). 
 "limit xN": N functions hit dynamo's recompile limit and run their new shapes eagerly). tokens==eager: every prompt's
 new tokens equal the eager run's (sliding-*: sliding-eager's), in both passes. 2nd TTFT, 2nd dec: medians over the
 second pass (the same prompts, in the same process, each prompt through every strategy's process in turn; with
---second-pass-rounds N, N times over, each prompt's fastest call; ms, ms/token): the steady state, measured side by side
-on the same prompts for every strategy. payback: calls of this
-workload's mix after which the strategy's process has caught up with eager's, compiles included ("never": not faster
-than eager once warm)."""
+--second-pass-rounds N, N times over, each prompt's fastest call; ms, ms/token): the steady state, measured side by
+side on the same prompts for every strategy. payback: calls of this workload's mix after which the strategy's process
+has caught up with eager's, compiles included ("never": not faster than eager once warm)."""
 
 
 def plot(results: list[dict], path: Path, title: str) -> None:
