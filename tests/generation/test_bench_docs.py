@@ -9,6 +9,7 @@ import unittest
 from pathlib import Path
 
 from prefill_buckets.benchmark import docs
+from prefill_buckets.benchmark.report import machine_info
 from prefill_buckets.cli import main
 
 
@@ -88,6 +89,25 @@ class RenderTest(unittest.TestCase):
         self.assertIn("ran 78 forwards eagerly", flat)
         self.assertIn("`pow2-default` took 0.50x `dynamic-auto`'s total time", flat)
         self.assertIn("Every strategy's tokens equal eager's.", flat)
+
+    def test_the_caption_names_the_cpu_where_the_run_read_it(self):
+        report = synthetic_report()
+        flat = " ".join(docs.render(docs.docs_summary(report)).split())
+        self.assertIn("UTC: x86_64, 2 cores", flat)  # an older run, without the field
+        report["machine"]["cpu_model"] = "AMD EPYC 9654"
+        flat = " ".join(docs.render(docs.docs_summary(report)).split())
+        self.assertIn("UTC: x86_64 (AMD EPYC 9654), 2 cores", flat)
+
+    def test_machine_info_reads_the_cpu_model(self):
+        cpuinfo = Path("/proc/cpuinfo")
+        if not cpuinfo.is_file() or "model name" not in cpuinfo.read_text(encoding="utf-8"):
+            self.skipTest("no /proc/cpuinfo with a model name on this machine")
+        expected = next(
+            line.split(":", 1)[1].strip()
+            for line in cpuinfo.read_text(encoding="utf-8").splitlines()
+            if line.startswith("model name")
+        )
+        self.assertEqual(machine_info("cpu")["cpu_model"], expected)
 
     def test_second_pass_payback_and_targets(self):
         report = synthetic_report()

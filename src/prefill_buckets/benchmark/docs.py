@@ -291,12 +291,13 @@ def render(summary: dict, plot_name: str = PLOT.name) -> str:
         if interleaved
         else "the workload again in the same process, the same prompts in the same order"
     ) + (f", {rounds} times over, each prompt's fastest call" if rounds > 1 else "")
+    processor = machine["processor"] + (f" ({machine['cpu_model']})" if machine.get("cpu_model") else "")
     caption = (
         f"{summary['model']}, {summary['device']} {summary['dtype']}; {len(lengths)} prompts of {min(lengths)} to "
         f"{max(lengths)} tokens, {summary['max_new_tokens']} greedy new tokens each. Each strategy ran in its own "
         f"process with an empty compile cache, one after the other{interleaved_text}, in one run of "
         f"{summary['wall_seconds']:.0f} s on "
-        f"{machine['date']}: {machine['processor']}, {machine['cpu_count']} cores ({machine['torch_threads']} torch "
+        f"{machine['date']}: {processor}, {machine['cpu_count']} cores ({machine['torch_threads']} torch "
         f"threads{load_text}); torch {machine['torch']}, transformers {machine['transformers']}, prefill_buckets "
         f"{machine['prefill_buckets']}, Python {machine['python']}."
     )

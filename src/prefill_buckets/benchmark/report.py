@@ -278,6 +278,17 @@ def plot(results: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def cpu_model() -> str | None:
+    """The CPU's model name (Linux's `/proc/cpuinfo`), or `None`: machines of one architecture and core count differ
+    several-fold in compile time and in compiled code's gain over eager, so a run names the CPU it ran on."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            names = [line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")]
+    except OSError:
+        return None
+    return names[0] if names and names[0] else None
+
+
 def machine_info(device: str) -> dict:
     import transformers
 
@@ -288,6 +299,7 @@ def machine_info(device: str) -> dict:
         "platform": platform.platform(),
         "python": platform.python_version(),
         "processor": platform.processor() or platform.machine(),
+        "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
