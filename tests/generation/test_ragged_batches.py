@@ -241,9 +241,11 @@ class RaggedContinuationTest(unittest.TestCase):
         ours = run_bucketed(
             self.model, sequences, later_config, attention_mask=mask, prefill_buckets=BUCKETS, **{CACHE: ours[CACHE]}
         )
-        # The one decision (`decision.choose_side`) says so: the rule's left, then no room in front of the cached tokens.
+        # The one decision (`decision.choose_side`) says so: the rule's left, then no room in front of the cached tokens
+        # (a right-padded call's: it left no padding), with why the right side was out.
         self.assertEqual(self.spy.last(), "unpadded")
-        self.assertIn("already holds tokens from an unpadded call", self.spy.sides[-1].reason)
+        self.assertIn("already holds tokens from a right-padded call", self.spy.sides[-1].reason)
+        self.assertIn("not padded on the right: rows of different lengths", self.spy.sides[-1].reason)
         theirs = run(self.model, sequences, later_config, attention_mask=mask, **{CACHE: theirs[CACHE]})
         self.assertTrue(torch.equal(ours.sequences, theirs.sequences))
 

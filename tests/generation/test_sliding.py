@@ -12,6 +12,7 @@
 # - Handed back: the layers are upstream's again, with upstream's count, and continue as upstream's would.
 
 import importlib.util
+import logging as std_logging
 import os
 import random
 import re
@@ -195,6 +196,28 @@ class RingEquivalenceTest(unittest.TestCase):
                 generation_config=config(new_tokens),
             )
             self.assert_upstream(ours, theirs, scores=False)
+
+    def test_a_right_padded_turn_then_one_past_the_window_runs_unpadded_and_says_why(self):
+        # The first turn is padded on the right ("auto"), which leaves no padding in the cache; the next, whose bucket
+        # the window can't hold, can be padded on neither side: it runs unpadded, exact, and its warning names both
+        # reasons (it used to say the cache came from an unpadded call, and not why the right side was out).
+        model = self.model("gemma3")
+        first = config(4, cache_implementation="static", max_cache_len=64)
+        ours = self.bucketed(model, ids(1, 10), first, prefill_buckets="pow2")
+        theirs = model.generate(ids(1, 10), generation_config=first)
+        user = ids(1, 5, seed=9)  # 14 + 5 tokens, in bucket 32: past the window
+        std_logging.Logger.warning_once.cache_clear()
+        with CaptureLogger(transformers_logging.get_logger("prefill_buckets")) as captured:
+            ours = prefill_buckets.generate(
+                model, torch.cat([ours.sequences, user], 1), **{CACHE: ours[CACHE]}, generation_config=config(4)
+            )
+        theirs = model.generate(
+            torch.cat([theirs.sequences, user], 1), **{CACHE: theirs[CACHE]}, generation_config=config(4)
+        )
+        self.assert_upstream(ours, theirs)
+        message = " ".join(captured.out.split())
+        self.assertIn("already holds tokens from a right-padded call, so the prompt can't be padded in front", message)
+        self.assertIn(f"and it is not padded on the right: a sliding window of {WINDOW} slots is shorter", message)
 
     @parameterized.expand([(name,) for name in MODELS])
     def test_handed_back_upstream_continues_past_the_window(self, name):

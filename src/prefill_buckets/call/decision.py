@@ -10,13 +10,14 @@ padded, in this order:
 {unsupported_table}
 
 2. The side, by the rule (`padding_side.RULE`).
-3. What left padding needs besides the rule: a model that takes it (`side_assumptions.py`), a cache that holds no
-   unpadded call's tokens, a prompt that can be padded (or a `ValueError`), and room in the cache for the padded call.
+3. What left padding needs besides the rule: a model that takes it (`side_assumptions.py`), a cache whose tokens sit
+   behind padding (a left-padded call's; an unpadded or right-padded call's don't), a prompt that can be padded (or a
+   `ValueError`), and room in the cache for the padded call.
 4. The batch: the bucket dummy rows pad it to (`prefill_batch_buckets`), or why it keeps its rows; and the pad id the
    rows that finish early are fed (a `ValueError` where it can't be looked up).
 
-One check stays in the run: a right-padded call whose `generate` makes no static cache (a model that keeps its own)
-runs its prefill unpadded (`prefill_right.py`): upstream's cache step picks the cache, from the model's class and config.
+One check stays in the run: a right-padded call whose `generate` makes no static cache (a model keeping its own) runs
+its prefill unpadded (`prefill_right.py`): upstream's cache step picks the cache, by the model's class and config.
 """
 
 from collections.abc import Callable
@@ -200,10 +201,12 @@ def _left(facts: RuleFacts, side: PaddingSide) -> PaddingSide:
     if left_broken is not None:
         return PaddingSide("unpadded", f"{left_broken}; and it is not padded on the right: {side.reason}")
     if call.cache is not None and call.past_length > 0 and call.continued is None:
+        filled_by = "a right-padded call" if call.passed.bucketing is not None else "an unpadded call"
         return PaddingSide(
             "unpadded",
-            "the cache passed in already holds tokens from an unpadded call, so the prompt can't be padded in front "
-            "of them. The call runs unpadded (exact output), and this prompt length may compile a new graph",
+            f"the cache passed in already holds tokens from {filled_by}, so the prompt can't be padded in front of "
+            f"them, and it is not padded on the right: {side.reason}. The call runs unpadded (exact output), and this "
+            "prompt length may compile a new graph",
         )
     if call.settings.padding_side == "right":
         logger.warning_once(
@@ -346,11 +349,8 @@ def _finished_rows_pad_id(call: ResolvedCall, padded_batch: int) -> int | None:
 
 
 def capped_bucket(settings: CallSettings, prompt_length: int, warn: bool = True) -> int:
-    """
-    The bucket of a prompt, but never more positions than the model has (`max_position_embeddings`), unless the
-    prompt itself is longer: then it is not padded at all. With `warn`, logs what happened to a prompt outside the
-    buckets, one warning per call (`warn_long_prompt`).
-    """
+    """The bucket of a prompt, capped at the model's `max_position_embeddings` (a longer prompt is not padded). With
+    `warn`, logs what happened to a prompt outside the buckets, one warning per call (`warn_long_prompt`)."""
     padded_length = settings.policy.bucket(prompt_length)
     max_positions = settings.max_positions
     if max_positions is not None and padded_length > max_positions:
