@@ -56,6 +56,7 @@ from ..upstream.transformers_api import (
     reset_slots,
     set_previous_max_cache_length,
     sliding_window_slots,
+    slot_layers,
     static_cache_init_shape,
     static_cache_slots,
 )
@@ -168,7 +169,7 @@ def room_reason(settings, cache, holds_padding: bool, prompt_length: int, padded
     what = f"the bucket's {padded_length} positions plus {new_tokens} new tokens, less one"
     if cache is not None and is_static_cache(cache):
         slots = static_cache_slots(cache)
-        if slots >= needed or all(sliding_window_slots(layer) is not None for layer in cache.layers):
+        if slots >= needed or all(sliding_window_slots(layer) is not None for layer in slot_layers(cache)):
             return None  # sliding-window layers drop the tokens past their window: they never run out of slots
         if holds_padding:
             raise ValueError(

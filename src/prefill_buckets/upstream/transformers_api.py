@@ -9,6 +9,7 @@ other private names read here exist and still take what the package passes.
 
 import contextlib
 import inspect
+import sys
 import weakref
 from typing import Any
 
@@ -189,9 +190,15 @@ def lazy_static_cache(model, max_cache_len: int):
     return StaticCache(config=model.config, max_cache_len=max_cache_len)
 
 
+def slot_layers(cache) -> list:
+    """A static cache's layers that hold tokens in slots: not a hybrid model's linear-attention layers (Qwen3-Next,
+    Jamba, RecurrentGemma, ...), which keep a state of fixed size."""
+    return [layer for layer in cache.layers if hasattr(layer, "max_cache_len")]
+
+
 def static_cache_slots(cache) -> int:
-    """The slots of a static cache's longest layer."""
-    return max(layer.max_cache_len for layer in cache.layers)
+    """The slots of a static cache's longest layer (`slot_layers`); a cache with none never runs out (`sys.maxsize`)."""
+    return max((layer.max_cache_len for layer in slot_layers(cache)), default=sys.maxsize)
 
 
 def sliding_window_slots(layer) -> int | None:
