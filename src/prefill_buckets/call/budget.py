@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from transformers.utils import logging
 
-from ..kvcache.windows import window_length, windows_between
+from ..kvcache.windows import QUERY_WINDOW, window_length, windows_between
 from ..state import PROCESS, SavedLimits, state_of
 from ..upstream import candidates, torch_api
 from ..upstream.torch_api import recompile_limit
@@ -58,6 +58,7 @@ class CallGraphs:
     accounted: int = 0  # `PROCESS.graphs_accounted` then, to add those accounted for since (torch may hold them)
     # `torch_api.graphs_compiled()` then: if dynamo compiled nothing since, a forward without graph breaks holds as many.
     compiled_before: int = -1
+    generic_prefill: bool = False  # whether its prefill shapes were accounted as one graph symbolic in their length
 
 
 class GraphBudget:
@@ -75,11 +76,14 @@ class GraphBudget:
     """
 
     def __init__(self):
-        # (rows, prompt length, cache length, side, window, variant)
-        self.prefill: set[tuple[int, int, int, str, int | None, GraphVariant]] = set()
+        # (rows, prompt length, cache length, side, window, variant); a prompt length of `None`: symbolic, every length
+        self.prefill: set[tuple[int, int | None, int, str, int | None, GraphVariant]] = set()
         self.decode: set[tuple[int, int, int | None, GraphVariant]] = set()  # (rows, cache length, window, variant)
         # The most entries one call of a forward that breaks its graph added on its code objects beyond its new shapes.
         self.unpredicted_frames = 0
+        # Whether a shape-generic prefill compiled more graphs than one: the model's code fixed its length (a guard on
+        # it), so each bucket is a graph of its own, and is counted so from then on.
+        self.prefill_specializes = False
 
     @property
     def graphs(self) -> int:
@@ -106,9 +110,9 @@ class GraphBudget:
                 decode_windows.add(window)
             elif (rows, prompt_length, cache_length, side, window, variant) not in self.prefill:
                 self.prefill.add((rows, prompt_length, cache_length, side, window, variant))
+                length = "any length" if prompt_length is None else prompt_length
                 new.append(
-                    f"prefill [{rows}, {prompt_length}] with a {cache_length}-slot cache "
-                    f"({side}{_read(window)}{returning})"
+                    f"prefill [{rows}, {length}] with a {cache_length}-slot cache ({side}{_read(window)}{returning})"
                 )
         for window in sorted(decode_windows, key=str):
             if (rows, cache_length, window, variant) not in self.decode:
@@ -155,7 +159,10 @@ class GraphBudget:
             PROCESS.graphs_accounted += len(new)
             accounted = PROCESS.graphs_accounted
         compiled = torch_api.graphs_compiled()
-        return CallGraphs(held, new, rows, cache_length, variant, not fullgraph, in_flight, accounted, compiled)
+        generic = any(length is None for length, _ in prefill_shapes)
+        return CallGraphs(
+            held, new, rows, cache_length, variant, not fullgraph, in_flight, accounted, compiled, generic
+        )
 
     def account_unbucketed(self, model, rows: int, prompt_length: int, cache_length: int) -> None:
         """An unbucketed compiled call's shapes: counted (they share the limit), the limit left alone (`generate`'s
@@ -173,10 +180,14 @@ def account_call(plan, rows: int, prefill: int, chunk: int | None, max_cache_len
     cache_length, plan.run.prefill_tokens = plan.run.static_cache_length, prefill
     cached = plan.prompt_slots - prefill
     chunks = [prefill] if chunk is None else [min(chunk, prefill - start) for start in range(0, prefill, chunk)]
+    # A shape-generic prefill is one graph for every length (`None`), unless the model's code fixed it.
+    generic = plan.run.generic_prefill and not budget_of(plan.model).prefill_specializes
     shapes, filled = set(), cached
     for length in chunks:
         filled += length
-        shapes.add((length, window_of(plan, filled, cache_length)))
+        query = filled == plan.run.query_window_tokens and filled == length and plan.run.reads_windows
+        window = QUERY_WINDOW if query else window_of(plan, filled, cache_length)
+        shapes.add((None if generic and length > 1 else length, window))
     decode_windows = {None}
     if plan.run.reads_windows:  # from the first decode step (at least) to the last
         first = (plan.prompt_slots if plan.right is None else plan.right.past_length) + 1
@@ -242,6 +253,8 @@ def _in_this_thread() -> str:
 
 
 def _read(window: int | None) -> str:
+    if window == QUERY_WINDOW:
+        return ", reading its own tokens' slots"
     return "" if window is None else f", reading {window} slots"
 
 
@@ -317,6 +330,12 @@ def check_compiled(model, expected: CallGraphs | None, limit: int | None = None,
     own = expected.held_before + len(expected.new_shapes)
     if expected.breaks_graph:  # what its graph breaks added, room for the next call's
         budget.unpredicted_frames = max(budget.unpredicted_frames, held - own - beside)
+    elif expected.generic_prefill and held > own + beside and not budget.prefill_specializes:
+        budget.prefill_specializes = True
+        logger.info(
+            f"The prefill of `{model_name(model)}` compiled a graph per prompt length although its length was marked "
+            "symbolic: the model's code fixes it. Each bucket is counted as a graph of its own from now on."
+        )
     limit = recompile_limit() if limit is None else limit  # the call's own, once it has put the user's back
     if held >= limit and not own <= held <= own + beside:
         shapes = "; ".join(expected.new_shapes) or "shapes the package did not predict"

@@ -40,6 +40,8 @@ from ..compile.compiled_calls import (
     compiled_forward,
     install_fallbacks,
     is_aot_forward,
+    mark_decode_static,
+    mark_prefill_dynamic,
     remove_fallbacks,
 )
 from ..config import PREFILL_PAD_TO_MULTIPLE_OF, PREFILL_PADDING_SIDE
@@ -126,7 +128,7 @@ def _prepare_cache_for_generation(plan, step):
         plan.run.made_cache = cache
     _learn_cache(plan, cache)
     rows = step["batch_size"] * max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
-    plan.run.auto_compile, plan.run.compiled, plan.run.fullgraph = call_compilation(
+    plan.run.auto_compile, plan.run.compiled, plan.run.fullgraph, plan.run.generic_prefill = call_compilation(
         plan.model, model_kwargs, generation_config
     )
     if creates_static and plan.run.compiled and cache is not None:
@@ -135,6 +137,9 @@ def _prepare_cache_for_generation(plan, step):
     cached_tokens = (transformers_api.cache_seq_length(cache) or 0) if cache is not None and not creates_static else 0
     prefill = plan.right.bucket if plan.right is not None else plan.padded_length - cached_tokens
     _prefill_through_compiled_call(plan, generation_config, prefill, cache)
+    chunk = generation_config.prefill_chunk_size
+    if plan.run.generic_prefill and cached_tokens == 0 and (chunk is None or chunk >= prefill):
+        plan.run.query_window_tokens = prefill  # the first forward fills the empty cache: it reads its own slots
     if plan.run.compiled:
         embeds = model_kwargs.get("inputs_embeds") is not None
         account_call(plan, rows, prefill, generation_config.prefill_chunk_size, step["max_cache_length"], embeds)
@@ -207,7 +212,8 @@ def prepare_inputs_for_generation(plan, step):
         # On the right, decode as upstream decodes an unpadded prompt: its graph is shared with those calls. Eager
         # forwards need no one signature per bucket: upstream's inputs as they are (an exact fit runs as upstream's).
         if windowed is not None:
-            set_window(windowed, tokens)
+            # On the right the first forward is `prefill_right`'s: these are decode steps.
+            set_window(windowed, tokens, query=plan.right is None and tokens == plan.run.query_window_tokens)
         model_inputs = step.call()
         if plan.right is None:
             _check_mask_passed_on(plan, step["attention_mask"], model_inputs)
@@ -220,7 +226,7 @@ def prepare_inputs_for_generation(plan, step):
         attention_mask = torch.ones(input_ids.shape[0], length, dtype=torch.long, device=input_ids.device)
         step["attention_mask"] = attention_mask
     if windowed is not None:  # before upstream builds the 4D mask, which reads the window's length
-        set_window(windowed, tokens)
+        set_window(windowed, tokens, query=tokens == plan.run.query_window_tokens)
     token = _MATERIALIZE_SDPA_MASK.set(True)
     try:
         model_inputs = step.call()
@@ -235,7 +241,18 @@ def prepare_inputs_for_generation(plan, step):
         value = model_inputs.get(key)
         if isinstance(value, torch.Tensor) and value.ndim >= 2 and key != "attention_mask":
             model_inputs[key] = value.clone(memory_format=torch.contiguous_format)
+    new = _new_tokens(model_inputs)
+    if plan.run.generic_prefill and not plan.run.decoding and new is not None:  # one graph for every bucket
+        mark_prefill_dynamic(model_inputs, new, tokens if tokens is not None else new)
     return model_inputs
+
+
+def _new_tokens(model_inputs: dict) -> int | None:
+    """The tokens a forward's inputs add to the cache (`None` where they hold no ids or embeddings)."""
+    new_tokens = model_inputs.get("input_ids")
+    if new_tokens is None:
+        new_tokens = model_inputs.get("inputs_embeds")
+    return new_tokens.shape[1] if isinstance(new_tokens, torch.Tensor) and new_tokens.ndim >= 2 else None
 
 
 def _check_mask_passed_on(plan, attention_mask, model_inputs: dict) -> None:
@@ -259,15 +276,14 @@ def _before_forward(plan, model_inputs: dict, tokens: int | None) -> None:
         mask_to_window(plan.run.windowed_cache, model_inputs)
     if plan.run.compiled is False:
         return
-    new_tokens = model_inputs.get("input_ids")
-    if new_tokens is None:
-        new_tokens = model_inputs.get("inputs_embeds")
-    decode = isinstance(new_tokens, torch.Tensor) and new_tokens.ndim >= 2 and new_tokens.shape[1] == 1
+    decode = _new_tokens(model_inputs) == 1
     if not (decode and plan.run.decoding):
         restore_recompile_limit(plan.run.recompile_limit)
     plan.run.decoding = decode
     if decode:
         plan.run.decode_windows_read.add(window_of(plan, tokens, plan.run.static_cache_length))
+        if plan.run.generic_prefill:  # a graph per window, as it was: only the prefill's length is symbolic
+            mark_decode_static(model_inputs)
 
 
 def _materialize_recurrent_masks(model_inputs: dict, attention_mask) -> None:

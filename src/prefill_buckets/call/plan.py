@@ -58,6 +58,11 @@ class CallRun:
     # Whether the compiled forward was compiled with `fullgraph=True`; without, a graph break starts frames that torch
     # counts against the forward's recompile limit, which the budget leaves room for (`budget.make_room`).
     fullgraph: bool = False
+    # Whether the call's prefill is shape-generic (`compiled_calls.call_compilation`): its token dimension marked
+    # symbolic, one graph for every bucket; and the tokens of a first forward that fills the empty cache, which then
+    # reads the slots of its own tokens (`windows.QUERY_WINDOW`; `None`: a cache holding tokens, or chunks).
+    generic_prefill: bool = False
+    query_window_tokens: int | None = None
     windowed_cache: Any = None  # the static cache whose full-attention layers read windows (`kvcache/windows.py`)
     reads_windows: bool = False  # whether its full-attention layers read windows (`windows.has_windows`)
     decoding: bool = False  # whether the last forward prepared was a decode step (`hooks._before_forward`)

@@ -19,7 +19,7 @@ import contextlib
 import torch
 from transformers.utils import logging
 
-from ..compile.compiled_calls import is_aot_forward
+from ..compile.compiled_calls import is_aot_forward, mark_prefill_dynamic
 from ..kvcache.sizing import early_initialize
 from ..kvcache.windows import set_window
 from ..upstream import transformers_api
@@ -80,7 +80,11 @@ def prefill_right(plan: Plan, step):
     else:
         forward = model.__call__  # compiled in place, through the compiled wrapper, or eager
     if plan.run.windowed_cache is not None:
-        set_window(plan.run.windowed_cache, past + right.bucket)
+        set_window(plan.run.windowed_cache, past + right.bucket, query=plan.run.query_window_tokens is not None)
+    if plan.run.generic_prefill:  # one graph for every bucket: its length symbolic
+        prompt["position_ids"] = positions
+        mark_prefill_dynamic(prompt, right.bucket, past + right.bucket)
+        positions = prompt.pop("position_ids")
     empty = transformers_api.reports_empty(cache) if past == 0 else contextlib.nullcontext()
     with empty:
         outputs = forward(

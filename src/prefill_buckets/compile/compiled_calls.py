@@ -104,16 +104,88 @@ def compiled_forward(model) -> str | None:
     return None
 
 
-def call_compilation(model, model_kwargs: dict, generation_config) -> tuple[bool, bool, bool]:
+def call_compilation(model, model_kwargs: dict, generation_config) -> tuple[bool, bool, bool, bool]:
     """
-    How a call's forwards run, `(auto_compile, compiled, fullgraph)`: whether upstream compiles the forward itself,
-    whether they are compiled at all (by upstream or the user), and whether with `fullgraph=True` (upstream compiles
-    with `compile_config`'s, `False` by default).
+    How a call's forwards run, `(auto_compile, compiled, fullgraph, generic)`: whether upstream compiles the forward
+    itself, whether they are compiled at all (by upstream or the user), whether with `fullgraph=True` (upstream
+    compiles with `compile_config`'s, `False` by default), and whether its prefill is shape-generic: compiled with
+    any `dynamic` but `False` (`model.compile()`'s default is `None`), one graph symbolic in the prompt length serves
+    every bucket (`mark_prefill_dynamic`); with `dynamic=False`, as asked, each bucket is a static graph of its own.
     """
     if transformers_api.valid_auto_compile(model, model_kwargs, generation_config):
-        return True, True, bool(getattr(generation_config.compile_config, "fullgraph", False))
-    compiled = compiled_forward(model) is not None
-    return False, compiled, compiled and forward_compiled_with_fullgraph(model)
+        config = generation_config.compile_config
+        return True, True, bool(getattr(config, "fullgraph", False)), getattr(config, "dynamic", False) is not False
+    if compiled_forward(model) is None:
+        return False, False, False, False
+    return False, True, forward_compiled_with_fullgraph(model), forward_compiled_dynamic(model) is not False
+
+
+def forward_compiled_dynamic(model) -> bool | None:
+    """The `dynamic` the user compiled `model`'s forward with (`compiled_forward`'s ways; `False` if not compiled)."""
+    for compiled in (torch_api.compiled_call_impl(model), model.__dict__.get("forward")):
+        if compiled is not None:
+            dynamic = torch_api.compiled_dynamic(compiled)
+            if dynamic is not False:
+                return dynamic
+    return False
+
+
+# The inputs of a forward that hold one entry per new token, and the dimension that counts them.
+TOKEN_DIMS = {
+    "input_ids": -1,
+    "inputs_embeds": 1,
+    "position_ids": -1,
+    "cache_position": -1,
+    "token_type_ids": -1,
+    "mm_token_type_ids": -1,
+}
+
+
+def mark_prefill_dynamic(inputs: dict, new_tokens: int, tokens: int) -> None:
+    """
+    Makes the token dimensions of a prefill forward's `inputs` symbolic for the compiler (`torch_api.mark_dynamic`):
+    the `new_tokens` entries of every input in `TOKEN_DIMS`, and the attention masks' (2D `[B, tokens]`, 4D `[B, heads,
+    new_tokens, tokens]`, or a dict of them), `tokens` being the cache's after the forward. One compiled graph then
+    serves every bucket: buckets bound the shapes a forward sees, not the compiles. Each input marked is a new tensor
+    object on the same data (`detach`), so a tensor the user passed in is left unmarked.
+    """
+    for name, dim in TOKEN_DIMS.items():
+        value = inputs.get(name)
+        if isinstance(value, torch.Tensor) and value.ndim and value.shape[dim] == new_tokens:
+            inputs[name] = _marked(value, dim % value.ndim)
+    masks = inputs.get("attention_mask")
+    if isinstance(masks, dict):
+        inputs["attention_mask"] = {key: _marked_mask(mask, new_tokens, tokens) for key, mask in masks.items()}
+    elif masks is not None:
+        inputs["attention_mask"] = _marked_mask(masks, new_tokens, tokens)
+
+
+def mark_decode_static(inputs: dict) -> None:
+    """
+    Makes the attention masks of a decode step's `inputs` static for the compiler (`torch_api.mark_static`): each
+    window a step reads is a graph of its own, as with `dynamic=False`, where `dynamic=None` would make the window
+    symbolic from its second on. The masks are upstream's, made for the step.
+    """
+    masks = inputs.get("attention_mask")
+    for mask in masks.values() if isinstance(masks, dict) else (masks,):
+        if isinstance(mask, torch.Tensor):
+            torch_api.mark_static(mask)
+
+
+def _marked(tensor: torch.Tensor, *dims: int) -> torch.Tensor:
+    tensor = tensor.detach()
+    for dim in dims:
+        torch_api.mark_dynamic(tensor, dim)
+    return tensor
+
+
+def _marked_mask(mask, new_tokens: int, tokens: int):
+    """A mask with its token dimensions marked: `[B, tokens]` (2D), `[B, heads, new_tokens, tokens]` (4D)."""
+    if not isinstance(mask, torch.Tensor):
+        return mask
+    sizes = {2: ((1, tokens),), 4: ((2, new_tokens), (3, tokens))}.get(mask.ndim, ())
+    dims = [dim for dim, size in sizes if mask.shape[dim] == size]
+    return _marked(mask, *dims) if dims else mask
 
 
 def forward_compiled_with_fullgraph(model) -> bool:

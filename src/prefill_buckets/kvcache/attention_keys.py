@@ -64,7 +64,8 @@ class KeyLayout:
     def accepts(self, keys: int, held: int, new: int) -> bool:
         """Whether `keys` is the key axis this layer returns for that forward (a window, for a full-attention one)."""
         if self.kind == FULL:
-            return keys in (self.slots, window_length(held + new, self.slots))
+            # The slots of the new tokens alone: a shape-generic prefill into an empty cache (`QUERY_WINDOW`).
+            return keys in (self.slots, window_length(held + new, self.slots)) or (held == 0 and keys == new)
         return keys == self.read(held, new)[0]
 
 

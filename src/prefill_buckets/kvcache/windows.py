@@ -80,10 +80,17 @@ def decode_warmups(bucket: int, shortest: int, new_tokens: int, slots: int) -> l
     return calls
 
 
+# The window of a forward that fills an empty cache (a shape-generic prefill, `set_window(query=True)`): it reads the
+# slots its own tokens take, a size of its inputs, not a number the graph is compiled for, so one graph symbolic in the
+# prompt length serves every bucket. Its slots past the tokens hold nothing to read.
+QUERY_WINDOW = 0
+
+
 class WindowedStaticLayer(transformers_api.StaticLayer):
     """
-    A `StaticLayer` whose reads and mask cover its first `window` slots (every slot while `window` is `None`). A
-    bucketed call gives a `StaticCache`'s full-attention layers this class for its duration (`open_windows`).
+    A `StaticLayer` whose reads and mask cover its first `window` slots (every slot while `window` is `None`; the new
+    tokens' slots with `QUERY_WINDOW`). A bucketed call gives a `StaticCache`'s full-attention layers this class for
+    its duration (`open_windows`).
     """
 
     window: int | None = None
@@ -92,10 +99,13 @@ class WindowedStaticLayer(transformers_api.StaticLayer):
         keys, values = super().update(key_states, value_states, *args, **kwargs)  # [B, H, slots, D] each
         if self.window is None:
             return keys, values
-        return keys[:, :, : self.window], values[:, :, : self.window]  # [B, H, W, D]: views, no copy
+        window = key_states.shape[-2] if self.window == QUERY_WINDOW else self.window
+        return keys[:, :, :window], values[:, :, :window]  # [B, H, W, D]: views, no copy
 
     def get_mask_sizes(self, query_length, *args, **kwargs):
         kv_length, kv_offset = super().get_mask_sizes(query_length, *args, **kwargs)
+        if self.window == QUERY_WINDOW:  # before transformers 5.20 the argument is the cache positions, [S]
+            return (query_length.shape[0] if isinstance(query_length, torch.Tensor) else query_length), kv_offset
         return (kv_length if self.window is None else self.window), kv_offset
 
 
@@ -159,14 +169,15 @@ def has_windows(cache) -> bool:
     return cache is not None and any(type(layer) is WindowedStaticLayer for layer in cache.layers)
 
 
-def set_window(cache, tokens: int) -> None:
+def set_window(cache, tokens: int, query: bool = False) -> None:
     """
-    Before a forward after which `cache` holds `tokens` tokens: its windowed layers read the window that holds them,
-    and its rings mask from the position the forward's first slot holds.
+    Before a forward after which `cache` holds `tokens` tokens: its windowed layers read the window that holds them
+    (with `query`, a forward that fills the empty cache: the slots of its own tokens, `QUERY_WINDOW`), and its rings
+    mask from the position the forward's first slot holds.
     """
     for layer in cache.layers:
         if type(layer) is WindowedStaticLayer:
-            layer.window = window_length(tokens, layer.max_cache_len)
+            layer.window = QUERY_WINDOW if query else window_length(tokens, layer.max_cache_len)
         elif type(layer) is SlidingWindowRing:
             layer.set_tokens(tokens)
 
@@ -183,7 +194,7 @@ def mask_to_window(cache, model_inputs: dict) -> None:
     if not isinstance(mask, torch.Tensor) or mask.ndim != 2:
         return
     window = next((layer.window for layer in cache.layers if type(layer) is WindowedStaticLayer), None)
-    if window is not None and mask.shape[-1] > window:
+    if window and mask.shape[-1] > window:  # `QUERY_WINDOW`: the mask spans the new tokens only
         model_inputs["attention_mask"] = mask[:, :window].contiguous()  # [B, W]: one layout per window
 
 

@@ -263,22 +263,50 @@ def _class_function_codes(function) -> frozenset:
     return _wrapped_codes(function, cached=False)
 
 
+def _dynamo_context(compiled):
+    """The dynamo context a `torch.compile`d function's wrapper closes over (following `__wrapped__`), or `None`."""
+    for _ in range(8):
+        code, closure = getattr(compiled, "__code__", None), getattr(compiled, "__closure__", None)
+        if code is not None and closure and "self" in code.co_freevars:
+            context = closure[code.co_freevars.index("self")].cell_contents
+            if isinstance(context, TorchDynamoContext):
+                return context
+        compiled = getattr(compiled, "__wrapped__", None)
+        if compiled is None:
+            break
+    return None
+
+
 def compiled_with_fullgraph(compiled) -> bool:
     """
     Whether `compiled`, a `torch.compile`d function (or a wrapper whose `__wrapped__` leads to one), was compiled with
     `fullgraph=True`: then its forwards never break their graph, and compile no frame but the one they start in.
     `False` where torch can't tell (read from the dynamo context its wrapper closes over).
     """
-    for _ in range(8):
-        code, closure = getattr(compiled, "__code__", None), getattr(compiled, "__closure__", None)
-        if code is not None and closure and "self" in code.co_freevars:
-            context = closure[code.co_freevars.index("self")].cell_contents
-            if isinstance(context, TorchDynamoContext):
-                return bool(context.fullgraph)
-        compiled = getattr(compiled, "__wrapped__", None)
-        if compiled is None:
-            break
-    return False
+    context = _dynamo_context(compiled)
+    return context is not None and bool(context.fullgraph)
+
+
+def compiled_dynamic(compiled) -> bool | None:
+    """
+    The `dynamic` argument `compiled` (as `compiled_with_fullgraph` takes it) was compiled with: `False` (static
+    shapes), `None` (torch's default, automatic dynamic shapes) or `True`. `False` where torch can't tell.
+    """
+    context = _dynamo_context(compiled)
+    return getattr(context, "_dynamic", False) if context is not None else False
+
+
+def mark_dynamic(tensor: torch.Tensor, dim: int) -> None:
+    """
+    Compiles `tensor`'s dimension `dim` symbolic on its first graph (`torch._dynamo.maybe_mark_dynamic`): one graph
+    for every size. Where the model's code needs the size fixed, the graph specializes on it, without an error.
+    """
+    torch._dynamo.maybe_mark_dynamic(tensor, dim)
+
+
+def mark_static(tensor: torch.Tensor) -> None:
+    """Compiles every dimension of `tensor` static (`torch._dynamo.mark_static`), whatever torch's `dynamic` says."""
+    torch._dynamo.mark_static(tensor)
 
 
 def compile_counters():
