@@ -1,5 +1,6 @@
-# The guide's "Measured results" come from one benchmark run (`bench --write-docs`, `make bench-docs`): the block is
-# rendered from the run's saved summary, and the guide must show exactly that (regenerated, never edited by hand).
+# The Benchmarks page's "Measured results" (docs/source/en/benchmarks.md) come from one benchmark run (`bench
+# --write-docs`, `make bench-docs`): the block is rendered from the run's saved summary, and the page must show exactly
+# that (regenerated, never edited by hand).
 
 import contextlib
 import io
@@ -61,8 +62,8 @@ def synthetic_report() -> dict:
     }
 
 
-def guide_with_block(root: Path, block: str = "old") -> Path:
-    guide = root / docs.GUIDE
+def page_with_block(root: Path, block: str = "old") -> Path:
+    guide = root / docs.PAGE
     guide.parent.mkdir(parents=True)
     (root / docs.RESULTS).parent.mkdir(parents=True)
     guide.write_text(
@@ -196,7 +197,7 @@ class RenderTest(unittest.TestCase):
     def test_write_docs_replaces_only_the_block(self):
         with tempfile.TemporaryDirectory() as tmp:
             root = Path(tmp)
-            guide = guide_with_block(root)
+            guide = page_with_block(root)
             docs.write_docs(synthetic_report(), plot=None, root=root)
             text = guide.read_text(encoding="utf-8")
             self.assertTrue(text.startswith("# Guide\n\n## Measured results\n\n"))
@@ -206,20 +207,20 @@ class RenderTest(unittest.TestCase):
             self.assertIn(docs.render(saved), text)
 
             # `bench --docs-from` renders the same block again from the saved summary, running nothing.
-            guide_with_block(Path(tmp) / "again")
+            page_with_block(Path(tmp) / "again")
             again = Path(tmp) / "again"
             (again / docs.RESULTS).write_text(json.dumps(saved), encoding="utf-8")
             docs.write_docs_from(again / docs.RESULTS, root=again)
-            self.assertEqual((again / docs.GUIDE).read_text(encoding="utf-8"), text)
+            self.assertEqual((again / docs.PAGE).read_text(encoding="utf-8"), text)
 
-    def test_a_guide_without_the_markers_is_refused(self):
+    def test_a_page_without_the_markers_is_refused(self):
         with self.assertRaisesRegex(ValueError, "no generated block"):
             docs.replace_block("# Guide\n", "block")
 
     def test_docs_from_on_the_command_line(self):
         with tempfile.TemporaryDirectory() as tmp:
             root = Path(tmp)
-            guide_with_block(root)
+            page_with_block(root)
             results = root / "bench.json"
             results.write_text(json.dumps(synthetic_report()), encoding="utf-8")
             cwd = Path.cwd()
@@ -231,13 +232,13 @@ class RenderTest(unittest.TestCase):
                     self.assertEqual(main(["bench", "--docs-from", str(results)]), 0)
             finally:
                 os.chdir(cwd)
-            self.assertIn("ran 78 forwards eagerly", " ".join((root / docs.GUIDE).read_text(encoding="utf-8").split()))
+            self.assertIn("ran 78 forwards eagerly", " ".join((root / docs.PAGE).read_text(encoding="utf-8").split()))
 
 
-class GuideShowsTheSavedRunTest(unittest.TestCase):
-    def test_the_guide_block_is_the_rendered_run(self):
+class BenchmarksPageShowsTheSavedRunTest(unittest.TestCase):
+    def test_the_page_block_is_the_rendered_run(self):
         summary = json.loads((REPO / docs.RESULTS).read_text(encoding="utf-8"))
-        text = (REPO / docs.GUIDE).read_text(encoding="utf-8")
+        text = (REPO / docs.PAGE).read_text(encoding="utf-8")
         self.assertIn(docs.render(summary), text, "regenerate it: `python -m prefill_buckets bench --docs-from ...`")
         self.assertTrue((REPO / docs.PLOT).is_file())
         # Positive control: a hand edit of one figure in the block is caught.
