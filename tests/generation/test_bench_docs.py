@@ -5,6 +5,7 @@
 import contextlib
 import io
 import json
+import re
 import tempfile
 import unittest
 from pathlib import Path
@@ -244,3 +245,56 @@ class BenchmarksPageShowsTheSavedRunTest(unittest.TestCase):
         # Positive control: a hand edit of one figure in the block is caught.
         edited = text.replace(f"{summary['wall_seconds']:.0f} s", f"{summary['wall_seconds'] + 1:.0f} s", 1)
         self.assertNotIn(docs.render(summary), edited)
+
+
+class GuideSummaryTest(unittest.TestCase):
+    """The guide's "Measured summary" states the figures of the saved run the Benchmarks page shows."""
+
+    GUIDE = REPO / "docs" / "source" / "en" / "llm_optims.md"
+
+    @staticmethod
+    def normalized(text: str) -> str:
+        return " ".join(text.replace("`", "").replace('"', "").split())
+
+    def summary_and_block(self) -> tuple[str, str]:
+        text = self.GUIDE.read_text(encoding="utf-8")
+        summary = text[text.index("## Measured summary") : text.index("## Messages you may meet")]
+        saved = json.loads((REPO / docs.RESULTS).read_text(encoding="utf-8"))
+        return self.normalized(summary), self.normalized(docs.render(saved))
+
+    def claims(self, summary: str) -> list[str]:
+        """The block's sentences that the summary's figures must match, filled in with the summary's own figures."""
+        figure = r"(\d+(?:\.\d+)?)"
+
+        def find(pattern: str) -> str:
+            match = re.search(pattern, summary)
+            self.assertIsNotNone(match, f"the guide's summary no longer says {pattern!r}")
+            return match.group(1)
+
+        warm_ttft, warm_decode = re.search(
+            rf"{figure}x its time to first token, {figure}x its decode", summary
+        ).groups()
+        return [
+            f"ran {find(rf'ran {figure} forwards eagerly')} forwards eagerly",
+            f"pow2-default {find(rf'pow2 {figure} graphs')} graphs, 0 fallbacks",
+            f"quarters-default {find(rf'pow2-quarters {figure}, with')} graphs, 0 fallbacks",
+            f"quarters-default second-pass time to first token: {find(rf'time to first token was {figure}x')}x",
+            f"quarters-default second-pass decode: {find(rf'its decode {figure}x')}x",
+            f"pow2-warm second-pass time to first token: {warm_ttft}x",
+            f"pow2-warm second-pass decode: {warm_decode}x",
+            "Every strategy's tokens equal eager's.",
+        ]
+
+    def test_the_summary_states_the_saved_run(self):
+        summary, block = self.summary_and_block()
+        self.assertLessEqual(len(summary.split(" - ")), 15)
+        self.assertIn("0 forwards eagerly", summary)
+        self.assertIn("Every strategy's tokens equal eager's.", summary)
+        for claim in self.claims(summary):
+            self.assertIn(claim, block, "update the guide's Measured summary to the run the Benchmarks page shows")
+
+    def test_positive_control(self):
+        summary, block = self.summary_and_block()
+        edited = summary.replace("ran 78 forwards eagerly", "ran 77 forwards eagerly")
+        self.assertNotEqual(edited, summary)
+        self.assertNotIn(self.claims(edited)[0], block)
