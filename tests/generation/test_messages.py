@@ -208,9 +208,13 @@ class MessagesPageTest(unittest.TestCase):
         self.assertIn("text is not literal", missing[1])
 
     def test_no_cell_is_over_60_words(self):
-        for row in table_rows(self.page):
-            for cell in row:
-                self.assertLessEqual(len(cell.split()), MAX_CELL_WORDS, cell)
+        # The docs' style: a table cell says one thing; the rest goes in the text around the table. Every page's.
+        pages = sorted(MESSAGES_PAGE.parent.rglob("*.md")) + [REPO / "README.md"]
+        for page in pages:
+            for row in table_rows(page.read_text(encoding="utf-8")):
+                for cell in row:
+                    self.assertLessEqual(len(cell.split()), MAX_CELL_WORDS, f"{page.name}: {cell[:80]}")
+        self.assertGreater(len(table_rows("| a | b |\n| --- | --- |\n| " + "word " * 61 + "| c |")[1][0].split()), 60)
 
 
 if __name__ == "__main__":
