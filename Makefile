@@ -121,7 +121,7 @@ quality: venv
 # reach dominate, and 8 prompts keep the run near 10 minutes on a 2-core CPU (16: about 20).
 BENCH_PROMPTS := 8
 # Each prompt twice in the interleaved second pass, its fastest call reported: one call varies by 10-30% on a shared
-# CPU (docs/source/en/llm_optims.md, "Measured results"), and a third round costs another minute.
+# CPU (docs/source/en/benchmarks.md, "Measured results"), and a third round costs another minute.
 BENCH_ROUNDS := 2
 
 bench: bench-venv
@@ -130,8 +130,9 @@ bench: bench-venv
 demo: bench-venv
 	$(VENV_PYTHON) -m prefill_buckets demo
 
-# One benchmark run writes every table and the plot of the guide's "Measured results", with the machine, versions and
-# date in its caption (prefill_buckets/benchmark/docs.py). Run it on a quiet machine; commit the three files it writes.
+# One benchmark run writes every table and the plot of the Benchmarks page's "Measured results" (benchmarks.md), with
+# the machine, versions and date in its caption (prefill_buckets/benchmark/docs.py). Run it on a quiet machine; commit
+# the three files it writes.
 bench-docs: bench-venv
 	$(VENV_PYTHON) -m prefill_buckets bench --write-docs --second-pass-rounds 3
 

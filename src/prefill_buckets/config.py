@@ -34,7 +34,7 @@ FIELD_DOCS = """
             on, the three lengths evenly between each and the next (at most 25% padding, more graphs). A prompt longer than the largest listed bucket is padded to a multiple of the largest
             bucket (or of `prefill_pad_to_multiple_of` when set) and logs a warning, since each such length compiles a
             new graph. With a static cache and no `max_cache_len`, the model's first cache holds the largest bucket
-            (8192 slots for `"pow2"`), and a prompt that outgrows it grows it (see the guide's "Cache sizing"), so
+            (8192 slots for `"pow2"`), and a prompt that outgrows it grows it (see the reference's "Cache sizing"), so
             prompts of different lengths share one cache shape. Every forward reads only an attention window of the
             cache, the slots that hold tokens rounded up to a window length: one graph per window it reaches.
         prefill_batch_buckets (`list[int]` or `str`, *optional*):
@@ -51,7 +51,7 @@ FIELD_DOCS = """
             token comes from the logits at the prompt's last position, and decode overwrites the pad slots).
             `"left"`: in front of the prompt, masked. `"auto"` (or `None`): right where that is exact (a static cache,
             attention layers only, sdpa or eager attention, rows of one length or left-padded rows of different
-            lengths, each then padded after its own end; see the guide's "Padding side"), left elsewhere. An explicit
+            lengths, each then padded after its own end; see the reference's "Padding side"), left elsewhere. An explicit
             `"right"` where it is not exact logs why and pads on the left.
 """
 

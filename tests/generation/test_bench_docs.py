@@ -1,9 +1,11 @@
-# The guide's "Measured results" come from one benchmark run (`bench --write-docs`, `make bench-docs`): the block is
-# rendered from the run's saved summary, and the guide must show exactly that (regenerated, never edited by hand).
+# The Benchmarks page's "Measured results" (docs/source/en/benchmarks.md) come from one benchmark run (`bench
+# --write-docs`, `make bench-docs`): the block is rendered from the run's saved summary, and the page must show exactly
+# that (regenerated, never edited by hand).
 
 import contextlib
 import io
 import json
+import re
 import tempfile
 import unittest
 from pathlib import Path
@@ -61,8 +63,8 @@ def synthetic_report() -> dict:
     }
 
 
-def guide_with_block(root: Path, block: str = "old") -> Path:
-    guide = root / docs.GUIDE
+def page_with_block(root: Path, block: str = "old") -> Path:
+    guide = root / docs.PAGE
     guide.parent.mkdir(parents=True)
     (root / docs.RESULTS).parent.mkdir(parents=True)
     guide.write_text(
@@ -196,7 +198,7 @@ class RenderTest(unittest.TestCase):
     def test_write_docs_replaces_only_the_block(self):
         with tempfile.TemporaryDirectory() as tmp:
             root = Path(tmp)
-            guide = guide_with_block(root)
+            guide = page_with_block(root)
             docs.write_docs(synthetic_report(), plot=None, root=root)
             text = guide.read_text(encoding="utf-8")
             self.assertTrue(text.startswith("# Guide\n\n## Measured results\n\n"))
@@ -206,20 +208,20 @@ class RenderTest(unittest.TestCase):
             self.assertIn(docs.render(saved), text)
 
             # `bench --docs-from` renders the same block again from the saved summary, running nothing.
-            guide_with_block(Path(tmp) / "again")
+            page_with_block(Path(tmp) / "again")
             again = Path(tmp) / "again"
             (again / docs.RESULTS).write_text(json.dumps(saved), encoding="utf-8")
             docs.write_docs_from(again / docs.RESULTS, root=again)
-            self.assertEqual((again / docs.GUIDE).read_text(encoding="utf-8"), text)
+            self.assertEqual((again / docs.PAGE).read_text(encoding="utf-8"), text)
 
-    def test_a_guide_without_the_markers_is_refused(self):
+    def test_a_page_without_the_markers_is_refused(self):
         with self.assertRaisesRegex(ValueError, "no generated block"):
             docs.replace_block("# Guide\n", "block")
 
     def test_docs_from_on_the_command_line(self):
         with tempfile.TemporaryDirectory() as tmp:
             root = Path(tmp)
-            guide_with_block(root)
+            page_with_block(root)
             results = root / "bench.json"
             results.write_text(json.dumps(synthetic_report()), encoding="utf-8")
             cwd = Path.cwd()
@@ -231,15 +233,68 @@ class RenderTest(unittest.TestCase):
                     self.assertEqual(main(["bench", "--docs-from", str(results)]), 0)
             finally:
                 os.chdir(cwd)
-            self.assertIn("ran 78 forwards eagerly", " ".join((root / docs.GUIDE).read_text(encoding="utf-8").split()))
+            self.assertIn("ran 78 forwards eagerly", " ".join((root / docs.PAGE).read_text(encoding="utf-8").split()))
 
 
-class GuideShowsTheSavedRunTest(unittest.TestCase):
-    def test_the_guide_block_is_the_rendered_run(self):
+class BenchmarksPageShowsTheSavedRunTest(unittest.TestCase):
+    def test_the_page_block_is_the_rendered_run(self):
         summary = json.loads((REPO / docs.RESULTS).read_text(encoding="utf-8"))
-        text = (REPO / docs.GUIDE).read_text(encoding="utf-8")
+        text = (REPO / docs.PAGE).read_text(encoding="utf-8")
         self.assertIn(docs.render(summary), text, "regenerate it: `python -m prefill_buckets bench --docs-from ...`")
         self.assertTrue((REPO / docs.PLOT).is_file())
         # Positive control: a hand edit of one figure in the block is caught.
         edited = text.replace(f"{summary['wall_seconds']:.0f} s", f"{summary['wall_seconds'] + 1:.0f} s", 1)
         self.assertNotIn(docs.render(summary), edited)
+
+
+class GuideSummaryTest(unittest.TestCase):
+    """The guide's "Measured summary" states the figures of the saved run the Benchmarks page shows."""
+
+    GUIDE = REPO / "docs" / "source" / "en" / "llm_optims.md"
+
+    @staticmethod
+    def normalized(text: str) -> str:
+        return " ".join(text.replace("`", "").replace('"', "").split())
+
+    def summary_and_block(self) -> tuple[str, str]:
+        text = self.GUIDE.read_text(encoding="utf-8")
+        summary = text[text.index("## Measured summary") : text.index("## Messages you may meet")]
+        saved = json.loads((REPO / docs.RESULTS).read_text(encoding="utf-8"))
+        return self.normalized(summary), self.normalized(docs.render(saved))
+
+    def claims(self, summary: str) -> list[str]:
+        """The block's sentences that the summary's figures must match, filled in with the summary's own figures."""
+        figure = r"(\d+(?:\.\d+)?)"
+
+        def find(pattern: str) -> str:
+            match = re.search(pattern, summary)
+            self.assertIsNotNone(match, f"the guide's summary no longer says {pattern!r}")
+            return match.group(1)
+
+        warm_ttft, warm_decode = re.search(
+            rf"{figure}x its time to first token, {figure}x its decode", summary
+        ).groups()
+        return [
+            f"ran {find(rf'ran {figure} forwards eagerly')} forwards eagerly",
+            f"pow2-default {find(rf'pow2 {figure} graphs')} graphs, 0 fallbacks",
+            f"quarters-default {find(rf'pow2-quarters {figure}, with')} graphs, 0 fallbacks",
+            f"quarters-default second-pass time to first token: {find(rf'time to first token was {figure}x')}x",
+            f"quarters-default second-pass decode: {find(rf'its decode {figure}x')}x",
+            f"pow2-warm second-pass time to first token: {warm_ttft}x",
+            f"pow2-warm second-pass decode: {warm_decode}x",
+            "Every strategy's tokens equal eager's.",
+        ]
+
+    def test_the_summary_states_the_saved_run(self):
+        summary, block = self.summary_and_block()
+        self.assertLessEqual(len(summary.split(" - ")), 15)
+        self.assertIn("0 forwards eagerly", summary)
+        self.assertIn("Every strategy's tokens equal eager's.", summary)
+        for claim in self.claims(summary):
+            self.assertIn(claim, block, "update the guide's Measured summary to the run the Benchmarks page shows")
+
+    def test_positive_control(self):
+        summary, block = self.summary_and_block()
+        edited = summary.replace("ran 78 forwards eagerly", "ran 77 forwards eagerly")
+        self.assertNotEqual(edited, summary)
+        self.assertNotIn(self.claims(edited)[0], block)

@@ -914,7 +914,7 @@ class UpstreamCallAfterBucketedCallsTest(CompilationTestCase):
             self.assertEqual(counter.graphs - graphs, 8)
 
     def test_a_forward_called_directly_counts_them(self):
-        # The guide's troubleshooting row: outside `generate` the package can't make room, so a forward called
+        # The Messages page's row (messages.md): outside `generate` the package can't make room, so a forward called
         # directly runs under the user's limit with the bucketed graphs counted; raised by those graphs, it compiles.
         torch._dynamo.config.recompile_limit = 2
         model = make_model()
@@ -1101,7 +1101,7 @@ class SharedRecompileLimitTest(CompilationTestCase):
         self.assertEqual(said, torch_api.DYNAMO_CONFIG_PER_THREAD, captured.out)
 
     def test_a_code_object_past_the_limit_compiles_nothing_new_for_good(self):
-        # The torch fact the room below exists for (and the guide states): once a frame passes the limit, torch runs
+        # The torch fact the room below exists for (and the docs state): once a frame passes the limit, torch runs
         # that code object's new shapes eagerly from then on, even after the limit is raised.
         def double(x):
             return x * 2

@@ -113,7 +113,7 @@ class ContinuationTest(unittest.TestCase):
 
     @parameterized.expand([("auto", False), ("right", False), ("left", True)])
     def test_an_unpadded_cache_continues_on_the_right_and_can_not_on_the_left(self, side, warns):
-        # The guide: a right-padded call continues a cache an unpadded call filled (exact, bucketed, no warning); a
+        # The docs: a right-padded call continues a cache an unpadded call filled (exact, bucketed, no warning); a
         # left-padded one can't put padding in front of its tokens, so it runs unpadded with a warning.
         first_config = GenerationConfig(
             max_new_tokens=3, do_sample=False, return_dict_in_generate=True, cache_implementation="static",
@@ -298,7 +298,7 @@ class ContinuationTest(unittest.TestCase):
 
 class ConversationStaysBucketedTest(unittest.TestCase):
     """
-    The guide's chat recipe, compiled: later turns set no bucket field and are bucketed by the policy the first turn
+    The docs' chat recipe, compiled: later turns set no bucket field and are bucketed by the policy the first turn
     recorded with its cache. Every turn gives upstream's tokens, all its forwards run compiled, and it compiles at most
     the graphs upstream compiles by then.
     """

@@ -90,7 +90,7 @@ class SaveCustomGenerateTest(unittest.TestCase):
         self.assertFalse(prefill_buckets.is_enabled())
 
     def test_a_new_process_generates_bucketed_with_no_code_change(self):
-        # The guide's no-code-change load: `from_pretrained(folder, trust_remote_code=True)` in a process that never
+        # The docs' no-code-change load: `from_pretrained(folder, trust_remote_code=True)` in a process that never
         # calls `enable()` nor imports the package.
         model = tiny_llama()
         model.generation_config = GenerationConfig(
@@ -119,7 +119,7 @@ class SaveCustomGenerateTest(unittest.TestCase):
         self.assertIn("transformers drops the fields it does not know", logs.out)
         loaded = AutoModelForCausalLM.from_pretrained(self.folder, trust_remote_code=True)
         self.assertIsNone(getattr(loaded.generation_config, "prefill_buckets", None))  # what the warning says
-        # With `enable()` in effect when it loads, `GenerationConfig` knows the fields: they are kept (the guide).
+        # With `enable()` in effect when it loads, `GenerationConfig` knows the fields: they are kept (the docs).
         prefill_buckets.enable()
         self.addCleanup(prefill_buckets.disable)
         loaded = AutoModelForCausalLM.from_pretrained(self.folder)

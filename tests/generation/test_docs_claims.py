@@ -23,6 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs" / "source" / "en"
 GUIDE = DOCS / "llm_optims.md"
 REFERENCE = DOCS / "reference.md"  # What runs exactly: the padding-side rule, case by case
+USAGE = DOCS / "usage_reference.md"  # Fields, caches and compiling in detail: what the guide links to
 API_CONFIG = DOCS / "api" / "config.md"
 NUMBER_WORDS = {2: "two", 3: "three", 4: "four", 5: "five", 6: "six"}
 
@@ -76,7 +77,7 @@ class FieldListsTest(unittest.TestCase):
             "custom_generate/generate.py": custom_generate.GENERATE_PY,
             "config.FIELD_DOCS": config.FIELD_DOCS,
             "api/config.md": API_CONFIG.read_text(encoding="utf-8"),
-            "the guide's field list": section(GUIDE, "The bucket fields"),
+            "the guide's field list": section(GUIDE, "Turn it on"),
         }
 
     def test_every_list_names_every_field(self):
@@ -145,17 +146,18 @@ class CacheLengthClaimsTest(unittest.TestCase):
         # The model takes more positions than the first cache, so nothing caps it.
         slots = self.cache_slots(tiny_llama(max_position_embeddings=8192), 10, prefill_buckets="pow2")
         self.assertEqual(slots, DEFAULT_CACHE_SLOTS)
-        claims = first_cache_slots_claimed(GUIDE.read_text(encoding="utf-8")) + first_cache_slots_claimed(
+        claims = first_cache_slots_claimed(USAGE.read_text(encoding="utf-8")) + first_cache_slots_claimed(
             config.FIELD_DOCS
         )
-        self.assertGreaterEqual(len(claims), 2, "the guide and FIELD_DOCS state the first cache's size")
+        self.assertGreaterEqual(len(claims), 2, "the reference and FIELD_DOCS state the first cache's size")
         self.assertEqual(set(claims), {slots})
 
     def test_largest_bucket_plus_new_tokens_rounded_to_64(self):
-        # The guide: the first cache holds the largest bucket plus the new tokens, rounded up to a multiple of 64.
+        # The reference's Cache sizing: the first cache holds the largest bucket plus the new tokens, rounded up to a
+        # multiple of 64.
         slots = self.cache_slots(tiny_llama(), 10, prefill_buckets=[16, 64])
         self.assertEqual(slots, 128)  # 64 + 4 new tokens, rounded up to a multiple of 64
-        text = normalized(section(GUIDE, "Cache sizing"))
+        text = normalized(section(USAGE, "Cache sizing"))
         self.assertIn("the largest bucket plus the new tokens", text)
         self.assertIn("rounded up to a multiple of 64", text)
 
@@ -318,7 +320,7 @@ class ForgottenEnableTest(unittest.TestCase):
         return seen[0]
 
     def test_the_tip_says_it(self):
-        tip = normalized(section(GUIDE, "The bucket fields"))
+        tip = normalized(section(GUIDE, "Turn it on"))
         self.assertIn(
             "Without [enable], model.generate is upstream's, and a bucket field set on a GenerationConfig", tip
         )
@@ -413,9 +415,11 @@ class StaleClaimsTest(unittest.TestCase):
                 torch.randint(3, 128, (1, 5)), generation_config=GenerationConfig(max_new_tokens=2, do_sample=False),
                 logits_processor=[NeedsMore()],
             )  # fmt: skip
-        guide = normalized(GUIDE.read_text(encoding="utf-8"))
-        self.assertNotIn("and so does a processor whose __call__ takes more arguments", guide)
-        self.assertIn("is refused by upstream generate itself", guide)
+        for page in (GUIDE, USAGE):
+            self.assertNotIn(
+                "and so does a processor whose __call__ takes more arguments", normalized(page.read_text())
+            )
+        self.assertIn("is refused by upstream generate itself", normalized(USAGE.read_text(encoding="utf-8")))
 
     def test_the_batch_bucket_error_gives_batch_sizes(self):
         from transformers import GenerationConfig

@@ -186,7 +186,7 @@ class GenerationModesTest(RobustnessTestBase):
 
     @parameterized.expand([("left",), ("right",)])
     def test_module_hooks_see_the_padded_prompt(self, side):
-        # What the guide says of hooks a user registers: they run on the forwards' inputs, the padded prompt (pads in
+        # What the docs say of hooks a user registers: they run on the forwards' inputs, the padded prompt (pads in
         # front on the left, after it on the right), then the decode steps, as upstream's run on its own.
         seen = []
         embeddings = self.model.get_input_embeddings()

@@ -189,8 +189,8 @@ def bench(args) -> int:
         guide = docs.write_docs_from(Path(args.docs_from))
         print(f"Wrote the measured results of {args.docs_from} into {guide}.")
         return 0
-    if args.write_docs and not docs.GUIDE.is_file():
-        print(f"--write-docs writes {docs.GUIDE}: run it from the repository's root.", file=sys.stderr)
+    if args.write_docs and not docs.PAGE.is_file():
+        print(f"--write-docs writes {docs.PAGE}: run it from the repository's root.", file=sys.stderr)
         return 2
     missing = missing_requirements(args)
     if missing:
@@ -353,13 +353,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--write-docs",
         action="store_true",
-        help=f"after the run, rewrite the guide's measured results ({docs.GUIDE}), its plot and {docs.RESULTS} "
+        help=f"after the run, rewrite the Benchmarks page's measured results ({docs.PAGE}), its plot and {docs.RESULTS} "
         "(from the repository's root; `make bench-docs`)",
     )
     parser.add_argument(
         "--docs-from",
         metavar="JSON",
-        help=f"run nothing: render the guide's measured results again from a saved run ({docs.RESULTS} or a bench.json)",
+        help=f"run nothing: render the Benchmarks page's measured results again from a saved run ({docs.RESULTS} or a bench.json)",
     )
 
 

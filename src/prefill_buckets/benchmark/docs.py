@@ -1,9 +1,9 @@
-"""The guide's "Measured results", written from one benchmark run (`bench --write-docs`, `make bench-docs`).
+"""The Benchmarks page's "Measured results", written from one benchmark run (`bench --write-docs`, `make bench-docs`).
 
-Everything between the markers of `GUIDE` is generated: the command, a caption with the machine, the versions and the
+Everything between the markers of `PAGE` is generated: the command, a caption with the machine, the versions and the
 date, the table and the plot, and a few sentences computed from the same figures. The run's summary is saved beside
 the plot (`RESULTS`), so the block can be rendered again from it (`bench --docs-from`), and a test checks that the
-guide shows exactly what the saved run renders: the docs' tables are regenerated, never edited by hand.
+page shows exactly what the saved run renders: the docs' tables are regenerated, never edited by hand.
 """
 
 import json
@@ -16,7 +16,7 @@ from .strategies import REFERENCE
 
 
 DOCS = Path("docs") / "source" / "en"
-GUIDE = DOCS / "llm_optims.md"
+PAGE = DOCS / "benchmarks.md"  # the Benchmarks page: the block between its markers is generated
 PLOT = DOCS / "imgs" / "bench_cpu_smollm2.png"
 RESULTS = DOCS / "imgs" / "bench_cpu_smollm2.json"
 START, END = "<!-- bench-docs:start -->", "<!-- bench-docs:end -->"
@@ -338,28 +338,28 @@ def replace_block(text: str, block: str) -> str:
     """`text` with the generated block between the markers replaced by `block`; `ValueError` without the markers."""
     start, end = text.find(START), text.find(END)
     if start < 0 or end < start:
-        raise ValueError(f"The guide has no generated block ({START} ... {END}) to replace.")
+        raise ValueError(f"The page has no generated block ({START} ... {END}) to replace.")
     return text[:start] + block + text[end + len(END) :]
 
 
 def write_docs(report: dict, plot: Path | None, root: Path = Path(".")) -> Path:
-    """Writes the run's summary, its plot and the guide's generated block under `root` (the repository)."""
+    """Writes the run's summary, its plot and the Benchmarks page's generated block under `root` (the repository)."""
     summary = docs_summary(report)
-    guide = root / GUIDE
-    text = guide.read_text(encoding="utf-8")  # read first: a missing guide writes nothing
+    page = root / PAGE
+    text = page.read_text(encoding="utf-8")  # read first: a missing page writes nothing
     (root / RESULTS).write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
     if plot is not None:
         shutil.copyfile(plot, root / PLOT)
-    guide.write_text(replace_block(text, render(summary)), encoding="utf-8")
-    return guide
+    page.write_text(replace_block(text, render(summary)), encoding="utf-8")
+    return page
 
 
 def write_docs_from(results: Path, root: Path = Path(".")) -> Path:
-    """Renders the guide's block again from a saved summary (`RESULTS`) or a whole `bench.json`."""
+    """Renders the Benchmarks page's block again from a saved summary (`RESULTS`) or a whole `bench.json`."""
     saved = json.loads(results.read_text(encoding="utf-8"))
     summary = saved if "prompt_lengths" in saved else docs_summary(saved)
-    guide = root / GUIDE
-    guide.write_text(replace_block(guide.read_text(encoding="utf-8"), render(summary)), encoding="utf-8")
+    page = root / PAGE
+    page.write_text(replace_block(page.read_text(encoding="utf-8"), render(summary)), encoding="utf-8")
     if results.resolve() != (root / RESULTS).resolve():
         (root / RESULTS).write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
-    return guide
+    return page

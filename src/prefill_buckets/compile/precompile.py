@@ -72,7 +72,7 @@ def precompile(
     the bucket. With a static cache and no `max_cache_len`, the cache is pinned to the length the longest bucket needs
     with `max_new_tokens`, rounded up to a multiple of 64 (or of `prefill_pad_to_multiple_of`). The first call sets
     it, upstream keeps the largest cache seen on the model, and later calls that fit in it use it, so every later
-    call uses that one cache shape. Every forward reads an attention window of that cache (the guide's "Cache
+    call uses that one cache shape. Every forward reads an attention window of that cache (the reference's "Cache
     sizing"): where later calls' decode crosses windows, more warm-up calls compile a decode graph per window (a bucket
     with all of `max_new_tokens`, and, for shorter prompts of a bucket, one call per window inside it). The model then
     holds, per batch size, one prefill graph per bucket and one decode graph per window decode reaches:
@@ -81,7 +81,7 @@ def precompile(
 
     (one decode window when the cache is at most 256 slots), counting the buckets of `min_prompt_length` and `max_prompt_length` themselves (on the left, one fewer per batch
     size when 1 is one of these buckets: a 1-token prefill into the allocated cache is the decode graph). The warm-up
-    calls take the padding side later calls with this config take (`prefill_padding_side`, see the guide's "Padding
+    calls take the padding side later calls with this config take (`prefill_padding_side`, see the reference's "Padding
     side"). With `"auto"`, a batch size above 1 is also warmed up with rows of different lengths, so tokenizer-padded
     batches compile nothing either: where they take the right side, as rows of one length do, that shares their graphs;
     where they take the left (a sliding window, for example), one more prefill graph per bucket above 1 (decode shares

@@ -69,7 +69,7 @@ logger = logging.get_logger(__name__)
 # A static cache's length is a multiple of this (or of `prefill_pad_to_multiple_of`): sizes kernels like.
 CACHE_ALIGNMENT = 64
 # The first cache of a policy without a largest bucket: prompts of up to 4k tokens with as many new tokens fit it
-# without a growth. Windows make its slots cost no time (the guide's "Cache sizing" has the figures); its memory is
+# without a growth. Windows make its slots cost no time (the Benchmarks page has the figures); its memory is
 # SmolLM2-135M, fp32: 377 MB per row.
 DEFAULT_CACHE_SLOTS = 8192
 # A growth goes straight to the longest sequence the model takes only when that is at most this many slots.
