@@ -187,7 +187,7 @@ def account_call(plan, rows: int, prefill: int, chunk: int | None, max_cache_len
         filled += length
         query = filled == plan.run.query_window_tokens and filled == length and plan.run.reads_windows
         window = QUERY_WINDOW if query else window_of(plan, filled, cache_length)
-        shapes.add((None if generic and length > 1 else length, window))
+        shapes.add((None if generic and length == prefill > 1 else length, window))
     decode_windows = {None}
     if plan.run.reads_windows:  # from the first decode step (at least) to the last
         first = (plan.prompt_slots if plan.right is None else plan.right.past_length) + 1

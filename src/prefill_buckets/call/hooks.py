@@ -136,9 +136,10 @@ def _prepare_cache_for_generation(plan, step):
     # What prefill runs on: the padded prompt, or, continuing from a cache, the tokens it lacks (`None`: none kept).
     cached_tokens = (transformers_api.cache_seq_length(cache) or 0) if cache is not None and not creates_static else 0
     prefill = plan.right.bucket if plan.right is not None else plan.padded_length - cached_tokens
+    # The user's chunks have one length already: a chunked prefill stays static (`generic_prefill` off).
+    plan.run.generic_prefill &= generation_config.prefill_chunk_size is None
     _prefill_through_compiled_call(plan, generation_config, prefill, cache)
-    chunk = generation_config.prefill_chunk_size
-    if plan.run.generic_prefill and cached_tokens == 0 and (chunk is None or chunk >= prefill):
+    if plan.run.generic_prefill and cached_tokens == 0:
         plan.run.query_window_tokens = prefill  # the first forward fills the empty cache: it reads its own slots
     if plan.run.compiled:
         embeds = model_kwargs.get("inputs_embeds") is not None
@@ -242,7 +243,8 @@ def prepare_inputs_for_generation(plan, step):
         if isinstance(value, torch.Tensor) and value.ndim >= 2 and key != "attention_mask":
             model_inputs[key] = value.clone(memory_format=torch.contiguous_format)
     new = _new_tokens(model_inputs)
-    if plan.run.generic_prefill and not plan.run.decoding and new is not None:  # one graph for every bucket
+    if plan.run.generic_prefill and new == plan.run.prefill_tokens and new > 1:
+        # The forward of the whole prefill: one graph for every bucket (chunks have one length already).
         mark_prefill_dynamic(model_inputs, new, tokens if tokens is not None else new)
     return model_inputs
 
