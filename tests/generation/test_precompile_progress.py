@@ -70,11 +70,10 @@ class PrecompileProgressTest(unittest.TestCase):
         model = tiny_llama()
         counter = GraphCounter()
         model.compile(backend=counter, dynamic=dynamic, fullgraph=True)
+        self.model, self.config = model, config(prefill_buckets=[8, 16, 32, 64])
         stderr = io.StringIO()
         with contextlib.redirect_stderr(stderr):
-            shapes = prefill_buckets.precompile(
-                model, config(prefill_buckets=[8, 16, 32, 64]), batch_sizes=batch_sizes, progress=progress
-            )
+            shapes = prefill_buckets.precompile(model, self.config, batch_sizes=batch_sizes, progress=progress)
         return counter, shapes, stderr.getvalue().splitlines()
 
     def check_lines(self, lines, counter, shapes):
@@ -127,10 +126,18 @@ class PrecompileProgressTest(unittest.TestCase):
         self.assertEqual([m for m in warnings if "prefill_buckets.precompile" in m], [], warnings)
         raised = [m for m in warnings if m.startswith("precompile's calls need 14 compiled graphs")]
         self.assertEqual(len(raised), 1, warnings)
-        self.assertIn("Raised the limit to 14 before the first warm-up call", raised[0])
-        self.assertGreaterEqual(torch._dynamo.config.recompile_limit, counter.graphs)
-        # Every forward of the warm-up ran compiled: none past the limit.
+        self.assertIn("Raised the limit to 14 while its warm-up calls", raised[0])
+        # Every graph compiled: past the limit (6) torch would have run the rest eagerly. The limit is the user's again
+        # once no call is in flight.
         self.assertEqual(counter.graphs, 10, counter.shapes)
+        self.assertEqual(torch._dynamo.config.recompile_limit, 6)
+        # Later calls on those graphs compile nothing and warn nothing.
+        hf_logging.get_logger("prefill_buckets").warning_once.cache_clear()
+        before = len(self.records.messages(logging.WARNING))
+        for length in (3, 20, 64):
+            prefill_buckets.generate(self.model, torch.full((1, length), 5), generation_config=self.config)
+        self.assertEqual(counter.graphs, 10, counter.shapes)
+        self.assertEqual(self.records.messages(logging.WARNING)[before:], [])
 
 
 class ServePrecompileProgressTest(unittest.TestCase):

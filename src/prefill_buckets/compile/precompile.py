@@ -20,6 +20,7 @@ from ..config import PREFILL_BUCKETS, PREFILL_PAD_TO_MULTIPLE_OF
 from ..forgotten_enable import generation_configs, warn_if_enable_forgotten
 from ..kvcache.sizing import pinned_cache_length
 from ..kvcache.windows import decode_warmups
+from ..state import PROCESS
 from ..upstream import torch_api, transformers_api
 from ..upstream.torch_api import graphs_compiled
 
@@ -311,15 +312,22 @@ def _say(progress: bool, message: str) -> None:
 
 def _raise_recompile_limit(model, needed: int) -> None:
     """
-    Torch's recompile limit raised to `needed` if below, before the first warm-up call, with a warning (the limit is
-    the process's): the budget's own warning, which `make_room` would log mid-warm-up, advises calling `precompile`.
+    Room for `needed` graphs on the model's forward, said in precompile's own words before its first warm-up call. The
+    budget (`make_room`) would say it mid-warm-up, advising to call `prefill_buckets.precompile`; here the highest
+    limit it remembers is set to `needed` first, so `make_room` raises torch's limit to it without a warning (and, as
+    for any bucketed call, puts the user's back once no call is in flight). As `make_room` does, a limit the user
+    changed since starts over.
     """
     limit = torch_api.recompile_limit()
-    if needed > limit:
-        torch_api.set_recompile_limit(needed)
+    user, highest = PROCESS.raised_recompile_limit
+    if PROCESS.saved_limits() is None and user != limit:
+        user, highest = limit, limit
+    effective = max(limit, highest)
+    if needed > effective:
         logger.warning(
             f"precompile's calls need {needed} compiled graphs of the forward of `{model_name(model)}` (at most: one "
             "per shape, the graphs of every model whose forward is the same code included, as torch counts them), "
-            f"more than torch's `torch._dynamo.config.recompile_limit` ({limit}), past which torch silently runs the "
-            f"forward eagerly. Raised the limit to {needed} before the first warm-up call."
+            f"more than torch's `torch._dynamo.config.recompile_limit` ({effective}), past which torch silently runs "
+            f"the forward eagerly. Raised the limit to {needed} while its warm-up calls (and later bucketed calls) run."
         )
+        PROCESS.raised_recompile_limit = (user, needed)
