@@ -129,6 +129,18 @@ class AgainstBaselineTest(unittest.TestCase):
             table, r"quarters-default\s+3\s+300\.0\s+3\.00x\s+75\.0\s+0\.50x\s+50\.0\s+1\.00x\s+204 calls"
         )
         self.assertRegex(table, r"\n\s+40\s+1\s+200\s+100 \(0\.50x\)\s+100 \(0\.50x\)")
+        # Where it beats decode-only, in words.
+        self.assertIn(
+            "quarters-default: first token faster than decode-only's in buckets 10 (0.50x), 12 (0.50x), 40 (0.50x), "
+            "96 (0.50x); total time with compiles 3.00x decode-only's; pays back its compiles against decode-only "
+            "after 204 calls.",
+            table,
+        )
+        self.assertIn(
+            "dynamic-auto: first token faster than decode-only's in buckets 10 (0.50x), 40 (0.50x), not in "
+            "12 (1.00x), 96 (1.00x)",
+            table,
+        )
 
     def test_never_when_not_faster_than_decode_only(self):
         results = self.results()
@@ -136,6 +148,8 @@ class AgainstBaselineTest(unittest.TestCase):
         slow["summary"]["payback_calls_vs_baseline"] = report.payback_calls(slow["record"], results[1]["record"])
         table = report.format_baseline_table(report.against_baseline([*results, slow]))
         self.assertRegex(table, r"pow2-default .* never")
+        self.assertIn("pow2-default: first token faster than decode-only's in buckets none, not in", table)
+        self.assertIn("never pays back against decode-only (not faster once warm).", table)
 
     def test_no_table_without_decode_only(self):
         results = [r for r in self.results() if r["strategy"] != "decode-only"]

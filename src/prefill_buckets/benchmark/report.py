@@ -342,7 +342,36 @@ def format_baseline_table(comparison: dict | None) -> str:
                 f"{row['bucket']:>6} {row['prompts']:>7} {_one(row['baseline_ttft_ms']):>{width}} "
                 + " ".join(f"{c:>{width}}" for c in cells)
             )
+    lines += ["", *verdicts(comparison)]
     return "\n".join(lines)
+
+
+def verdicts(comparison: dict) -> list[str]:
+    """A sentence per compiled strategy: the buckets where its first token beats the baseline's, its total time with
+    compiles against the baseline's, and when it has paid back."""
+    base, sentences = comparison["baseline"], []
+    for row in comparison["strategies"]:
+        name = row["strategy"]
+        if name == base:
+            continue
+        faster, slower = [], []
+        for bucket in comparison["by_bucket"]:
+            ratio = bucket["strategies"].get(name, {}).get("ratio")
+            if ratio is not None:
+                (faster if ratio < 1 else slower).append(f"{bucket['bucket']} ({ratio:.2f}x)")
+        where = (
+            f"first token faster than {base}'s in buckets {', '.join(faster) or 'none'}"
+            + (f", not in {', '.join(slower)}" if slower else "")
+            if faster or slower
+            else f"second-pass first token {_x(row['second_ttft_ratio'])} {base}'s"
+        )
+        payback = (
+            f"pays back its compiles against {base} after {row['payback_calls']} calls"
+            if row["payback_calls"] is not None
+            else f"never pays back against {base} (not faster once warm)"
+        )
+        sentences.append(f"{name}: {where}; total time with compiles {_x(row['total_ratio'])} {base}'s; {payback}.")
+    return sentences
 
 
 TABLE_NOTES = """\
