@@ -394,6 +394,9 @@ prompts, is the steady state (its TTFT and decode are reported beside the cold p
 cold pass, and their second passes run interleaved, each prompt through every process in turn (as many processes at a
 time as the memory holds), so that a load that comes and goes on a shared machine weighs on every strategy alike. The
 second pass gives the calls after which a compiled strategy has paid back its compile time against eager.
+decode-only is upstream's own recipe (generation_config.compile_config: prefill eager, decode compiled by generate): a
+second table sets every compiled strategy against it, side by side in the run (total time with compiles, first token
+by bucket, the calls after which it has paid back).
 dynamic-auto-warm starts from the compile artifacts torch saved after dynamic-auto's cold pass
 (torch.compiler.save_cache_artifacts), the warm peer of pow2-warm. The sliding-* strategies run a tiny Gemma-3-like model built from a config (a
 sliding-window layer and a full-attention one), against its own eager run.
