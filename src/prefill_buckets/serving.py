@@ -71,6 +71,8 @@ class ServeOptions:
     compile_cache: str | None = None
     compile_with: str = "aot"
     backend: object = "inductor"  # a backend name, or (from Python) a backend callable such as `GraphCounter()`
+    # `precompile`'s plan and a line per warm-up call on stderr: a warm-up of every bucket takes minutes to an hour.
+    progress: bool = True
 
 
 @dataclass
@@ -141,7 +143,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--precompile",
         action="store_true",
-        help="compile every bucket's graphs before the server answers (needs --max-prompt with a named set)",
+        help="compile every bucket's graphs before the server answers (needs --max-prompt with a named set); "
+        "prints up front the warm-up calls it runs, then a line per call as it ends (its shape, the graphs it "
+        "compiled, its seconds, the calls left)",
     )
     parser.add_argument(
         "--compile-cache",
@@ -228,7 +232,7 @@ def prepare_model(model, options: ServeOptions, processor=None) -> WarmUp:
             model,
             request_config(model, options),
             max_prompt_length=options.max_prompt,
-            progress=False,
+            progress=options.progress,
             generate_kwargs={"tokenizer": processor} if processor is not None else None,
         )
         if path is not None and not warm.cache_loaded:

@@ -38,10 +38,20 @@ from pathlib import Path
 
 from ..testing_utils import missing_smollm2_requirements, smollm2_folder, tiny_llama, tiny_llama_config
 from . import docs
-from .report import DEFAULT_OMP_WAIT_POLICY, TABLE_NOTES, command_line, format_table, machine_info, plot, summarize
+from .report import (
+    DEFAULT_OMP_WAIT_POLICY,
+    TABLE_NOTES,
+    against_baseline,
+    command_line,
+    format_baseline_table,
+    format_table,
+    machine_info,
+    plot,
+    summarize,
+)
 from .second_pass import SecondPass
 from .sliding import save_tiny_sliding_model
-from .strategies import DEFAULT_STRATEGIES, QUICK_STRATEGIES, REFERENCE, STRATEGIES, TINY_SLIDING
+from .strategies import BASELINE, DEFAULT_STRATEGIES, QUICK_STRATEGIES, REFERENCE, STRATEGIES, TINY_SLIDING
 from .workload import (
     DEFAULT_NUM_PROMPTS,
     QUICK_LENGTHS,
@@ -270,15 +280,26 @@ def bench(args) -> int:
         shutil.rmtree(workdir, ignore_errors=True)
 
     results = []
+    baseline = records.get(BASELINE)
+    baseline = baseline if baseline is not None and "error" not in baseline else None
     for name, record in records.items():
         strategy = STRATEGIES[name]
         eager = records.get(REFERENCE[strategy.model])
         eager = eager if eager is not None and "error" not in eager else None
-        summary = summarize(record, strategy, references.get(strategy.model), lengths, eager=eager)
+        summary = summarize(
+            record,
+            strategy,
+            references.get(strategy.model),
+            lengths,
+            eager=eager,
+            baseline=baseline if strategy.model is None else None,
+        )
         results.append({"strategy": name, "summary_text": strategy.summary, "summary": summary, "record": record})
 
     wall = time.perf_counter() - began
+    comparison = against_baseline(results)
     table = format_table(results)
+    baseline_table = format_baseline_table(comparison)
     title = f"{model_name}, {args.device} {args.dtype}, {len(workload)} prompts, {new_tokens} new tokens"
     if hasattr(os, "getloadavg"):
         info["load_average_end"] = os.getloadavg()
@@ -296,6 +317,7 @@ def bench(args) -> int:
         "notes": TABLE_NOTES.replace("\n", " "),
         "prompts": [{"name": item["name"], "length": item["length"]} for item in workload],
         "strategies": results,
+        "against_baseline": comparison,
     }
     json_path, png_path = output / "bench.json", output / "bench.png"
     json_path.write_text(json.dumps(report, indent=1), encoding="utf-8")
@@ -303,7 +325,8 @@ def bench(args) -> int:
     if not args.no_plot:
         plot(results, png_path, title)
         written += f" and {png_path}"
-    print(f"\n{title}\n{table}\n\n{TABLE_NOTES}\n\nWall time {wall:.0f} s. Wrote {written}.")
+    baseline_table = f"\n\n{baseline_table}" if baseline_table else ""
+    print(f"\n{title}\n{table}\n\n{TABLE_NOTES}{baseline_table}\n\nWall time {wall:.0f} s. Wrote {written}.")
     failed = [r["strategy"] for r in results if "error" in r["summary"]]
     if args.write_docs and not failed:
         guide = docs.write_docs(report, None if args.no_plot else png_path)
@@ -371,6 +394,9 @@ prompts, is the steady state (its TTFT and decode are reported beside the cold p
 cold pass, and their second passes run interleaved, each prompt through every process in turn (as many processes at a
 time as the memory holds), so that a load that comes and goes on a shared machine weighs on every strategy alike. The
 second pass gives the calls after which a compiled strategy has paid back its compile time against eager.
+decode-only is upstream's own recipe (generation_config.compile_config: prefill eager, decode compiled by generate): a
+second table sets every compiled strategy against it, side by side in the run (total time with compiles, first token
+by bucket, the calls after which it has paid back).
 dynamic-auto-warm starts from the compile artifacts torch saved after dynamic-auto's cold pass
 (torch.compiler.save_cache_artifacts), the warm peer of pow2-warm. The sliding-* strategies run a tiny Gemma-3-like model built from a config (a
 sliding-window layer and a full-attention one), against its own eager run.

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from ..buckets import padding_waste
-from .strategies import REFERENCE, STRATEGIES, Strategy, bucket_policy
+from .strategies import BASELINE, REFERENCE, STRATEGIES, Strategy, bucket_policy, compiles_prefill
 
 
 # OpenMP threads that wait for work spin by default. On a CPU shared with other jobs a spinning thread holds a core
@@ -43,20 +43,21 @@ def command_line(args, names: list[str]) -> str:
     return " ".join(parts)
 
 
-def payback_calls(record: dict, eager: dict | None) -> int | None:
+def payback_calls(record: dict, reference: dict | None) -> int | None:
     """
     Calls (of this workload's mix) after which a compiled strategy's process has paid back its compile time against
-    eager's, counted from its start: the `k` at which its cold pass plus `k - N` steady-state calls costs no more
-    than eager's, `N` the calls of a pass and a steady-state call the mean of each one's second pass. `None` when
-    either record has no second pass or the strategy's steady state is not faster than eager's: it never pays back.
+    the `reference` strategy's (eager's, or upstream's own recipe `decode-only`), counted from its start: the `k` at
+    which its cold pass plus `k - N` steady-state calls costs no more than the reference's, `N` the calls of a pass
+    and a steady-state call the mean of each one's second pass. `None` when either record has no second pass or the
+    strategy's steady state is not faster than the reference's: it never pays back.
     """
-    if eager is None or "second_pass_seconds" not in record or "second_pass_seconds" not in eager:
+    if reference is None or "second_pass_seconds" not in record or "second_pass_seconds" not in reference:
         return None
     calls = len(record["calls"])
-    saving = (_pass_seconds(eager) - _pass_seconds(record)) / calls  # per steady-state call
+    saving = (_pass_seconds(reference) - _pass_seconds(record)) / calls  # per steady-state call
     if saving <= 0:
         return None
-    return max(1, math.ceil(calls + (record["total_seconds"] - eager["total_seconds"]) / saving))
+    return max(1, math.ceil(calls + (record["total_seconds"] - reference["total_seconds"]) / saving))
 
 
 def _pass_seconds(record: dict) -> float:
@@ -66,17 +67,30 @@ def _pass_seconds(record: dict) -> float:
 
 def fastest_per_prompt(calls: list[dict], key: str) -> list[float]:
     """Each prompt's fastest `key` over the calls of it (one per round of the second pass), in the calls' order."""
+    return list(fastest_by_prompt(calls, key).values())
+
+
+def fastest_by_prompt(calls: list[dict], key: str) -> dict[str, float]:
+    """`{prompt name: its fastest key}` over the calls of each prompt, in the calls' order."""
     fastest = {}
     for call in calls:
         if call[key] is not None:
             fastest[call["name"]] = min(fastest.get(call["name"], call[key]), call[key])
-    return list(fastest.values())
+    return fastest
 
 
 def summarize(
-    record: dict, strategy: Strategy, reference: dict | None, lengths: list[int], eager: dict | None = None
+    record: dict,
+    strategy: Strategy,
+    reference: dict | None,
+    lengths: list[int],
+    eager: dict | None = None,
+    baseline: dict | None = None,
 ) -> dict:
-    """The table's figures for one strategy record (`eager`: the reference strategy's record, for the payback)."""
+    """
+    The table's figures for one strategy record (`eager`: the reference strategy's record, for the payback;
+    `baseline`: upstream's own recipe's, `BASELINE`, for the payback against it).
+    """
     if "error" in record:
         return {"error": record["error"]}
     calls = record["calls"]
@@ -104,7 +118,8 @@ def summarize(
     else:
         seconds = sum(c.get("seconds") or 0.0 for c in warm) if warm else None
     new_tokens = sum(len(c["tokens"]) for c in warm)
-    counts_fallbacks = strategy.compiled and strategy.kind != "continuous"  # its hooks don't see compiled forwards
+    # Continuous batching's hooks don't see compiled forwards; upstream's recipe (`decode-only`) runs prefill eagerly.
+    counts_fallbacks = compiles_prefill(strategy)
     # The cold pass's forwards (older records: the whole run's).
     forwards = record.get("cold_forwards", record["forwards"])
     compiled_calls = record.get("cold_compiled_calls", record["compiled_calls"])
@@ -141,6 +156,10 @@ def summarize(
         "second_ttft_median_ms": _ms(statistics.median(second_ttft) if second_ttft else None),
         "second_decode_median_ms_per_token": _ms(statistics.median(second_decode) if second_decode else None),
         "payback_calls": payback_calls(record, eager) if strategy.compiled else None,
+        # Against upstream's own recipe (`BASELINE`), in this run: `None` without it (or for itself).
+        "payback_calls_vs_baseline": (
+            payback_calls(record, baseline) if strategy.compiled and strategy.name != BASELINE else None
+        ),
     }
 
 
@@ -192,6 +211,169 @@ def format_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _ratio(value: float | None, base: float | None) -> float | None:
+    return None if value is None or not base else value / base
+
+
+def against_baseline(results: list[dict], baseline: str = BASELINE) -> dict | None:
+    """
+    Every compiled strategy of a run against upstream's own recipe (`baseline`, run side by side in the same run):
+    `None` when it did not run (or failed). Per strategy its total time, compiles included, and the ratio to the
+    baseline's; its second-pass time to first token and decode (medians of each prompt's fastest call) and their
+    ratios; the calls after which it has paid back its compiles against the baseline. By bucket: the prompts grouped
+    by their bucket under the first bucketed strategy's policy (its name in `policy`), each strategy's median
+    second-pass time to first token over a group's prompts, and the median of its per-prompt ratios to the baseline's.
+    """
+    by_name = {r["strategy"]: r for r in results}
+    base = by_name.get(baseline)
+    if base is None or "error" in base["summary"]:
+        return None
+    base_calls = base["record"].get("second_calls") or ()
+    base_ttft = fastest_by_prompt(base_calls, "ttft_seconds")
+    compared = [
+        r
+        for r in results
+        if r["strategy"] != baseline
+        and STRATEGIES[r["strategy"]].compiled
+        and STRATEGIES[r["strategy"]].model is None
+        and STRATEGIES[r["strategy"]].kind == "generate"
+        and "error" not in r["summary"]
+    ]
+    rows = []
+    for result in [base, *compared]:
+        s, b = result["summary"], base["summary"]
+        rows.append(
+            {
+                "strategy": result["strategy"],
+                "graphs": s["graphs"],
+                "total_seconds": s["total_seconds"],
+                "total_ratio": _ratio(s["total_seconds"], b["total_seconds"]),
+                "second_ttft_median_ms": s.get("second_ttft_median_ms"),
+                "second_ttft_ratio": _ratio(s.get("second_ttft_median_ms"), b.get("second_ttft_median_ms")),
+                "second_decode_median_ms_per_token": s.get("second_decode_median_ms_per_token"),
+                "second_decode_ratio": _ratio(
+                    s.get("second_decode_median_ms_per_token"), b.get("second_decode_median_ms_per_token")
+                ),
+                "payback_calls": s.get("payback_calls_vs_baseline"),
+            }
+        )
+    bucketed = next((r for r in compared if bucket_policy(STRATEGIES[r["strategy"]]) is not None), None)
+    buckets = []
+    if bucketed is not None and base_ttft:
+        policy = bucket_policy(STRATEGIES[bucketed["strategy"]])
+        groups = {}
+        for call in base["record"]["calls"]:
+            groups.setdefault(policy.bucket(call["length"]), []).append(call["name"])
+        ttfts = {
+            r["strategy"]: fastest_by_prompt(r["record"].get("second_calls") or (), "ttft_seconds") for r in compared
+        }
+        for bucket in sorted(groups):
+            names = groups[bucket]
+            row = {
+                "bucket": bucket,
+                "prompts": len(names),
+                "baseline_ttft_ms": _median_ms([base_ttft.get(n) for n in names]),
+                "strategies": {},
+            }
+            for name, ttft in ttfts.items():
+                ratios = [ttft[n] / base_ttft[n] for n in names if ttft.get(n) and base_ttft.get(n)]
+                row["strategies"][name] = {
+                    "ttft_ms": _median_ms([ttft.get(n) for n in names]),
+                    "ratio": statistics.median(ratios) if ratios else None,
+                }
+            buckets.append(row)
+    return {
+        "baseline": baseline,
+        "policy": None if bucketed is None else bucketed["strategy"],
+        "strategies": rows,
+        "by_bucket": buckets,
+    }
+
+
+def _median_ms(seconds: list[float | None]) -> float | None:
+    values = [v for v in seconds if v is not None]
+    return _ms(statistics.median(values)) if values else None
+
+
+def _x(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio:.2f}x"
+
+
+def format_baseline_table(comparison: dict | None) -> str:
+    """`against_baseline`'s figures as two tables: per strategy, then time to first token by bucket."""
+    if comparison is None:
+        return ""
+    base = comparison["baseline"]
+    header = (
+        f"{'strategy':<23} {'graphs':>6} {'total s':>8} {'x ' + base:>14} {'2nd TTFT':>8} {'x':>6} "
+        f"{'2nd dec':>7} {'x':>6} {'payback vs ' + base:>22}"
+    )
+    lines = [
+        f"Against {base} (upstream's own recipe: prefill eager, decode compiled by generate), side by side in this "
+        "run:",
+        header,
+        "-" * len(header),
+    ]
+    for row in comparison["strategies"]:
+        name = row["strategy"]
+        payback = "-" if name == base else "never" if row["payback_calls"] is None else f"{row['payback_calls']} calls"
+        lines.append(
+            f"{name:<23} {row['graphs']:>6} {row['total_seconds']:>8.1f} {_x(row['total_ratio']):>14} "
+            f"{_one(row['second_ttft_median_ms']):>8} {_x(row['second_ttft_ratio']):>6} "
+            f"{_one(row['second_decode_median_ms_per_token']):>7} {_x(row['second_decode_ratio']):>6} {payback:>22}"
+        )
+    if comparison["by_bucket"]:
+        names = list(comparison["by_bucket"][0]["strategies"])
+        width = max(16, *(len(n) for n in names))
+        header = f"{'bucket':>6} {'prompts':>7} {base:>{width}} " + " ".join(f"{n:>{width}}" for n in names)
+        lines += [
+            "",
+            f"Time to first token by bucket (the prompts' buckets under {comparison['policy']}; second pass, ms, and "
+            f"the median of each prompt's ratio to {base}'s: below 1.00x, faster):",
+            header,
+            "-" * len(header),
+        ]
+        for row in comparison["by_bucket"]:
+            cells = []
+            for name in names:
+                cell = row["strategies"][name]
+                cells.append(f"{_one(cell['ttft_ms'])} ({_x(cell['ratio'])})")
+            lines.append(
+                f"{row['bucket']:>6} {row['prompts']:>7} {_one(row['baseline_ttft_ms']):>{width}} "
+                + " ".join(f"{c:>{width}}" for c in cells)
+            )
+    lines += ["", *verdicts(comparison)]
+    return "\n".join(lines)
+
+
+def verdicts(comparison: dict) -> list[str]:
+    """A sentence per compiled strategy: the buckets where its first token beats the baseline's, its total time with
+    compiles against the baseline's, and when it has paid back."""
+    base, sentences = comparison["baseline"], []
+    for row in comparison["strategies"]:
+        name = row["strategy"]
+        if name == base:
+            continue
+        faster, slower = [], []
+        for bucket in comparison["by_bucket"]:
+            ratio = bucket["strategies"].get(name, {}).get("ratio")
+            if ratio is not None:
+                (faster if ratio < 1 else slower).append(f"{bucket['bucket']} ({ratio:.2f}x)")
+        where = (
+            f"first token faster than {base}'s in buckets {', '.join(faster) or 'none'}"
+            + (f", not in {', '.join(slower)}" if slower else "")
+            if faster or slower
+            else f"second-pass first token {_x(row['second_ttft_ratio'])} {base}'s"
+        )
+        payback = (
+            f"pays back its compiles against {base} after {row['payback_calls']} calls"
+            if row["payback_calls"] is not None
+            else f"never pays back against {base} (not faster once warm)"
+        )
+        sentences.append(f"{name}: {where}; total time with compiles {_x(row['total_ratio'])} {base}'s; {payback}.")
+    return sentences
+
+
 TABLE_NOTES = """\
 graphs: graphs compiled (GraphCounter around inductor; cb-*: dynamo's count, every backend; pow2-warm: aot_forward's
 count, 0 when every graph came from the file); cached: of those, served from inductor's FX graph cache. total s: the
@@ -206,7 +388,9 @@ new tokens equal the eager run's (sliding-*: sliding-eager's), in both passes. 2
 second pass (the same prompts, in the same process, each prompt through every strategy's process in turn; with
 --second-pass-rounds N, N times over, each prompt's fastest call; ms, ms/token): the steady state, measured side by
 side on the same prompts for every strategy. payback: calls of this workload's mix after which the strategy's process
-has caught up with eager's, compiles included ("never": not faster than eager once warm)."""
+has caught up with eager's, compiles included ("never": not faster than eager once warm). decode-only: upstream's own
+recipe (compile_config: prefill eager, decode compiled by generate), against which the next table sets every compiled
+strategy (its fallbacks are not counted: its prefill is eager by design)."""
 
 
 def plot(results: list[dict], path: Path, title: str) -> None:

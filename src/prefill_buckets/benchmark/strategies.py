@@ -31,6 +31,11 @@ class Strategy:
     # the strategy named here saved at its end, after the same workload.
     artifacts_from: str | None = None
     model: str | None = None  # None: the run's model; `TINY_SLIDING`: the tiny sliding-window model
+    # Upstream's own recipe: `generation_config.compile_config = CompileConfig(**compile_config)` (on CPU with its
+    # private `_compile_all_devices`), so `generate` compiles the decode step itself and runs prefill eagerly; the
+    # forward itself is not compiled. `None`: the strategy compiles (or not) `model.forward` as `compiled` and
+    # `dynamic` say.
+    compile_config: dict | None = None
 
 
 # The reference strategy of each model: it runs first, uncompiled, and its tokens are what the others must equal.
@@ -42,6 +47,14 @@ STRATEGIES = {
     for s in (
         Strategy("eager", "no compile, static cache (the reference tokens)", compiled=False),
         Strategy("upstream-static", "torch.compile(model.forward, dynamic=False), static cache, no padding"),
+        Strategy(
+            "decode-only",
+            "upstream's own recipe: generation_config.compile_config = CompileConfig() (prefill eager, decode compiled "
+            "by generate, on CPU with compile_on_all_devices), static cache, max_cache_len for the longest prompt, "
+            "no bucket fields",
+            compile_config={},
+            pin_cache=True,
+        ),
         Strategy("dynamic-auto", "torch.compile(model.forward, dynamic=None): automatic dynamic shapes", dynamic=None),
         Strategy(
             "dynamic-auto-warm",
@@ -60,7 +73,17 @@ STRATEGIES = {
         ),
         Strategy(
             "quarters-default",
-            'pow2-default with prefill_buckets="pow2-quarters" (4 buckets per doubling: at most 25% padding)',
+            'prefill_buckets="pow2-quarters" (4 buckets per doubling: at most 25% padding), '
+            "torch.compile(model.forward) with dynamic=None (model.compile()'s default: the prefill's token dimension "
+            "dynamic, one prefill graph for the buckets), no max_cache_len, no precompile, the prompts in a shuffled "
+            f"order (seed {SHUFFLE_SEED})",
+            dynamic=None,
+            fields={"prefill_buckets": "pow2-quarters"},
+            shuffled=True,
+        ),
+        Strategy(
+            "quarters-static",
+            "quarters-default compiled with dynamic=False: one static prefill graph per bucket",
             fields={"prefill_buckets": "pow2-quarters"},
             shuffled=True,
         ),
@@ -157,18 +180,30 @@ STRATEGIES = {
     )
 }
 
-# The default run: eager, the strongest upstream recipe on CPU (automatic dynamic shapes), and the bucketed config the
-# guide recommends (`prefill_buckets="pow2-quarters"`, issue 35). Compiling dominates its time: one inductor graph of
-# SmolLM2 takes 30-130 s on a shared 2-core CPU. On the default prompts `quarters-default` compiles 16 graphs, where
-# `pow2-default` compiled 11 and `chunked` 9 (the guide's Measured results): the two ran by default before and now
-# run with `--full` or `--strategies`, as `upstream-static` (which stops compiling at the recompile limit and runs the
-# rest eagerly) and `pow2-warm` (whose saved cache costs a second, compiling process) do.
-DEFAULT_STRATEGIES = ("eager", "dynamic-auto", "quarters-default")
+# The default run: eager; upstream's own recipe (`decode-only`: `compile_config`, prefill eager, decode compiled by
+# `generate`), the peer a compiled, bucketed prefill has to beat (issue 66); the strongest upstream recipe on CPU that
+# compiles prefill too (automatic dynamic shapes); and the bucketed config the guide recommends
+# (`prefill_buckets="pow2-quarters"`, issue 35), compiled as `model.compile()` compiles by default (`dynamic=None`: one
+# shape-generic prefill graph serves the buckets, decode static per cache size and window). Compiling dominates its
+# time: one inductor graph of SmolLM2 takes 30-130 s on a shared 2-core CPU. `quarters-static` (one static graph per
+# bucket: `dynamic=False`), `pow2-default` and `chunked` run with `--full` or `--strategies`, as `upstream-static`
+# (which stops compiling at the recompile limit and runs the rest eagerly) and `pow2-warm` (whose saved cache costs a
+# second, compiling process) do.
+DEFAULT_STRATEGIES = ("eager", "decode-only", "dynamic-auto", "quarters-default")
+# The reference of the report's "against upstream's recipe" table: compiled strategies' first token by bucket, total
+# time and payback are measured against it, side by side in one run.
+BASELINE = "decode-only"
 QUICK_STRATEGIES = ("eager", "pow2")
 # The sliding-window pair (issue 28): upstream's static cache + compile against bucketed + compile, on a tiny model.
 SLIDING_STRATEGIES = ("sliding-upstream-static", "sliding-pow2")
 # Batch against batch: continuous batching and bucketed generate with every prompt in one call (`--full` runs them).
 BATCH_STRATEGIES = ("batch-eager", "batch-pow2", "cb-eager", "cb-level1", "cb-static")
+
+
+def compiles_prefill(strategy: Strategy) -> bool:
+    """Whether the strategy's prefill runs compiled: a compiled strategy's, but not upstream's own recipe's
+    (`compile_config`: decode only) nor continuous batching's (its own step function)."""
+    return strategy.compiled and strategy.compile_config is None and strategy.kind != "continuous"
 
 
 def bucket_policy(strategy: Strategy) -> BucketPolicy | None:

@@ -22,12 +22,15 @@ import sys
 import time
 
 import torch
+from transformers import CompileConfig
 
 from .. import GraphCounter, aot_forward, load_compile_cache, precompile, save_compile_cache
 from .. import generate as bucketed_generate
 from ..buckets import round_up
+from ..kvcache.sizing import CACHE_ALIGNMENT
 from ..testing_utils import TokenClock
 from ..upstream import torch_api
+from ..upstream.transformers_api import compile_on_all_devices
 from .batched import run_batched
 from .strategies import CHUNK, SHUFFLE_SEED, STRATEGIES, bucket_policy
 from .workload import shuffled
@@ -80,6 +83,24 @@ class AOTCounter:
     @property
     def graphs_loaded(self) -> int:
         return self.forward.graphs_loaded
+
+
+class DynamoCounter:
+    """
+    `GraphCounter`'s two counts where `generate` compiles with upstream's `CompileConfig` (backend `"inductor"`, as the
+    recipe has it: a backend object would be copied with the config on every call, and compiled again): the graphs
+    dynamo compiled in this process (`torch_api.graphs_compiled`, from counters cleared at its start). Calls into
+    the compiled decode step are not counted (0).
+    """
+
+    calls = 0
+
+    def __init__(self):
+        self.start = torch_api.graphs_compiled()
+
+    @property
+    def graphs(self) -> int:
+        return torch_api.graphs_compiled() - self.start
 
 
 def run_counters(counter: GraphCounter | AOTCounter, forwards: int) -> dict:
@@ -169,14 +190,27 @@ def run_worker(spec: dict) -> dict:
     for name, value in fields.items():
         setattr(config, name, value)  # read by `prefill_buckets.generate` and `precompile`
     if strategy.pin_cache:
-        # One cache shape for the whole workload: the longest padded prompt and its new tokens.
-        longest = bucket_policy(strategy).bucket(max_length)
-        config.max_cache_len = round_up(longest + new_tokens - 1, CHUNK)
+        # One cache shape for the whole workload: the longest (padded) prompt and its new tokens, rounded up to a
+        # multiple of the chunk (bucketed) or of 64 slots (unpadded, as `precompile` pins a cache).
+        policy = bucket_policy(strategy)
+        longest = policy.bucket(max_length) if policy is not None else max_length
+        config.max_cache_len = round_up(longest + new_tokens - 1, CHUNK if policy is not None else CACHE_ALIGNMENT)
+    if strategy.compile_config is not None:
+        # Upstream's own recipe: `generate` compiles the decode step itself (`model.get_compiled_call`) and runs
+        # prefill eagerly. On CPU only with the private `_compile_all_devices`.
+        config.compile_config = CompileConfig(**strategy.compile_config)
+        if device.type not in ("cuda", "xpu"):
+            compile_on_all_devices(config.compile_config)
 
     forwards = [0]
-    model.register_forward_pre_hook(lambda module, args: forwards.__setitem__(0, forwards[0] + 1))
+    if strategy.compile_config is None:
+        # Not where `generate` compiles `model.__call__` itself: the compiled call would trace the hook, and guard on
+        # (and recompile for) every new count. Those strategies count no fallbacks (prefill is eager by design).
+        model.register_forward_pre_hook(lambda module, args: forwards.__setitem__(0, forwards[0] + 1))
     counter = GraphCounter("inductor")
-    if strategy.warm:
+    if strategy.compile_config is not None:
+        counter = DynamoCounter()
+    elif strategy.warm:
         # Graphs compiled ahead of time, which the compile cache file carries whole: the warm process traces nothing.
         model.forward = aot_forward(model)
         counter = AOTCounter(model.forward)

@@ -1,6 +1,7 @@
 """Compile every graph a bucket config can need, up front."""
 
 import copy
+import sys
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -11,7 +12,7 @@ from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEME
 from transformers.utils import logging
 
 from ..buckets import BucketPolicy, check_positive_int, is_positive_int
-from ..call.budget import budget_of, make_room
+from ..call.budget import budget_of, make_room, model_name
 from ..call.decision import capped_bucket
 from ..call.generation import generate
 from ..call.resolved import resolve_fields, resolve_settings
@@ -19,6 +20,7 @@ from ..config import PREFILL_BUCKETS, PREFILL_PAD_TO_MULTIPLE_OF
 from ..forgotten_enable import generation_configs, warn_if_enable_forgotten
 from ..kvcache.sizing import pinned_cache_length
 from ..kvcache.windows import decode_warmups
+from ..state import PROCESS
 from ..upstream import torch_api, transformers_api
 from ..upstream.torch_api import graphs_compiled
 
@@ -103,7 +105,9 @@ def precompile(
             The longest prompt later calls will send. Required unless `prefill_buckets` is a list, in which case it
             defaults to the largest bucket.
         progress (`bool`, *optional*, defaults to `True`):
-            Show a progress bar.
+            Print the plan (its warm-up calls, and the graphs it expects) and a line per warm-up call as it ends (its
+            shape, the graphs it compiled, its seconds, the calls left) to stderr. `False`: to the logger, at info
+            level.
         min_prompt_length (`int`, *optional*):
             The shortest prompt later calls will send: the buckets below its bucket are not warmed up (with `"pow2"`,
             `min_prompt_length=100` skips 1 to 64). Defaults to 1, every bucket. Must not be larger than
@@ -218,66 +222,112 @@ def precompile(
     both_sides = [b for b in set(batch_sizes) if b > 1] if settings.padding_side == "auto" else []
     left_graphs = len(both_sides) * len([length for length in lengths if length > 1])
     window_graphs = sum(len(warmups(length)) - 1 for length in lengths)  # the decode windows past the first
-    make_room(
-        module,
-        budget_of(module).held_graphs(module),
-        len(set(batch_sizes)) * (len(lengths) + 1 + window_graphs) + left_graphs,
-        "precompile's calls",
-    )
-    token_id = 0
+    expected = len(set(batch_sizes)) * (len(lengths) + 1 + window_graphs) + left_graphs
+    held = budget_of(module).held_graphs(module)
+    # Room for every graph before the first call: the budget then never warns mid-warm-up, with advice (to call
+    # `precompile`) that doesn't fit while precompile runs.
+    _raise_recompile_limit(module, held + expected)
+    make_room(module, held, expected, "precompile's calls")
+
+    # Every warm-up call, planned up front: (batch size, bucket, prompt length, new tokens, rows of different lengths).
+    calls = []
+    for batch_size in sorted(set(batch_sizes), reverse=True):
+        for length in lengths:
+            calls += [(batch_size, length, n, new_tokens, False) for n, new_tokens in warmups(length)]
+            if batch_size > 1 and length > 1 and settings.padding_side == "auto":
+                calls.append((batch_size, length, length, 2, True))
+    _say(progress, _plan(calls, lengths, sorted(set(batch_sizes), reverse=True), slots if static else None, expected))
+
     device = module.device
-    jobs = [(batch_size, length) for batch_size in sorted(set(batch_sizes), reverse=True) for length in lengths]
-    compiled = []
-    bar = _progress(jobs, progress)
-    for batch_size, length in bar:
-        if hasattr(bar, "set_postfix_str"):
-            bar.set_postfix_str(f"batch {batch_size}, prompt {length}")
-        graphs_before = graphs_compiled()
-        start = time.perf_counter()
-        for prompt_length, new_tokens in warmups(length):
-            generation_config.max_new_tokens = generation_config.min_new_tokens = new_tokens
-            input_ids = torch.full((batch_size, prompt_length), token_id, dtype=torch.long, device=device)
-            attention_mask = torch.ones_like(input_ids)
-            generate(
-                wrapper,
-                input_ids,
-                attention_mask=attention_mask,
-                generation_config=generation_config,
-                **generate_kwargs,
-            )
-        generation_config.max_new_tokens = generation_config.min_new_tokens = 2
-        input_ids = torch.full((batch_size, length), token_id, dtype=torch.long, device=device)
+    compiled, shape_start, compiled_before, total_start = (
+        [],
+        time.perf_counter(),
+        graphs_compiled(),
+        time.perf_counter(),
+    )
+    for index, (batch_size, length, prompt_length, new_tokens, ragged) in enumerate(calls):
+        call_graphs, call_start = graphs_compiled(), time.perf_counter()
+        generation_config.max_new_tokens = generation_config.min_new_tokens = new_tokens
+        input_ids = torch.full((batch_size, prompt_length), 0, dtype=torch.long, device=device)
         attention_mask = torch.ones_like(input_ids)
-        if batch_size > 1 and length > 1 and settings.padding_side == "auto":
+        if ragged:
             # Batches usually come with rows of different lengths: where they take the left side (its own prefill
             # graph per bucket; decode shares the graph), warm that one too, with a last row one token shorter.
             attention_mask[-1, 0] = 0
-            generate(
-                wrapper,
-                input_ids,
-                attention_mask=attention_mask,
-                generation_config=generation_config,
-                **generate_kwargs,
-            )
-        cache_length = transformers_api.previous_max_cache_length(module)
-        compiled.append(
-            CompiledShape(
-                batch_size=batch_size,
-                prompt_length=length,
-                cache_length=cache_length
-                if cache_implementation in ALL_STATIC_CACHE_IMPLEMENTATIONS and cache_length >= 0
-                else None,
-                graphs=graphs_compiled() - graphs_before,
-                seconds=time.perf_counter() - start,
-            )
+        generate(
+            wrapper, input_ids, attention_mask=attention_mask, generation_config=generation_config, **generate_kwargs
         )
-    logger.info(f"precompile: {sum(c.graphs for c in compiled)} graphs in {sum(c.seconds for c in compiled):.1f} s")
+        cache_length = transformers_api.previous_max_cache_length(module) if static else -1
+        cache_length = cache_length if cache_length >= 0 else None
+        graphs = graphs_compiled() - call_graphs
+        _say(
+            progress,
+            f"precompile: warm-up call {index + 1}/{len(calls)} done: rows {batch_size}, prompt {prompt_length}"
+            f"{'' if prompt_length == length else f' (bucket {length})'}, cache "
+            f"{'dynamic' if cache_length is None else cache_length}, {new_tokens} new tokens"
+            f"{', rows of different lengths' if ragged else ''}: {graphs} graph{'' if graphs == 1 else 's'} compiled "
+            f"in {time.perf_counter() - call_start:.1f} s; {len(calls) - index - 1} left",
+        )
+        last_of_shape = index + 1 == len(calls) or calls[index + 1][:2] != (batch_size, length)
+        if last_of_shape:
+            compiled.append(
+                CompiledShape(
+                    batch_size=batch_size,
+                    prompt_length=length,
+                    cache_length=cache_length,
+                    graphs=graphs_compiled() - compiled_before,
+                    seconds=time.perf_counter() - shape_start,
+                )
+            )
+            shape_start, compiled_before = time.perf_counter(), graphs_compiled()
+    graphs = sum(c.graphs for c in compiled)
+    _say(
+        progress,
+        f"precompile: done, {len(calls)} warm-up calls compiled {graphs} graph{'' if graphs == 1 else 's'} in "
+        f"{time.perf_counter() - total_start:.1f} s",
+    )
     return compiled
 
 
-def _progress(jobs, enabled: bool):
-    if not enabled:
-        return jobs
-    from tqdm.auto import tqdm
+def _plan(calls: list, lengths: list[int], batch_sizes: list[int], slots: int | None, expected: int) -> str:
+    """What `precompile` is about to do, in one line: its warm-up calls, and the graphs it expects."""
+    cache = f"a static cache of {slots} slots" if slots is not None else "a dynamic cache"
+    return (
+        f"precompile: {len(calls)} warm-up call{'' if len(calls) == 1 else 's'} for batch size"
+        f"{'' if len(batch_sizes) == 1 else 's'} {', '.join(map(str, batch_sizes))} and bucket"
+        f"{'' if len(lengths) == 1 else 's'} {', '.join(map(str, lengths))} (longest first), {cache}: up to {expected} "
+        f"graph{'' if expected == 1 else 's'}, one per shape (a forward compiled with dynamic shapes, as "
+        "`model.compile()` compiles by default, compiles fewer: one prefill graph serves several buckets). Each "
+        "call that compiles takes seconds to minutes."
+    )
 
-    return tqdm(jobs, desc="precompile", unit="graph set")
+
+def _say(progress: bool, message: str) -> None:
+    """A progress line: on stderr with `progress`, else to the package's logger (info, hidden by default)."""
+    if progress:
+        print(message, file=sys.stderr, flush=True)
+    else:
+        logger.info(message)
+
+
+def _raise_recompile_limit(model, needed: int) -> None:
+    """
+    Room for `needed` graphs on the model's forward, said in precompile's own words before its first warm-up call. The
+    budget (`make_room`) would say it mid-warm-up, advising to call `prefill_buckets.precompile`; here the highest
+    limit it remembers is set to `needed` first, so `make_room` raises torch's limit to it without a warning (and, as
+    for any bucketed call, puts the user's back once no call is in flight). As `make_room` does, a limit the user
+    changed since starts over.
+    """
+    limit = torch_api.recompile_limit()
+    user, highest = PROCESS.raised_recompile_limit
+    if PROCESS.saved_limits() is None and user != limit:
+        user, highest = limit, limit
+    effective = max(limit, highest)
+    if needed > effective:
+        logger.warning(
+            f"precompile's calls need {needed} compiled graphs of the forward of `{model_name(model)}` (at most: one "
+            "per shape, the graphs of every model whose forward is the same code included, as torch counts them), "
+            f"more than torch's `torch._dynamo.config.recompile_limit` ({effective}), past which torch silently runs "
+            f"the forward eagerly. Raised the limit to {needed} while its warm-up calls (and later bucketed calls) run."
+        )
+        PROCESS.raised_recompile_limit = (user, needed)
