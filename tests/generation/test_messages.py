@@ -43,6 +43,12 @@ RELAYED = {
     ],
     # `--buckets` relays `validate_buckets`'s own messages (buckets.py, found there).
     ("serving.py", "ArgumentTypeError"): [("buckets.py", "must be")],
+    # `precompile`'s progress lines (`_say`: stderr with `progress=True`, else logged at info).
+    ("compile/precompile.py", "info"): [
+        ("compile/precompile.py", "precompile: {len(calls)} warm-up call"),
+        ("compile/precompile.py", "precompile: warm-up call {index + 1}/{len(calls)} done"),
+        ("compile/precompile.py", "precompile: done, {len(calls)} warm-up calls compiled"),
+    ],
     ("upstream/gate.py", "RuntimeError"): [
         ("upstream/checks.py", "prefill_buckets can't bucket `generate` on transformers"),
         ("upstream/selftest.py", "prefill_buckets' self-test failed on transformers"),

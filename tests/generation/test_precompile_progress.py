@@ -23,7 +23,7 @@ from prefill_buckets.state import PROCESS
 from .tiny_models import tiny_llama
 
 
-PLAN = re.compile(r"^precompile: (\d+) warm-up calls? .* up to (\d+) graphs?, one per shape")
+PLAN = re.compile(r"^precompile: (\d+) warm-up calls? .*: (\d+) graphs? at most ")
 LINE = re.compile(
     r"^precompile: warm-up call (\d+)/(\d+) done: rows (\d+), prompt (\d+)(?: \(bucket \d+\))?, cache (\d+|dynamic), "
     r"(\d+) new tokens(, rows of different lengths)?: (\d+) graphs? compiled in ([\d.]+) s; (\d+) left$"
@@ -126,7 +126,7 @@ class PrecompileProgressTest(unittest.TestCase):
         self.assertEqual([m for m in warnings if "prefill_buckets.precompile" in m], [], warnings)
         raised = [m for m in warnings if m.startswith("precompile's calls need 14 compiled graphs")]
         self.assertEqual(len(raised), 1, warnings)
-        self.assertIn("Raised the limit to 14 while its warm-up calls", raised[0])
+        self.assertIn("Raised the limit to 14. They are compiled now, before any other call.", raised[0])
         # Every graph compiled: past the limit (6) torch would have run the rest eagerly. The limit is the user's again
         # once no call is in flight.
         self.assertEqual(counter.graphs, 10, counter.shapes)

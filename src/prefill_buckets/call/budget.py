@@ -154,12 +154,12 @@ class GraphBudget:
             # New graphs of calls still running, which torch's count may not hold yet: concurrent calls, on one model
             # or several, make room for each other's too.
             in_flight = PROCESS.graphs_in_flight
-            make_room(model, held + in_flight, len(new), "Bucketed calls", breaks_graph=not fullgraph)
+            generic = any(length is None for length, _ in prefill_shapes)
+            make_room(model, held + in_flight, len(new), "Bucketed calls", not fullgraph, _advice(generic))
             PROCESS.graphs_in_flight += len(new)
             PROCESS.graphs_accounted += len(new)
             accounted = PROCESS.graphs_accounted
         compiled = torch_api.graphs_compiled()
-        generic = any(length is None for length, _ in prefill_shapes)
         return CallGraphs(
             held, new, rows, cache_length, variant, not fullgraph, in_flight, accounted, compiled, generic
         )
@@ -215,7 +215,9 @@ def account_candidates(plan, generator, max_length: int) -> None:
     new = [f"[{expected.rows}, {n}] with candidates{_read(w)}" for n, w in sorted(shapes, key=str)]
     with _LIMIT_LOCK:  # `graphs_in_flight` holds this call's own new graphs too
         held = expected.held_before + PROCESS.graphs_in_flight
-        make_room(plan.model, held, len(new), "Bucketed calls", breaks_graph=not plan.run.fullgraph)
+        make_room(
+            plan.model, held, len(new), "Bucketed calls", not plan.run.fullgraph, _advice(expected.generic_prefill)
+        )
         PROCESS.graphs_in_flight += len(new)
         PROCESS.graphs_accounted += len(new)
         expected.accounted += len(new)
@@ -267,10 +269,25 @@ def budget_of(model) -> "GraphBudget":
     return state.budget
 
 
-def make_room(model, held: int, graphs: int, who: str, breaks_graph: bool = False) -> None:
+def _advice(generic: bool) -> str:
+    """What to do to need fewer graphs, for a call whose prefill is shape-generic or static per bucket."""
+    if generic:
+        return (
+            "To need fewer graphs: pin `max_cache_len` (one cache, a decode graph per window it reads), use fewer batch "
+            "sizes, or call `prefill_buckets.precompile` to compile them all up front."
+        )
+    return (
+        "To need fewer graphs: compile with `model.compile()` (`dynamic=None`: one prefill graph for every bucket, "
+        "where `dynamic=False` compiles one per bucket), pin `max_cache_len` (one decode graph per batch size), use "
+        "fewer buckets, or call `prefill_buckets.precompile` to compile them all up front."
+    )
+
+
+def make_room(model, held: int, graphs: int, who: str, breaks_graph: bool = False, advice: str | None = None) -> None:
     """Raises torch's recompile limits, if needed, so `model`'s forward can hold `held` graphs plus `graphs` more; if
     its forward may break its graph, with room for the frames that starts while calls run (entries, not graphs the
-    process needs: the user's limit again, or the most one call added, if more)."""
+    process needs: the user's limit again, or the most one call added, if more). The warning that says so ends with
+    `advice`, what `who` can do to need fewer graphs (by default, a bucketed call's)."""
     needed = held + graphs
     with _LIMIT_LOCK:
         limit = recompile_limit()
@@ -288,9 +305,8 @@ def make_room(model, held: int, graphs: int, who: str, breaks_graph: bool = Fals
                 f"{who} need {needed} compiled graphs of the forward of `{model_name(model)}` (the "
                 f"graphs of every model whose forward is the same code, as torch counts them), more than torch's "
                 f"`torch._dynamo.config.recompile_limit` ({effective}{_in_this_thread()}), past which torch silently "
-                f"runs the forward eagerly. Raised the limit to {raised}{_room(frames_room)}. To need fewer graphs: pin "
-                "`max_cache_len` (one decode graph per batch size), use fewer buckets, or call "
-                "`prefill_buckets.precompile` to compile them all up front."
+                f"runs the forward eagerly. Raised the limit to {raised}{_room(frames_room)}. "
+                f"{_advice(False) if advice is None else advice}"
             )
             PROCESS.raised_recompile_limit = (user_limit, raised)
         # While calls run, the limit is the highest it was raised to: a call doesn't lower it under graphs another

@@ -12,7 +12,7 @@ from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEME
 from transformers.utils import logging
 
 from ..buckets import BucketPolicy, check_positive_int, is_positive_int
-from ..call.budget import budget_of, make_room, model_name
+from ..call.budget import budget_of, make_room
 from ..call.decision import capped_bucket
 from ..call.generation import generate
 from ..call.resolved import resolve_fields, resolve_settings
@@ -20,9 +20,9 @@ from ..config import PREFILL_BUCKETS, PREFILL_PAD_TO_MULTIPLE_OF
 from ..forgotten_enable import generation_configs, warn_if_enable_forgotten
 from ..kvcache.sizing import pinned_cache_length
 from ..kvcache.windows import decode_warmups
-from ..state import PROCESS
 from ..upstream import torch_api, transformers_api
 from ..upstream.torch_api import graphs_compiled
+from .compiled_calls import compiled_forward, forward_compiled_dynamic
 
 
 logger = logging.get_logger(__name__)
@@ -77,7 +77,9 @@ def precompile(
     call uses that one cache shape. Every forward reads an attention window of that cache (the reference's "Cache
     sizing"): where later calls' decode crosses windows, more warm-up calls compile a decode graph per window (a bucket
     with all of `max_new_tokens`, and, for shorter prompts of a bucket, one call per window inside it). The model then
-    holds, per batch size, one prefill graph per bucket and one decode graph per window decode reaches:
+    holds, per batch size, one prefill graph for every bucket (compiled with `model.compile()`, any `dynamic` but
+    `False`: the prefill's length is symbolic) or, with `dynamic=False`, one prefill graph per bucket, and one decode
+    graph per window decode reaches. With `dynamic=False`:
 
         graphs = len(batch_sizes) * (prefill buckets from min_prompt_length to max_prompt_length + decode windows)
 
@@ -220,14 +222,16 @@ def precompile(
         return decode_warmups(length, shortest[length], max_new_tokens, slots)
 
     both_sides = [b for b in set(batch_sizes) if b > 1] if settings.padding_side == "auto" else []
-    left_graphs = len(both_sides) * len([length for length in lengths if length > 1])
+    # A shape-generic prefill (`compiled_calls.call_compilation`) is one graph for every bucket, unless the model's
+    # code fixes the length (the budget learns it).
+    generic = _compiles_generic_prefill(module, generation_config) and not budget_of(module).prefill_specializes
+    # (a 1-token bucket's prefill is a decode step: decode's graph)
+    prefill_graphs = 1 if generic else len([length for length in lengths if length > 1])
     window_graphs = sum(len(warmups(length)) - 1 for length in lengths)  # the decode windows past the first
-    expected = len(set(batch_sizes)) * (len(lengths) + 1 + window_graphs) + left_graphs
+    expected = (len(set(batch_sizes)) + len(both_sides)) * prefill_graphs + len(set(batch_sizes)) * (1 + window_graphs)
     held = budget_of(module).held_graphs(module)
-    # Room for every graph before the first call: the budget then never warns mid-warm-up, with advice (to call
-    # `precompile`) that doesn't fit while precompile runs.
-    _raise_recompile_limit(module, held + expected)
-    make_room(module, held, expected, "precompile's calls")
+    # Room for every graph before the first call, in precompile's words: the budget then never warns mid-warm-up.
+    make_room(module, held, expected, "precompile's calls", advice="They are compiled now, before any other call.")
 
     # Every warm-up call, planned up front: (batch size, bucket, prompt length, new tokens, rows of different lengths).
     calls = []
@@ -295,10 +299,9 @@ def _plan(calls: list, lengths: list[int], batch_sizes: list[int], slots: int | 
     return (
         f"precompile: {len(calls)} warm-up call{'' if len(calls) == 1 else 's'} for batch size"
         f"{'' if len(batch_sizes) == 1 else 's'} {', '.join(map(str, batch_sizes))} and bucket"
-        f"{'' if len(lengths) == 1 else 's'} {', '.join(map(str, lengths))} (longest first), {cache}: up to {expected} "
-        f"graph{'' if expected == 1 else 's'}, one per shape (a forward compiled with dynamic shapes, as "
-        "`model.compile()` compiles by default, compiles fewer: one prefill graph serves several buckets). Each "
-        "call that compiles takes seconds to minutes."
+        f"{'' if len(lengths) == 1 else 's'} {', '.join(map(str, lengths))} (longest first), {cache}: {expected} "
+        f"graph{'' if expected == 1 else 's'} at most (`model.compile()`: one prefill graph for every bucket; "
+        "`dynamic=False`: one per bucket). Each call that compiles takes seconds to minutes."
     )
 
 
@@ -310,24 +313,9 @@ def _say(progress: bool, message: str) -> None:
         logger.info(message)
 
 
-def _raise_recompile_limit(model, needed: int) -> None:
-    """
-    Room for `needed` graphs on the model's forward, said in precompile's own words before its first warm-up call. The
-    budget (`make_room`) would say it mid-warm-up, advising to call `prefill_buckets.precompile`; here the highest
-    limit it remembers is set to `needed` first, so `make_room` raises torch's limit to it without a warning (and, as
-    for any bucketed call, puts the user's back once no call is in flight). As `make_room` does, a limit the user
-    changed since starts over.
-    """
-    limit = torch_api.recompile_limit()
-    user, highest = PROCESS.raised_recompile_limit
-    if PROCESS.saved_limits() is None and user != limit:
-        user, highest = limit, limit
-    effective = max(limit, highest)
-    if needed > effective:
-        logger.warning(
-            f"precompile's calls need {needed} compiled graphs of the forward of `{model_name(model)}` (at most: one "
-            "per shape, the graphs of every model whose forward is the same code included, as torch counts them), "
-            f"more than torch's `torch._dynamo.config.recompile_limit` ({effective}), past which torch silently runs "
-            f"the forward eagerly. Raised the limit to {needed} while its warm-up calls (and later bucketed calls) run."
-        )
-        PROCESS.raised_recompile_limit = (user, needed)
+def _compiles_generic_prefill(model, generation_config) -> bool:
+    """Whether `model`'s bucketed prefill is one graph for every bucket: compiled with any `dynamic` but `False`."""
+    if compiled_forward(model) is not None:
+        return forward_compiled_dynamic(model) is not False
+    config = generation_config.compile_config
+    return config is not None and getattr(config, "dynamic", False) is not False
