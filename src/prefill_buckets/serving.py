@@ -42,7 +42,7 @@ DEFAULT_BUCKETS = "pow2-quarters"
 # What upstream's server gives a request that sends no `max_tokens`: at least this many new tokens
 # (`BaseHandler._build_generation_config`). The served default, so such a request fits the precompiled cache.
 UPSTREAM_MIN_NEW_TOKENS = 1024
-COMPILE_WITH = ("aot", "model", "none")
+COMPILE_WITH = ("model", "static", "aot", "none")
 
 SERVE_HELP = """\
 Serve MODEL with transformers' own server (`transformers serve`: OpenAI-compatible chat completions, completions and
@@ -69,7 +69,7 @@ class ServeOptions:
     max_new_tokens: int = UPSTREAM_MIN_NEW_TOKENS
     precompile: bool = False
     compile_cache: str | None = None
-    compile_with: str = "aot"
+    compile_with: str = "model"
     backend: object = "inductor"  # a backend name, or (from Python) a backend callable such as `GraphCounter()`
     # `precompile`'s plan and a line per warm-up call on stderr: a warm-up of every bucket takes minutes to an hour.
     progress: bool = True
@@ -156,9 +156,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--compile-with",
         choices=COMPILE_WITH,
-        default="aot",
-        help="how the forward is compiled: aot (prefill_buckets.aot_forward, a warm start traces nothing; default), "
-        "model (model.compile(dynamic=False)), none (eager, bucketed)",
+        default="model",
+        help="how the forward is compiled: model (model.compile(): one prefill graph for every bucket; default), "
+        "static (model.compile(dynamic=False): a prefill graph per bucket), aot (prefill_buckets.aot_forward: a "
+        "graph per bucket, and a warm start that traces nothing), none (eager, bucketed)",
     )
     parser.add_argument(
         "--compile-backend",
@@ -226,6 +227,10 @@ def prepare_model(model, options: ServeOptions, processor=None) -> WarmUp:
     if options.compile_with == "aot":
         model.forward = aot_forward(model, backend=options.backend)
     elif options.compile_with == "model":
+        model.compile(
+            backend=options.backend
+        )  # dynamic=None: the prefill's length symbolic, one graph for every bucket
+    elif options.compile_with == "static":
         model.compile(backend=options.backend, dynamic=False)
     if options.precompile:
         precompile(

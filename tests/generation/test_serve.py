@@ -218,7 +218,7 @@ class ServeTest(unittest.TestCase):
             max_prompt=MAX_PROMPT,
             max_new_tokens=SERVED_NEW_TOKENS,
             precompile=True,
-            compile_with="model",
+            compile_with="static",
             backend=counter,
         )
         warmups = []
@@ -227,7 +227,8 @@ class ServeTest(unittest.TestCase):
             (warm,) = warmups
             buckets = warm.buckets
             self.assertEqual(buckets, [1, 2, 4, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 64])
-            # A prefill graph per bucket and one decode graph, the 1-token bucket's prefill being that decode graph.
+            # A prefill graph per bucket (`--compile-with static`: each shape is seen in the graphs) and one decode
+            # graph, the 1-token bucket's prefill being that decode graph.
             self.assertEqual(counter.graphs, len(buckets))
             self.assertEqual(warm.graphs, counter.graphs)
             after_warmup = counter.graphs
@@ -282,7 +283,12 @@ class ServeTest(unittest.TestCase):
     def test_warm_start_from_a_compile_cache_compiles_nothing(self):
         path = os.path.join(self.tmp.name, "compile-cache.zip")
         options = serving.ServeOptions(
-            max_prompt=16, max_new_tokens=SERVED_NEW_TOKENS, compile_cache=path, precompile=True, backend="aot_eager"
+            max_prompt=16,
+            max_new_tokens=SERVED_NEW_TOKENS,
+            compile_cache=path,
+            precompile=True,
+            backend="aot_eager",
+            compile_with="aot",
         )
         warmups = []
         server, client = self.start(options, report=lambda model, warm: warmups.append(warm))
