@@ -12,16 +12,19 @@ padded batch, every check made): the user's dicts and tensors are never modified
 """
 
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers.generation.stopping_criteria import StoppingCriteriaList
 from transformers.utils import logging
 
 from ..config import PREFILL_BUCKETS
-from .padding_side import PaddingSide
 from .resolved import CallSettings, ResolvedCall, bos_prompt
 from .views import DummyRowsFinished, PromptStrippingStreamer
+
+
+if TYPE_CHECKING:  # `padding_side` reads `PER_TOKEN_KWARGS` from here
+    from .padding_side import PaddingSide
 
 
 logger = logging.get_logger(__name__)
@@ -111,7 +114,7 @@ class Plan:
         return self.padded_length - self.prompt_length
 
 
-def plan_call(call: ResolvedCall, side: PaddingSide) -> tuple[Plan, dict, dict]:
+def plan_call(call: ResolvedCall, side: "PaddingSide") -> tuple[Plan, dict, dict]:
     """
     The plan of a bucketed call padded as `side` says (`side.side`: `"left"` or `"right"`), and the arguments
     upstream `generate` runs with. On the left the prompt and its per-token inputs are padded in front to
@@ -236,7 +239,7 @@ def _line_up_with_ragged_rows(attention_mask: torch.Tensor, ragged: torch.Tensor
     return torch.cat([lined_up, attention_mask[:, width:]], dim=1)
 
 
-def _plan_right(call: ResolvedCall, side: PaddingSide) -> tuple:
+def _plan_right(call: ResolvedCall, side: "PaddingSide") -> tuple:
     """
     The plan of a right-padded call: the prompt goes to upstream unpadded, and the `_prefill` hook pads it to
     `side.bucket`. Returns the plan and the call arguments.
