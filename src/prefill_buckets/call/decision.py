@@ -5,9 +5,10 @@ reason once), or it raises a `ValueError` for inputs padding can't serve. Every 
 condition (a predicate over the call's facts, `padding_side.RuleFacts`, each fact computed once, when a row first asks),
 the outcome (`raise`, `unpadded`, `left` or `right`), why (in words, for the docs) and the reason the log or the error
 gives. The rows are checked in order, before anything is planned; the first that applies decides. The docs' What runs
-exactly page shows the table as `decision_table` renders it (a test checks the page against it). In order:
+exactly page shows the table as `decision_table` renders it (`python -m prefill_buckets.call.decision`; a test checks
+the page against it, and that each row decides a case of its own). In order:
 
-1. Calls padding can't serve on either side.
+1. Calls padding can't serve on either side (a model that breaks an assumption of both, `side_assumptions`, too).
 2. Calls that can't be padded on the right (`RuleFacts.not_right`: the reason of the first `left` row of step 4 that
    applies, so those rows are read once, for both) and that left padding can't serve either: a model that can't take
    it (`side_assumptions`), a cache whose tokens sit in front of where the padding would go, a prompt that can't be
@@ -68,10 +69,11 @@ class Row:
 
 def _model_row(outcome: str, case: str, why: str, assumption: Callable, reason: str) -> Row:
     """The row of a model that breaks one of a side's assumptions (`side_assumptions`), whatever the call: on the right,
-    the call is padded on the left; on the left (`unpadded`), where it can't be padded on the right either, unpadded."""
+    the call is padded on the left; on the left (`unpadded`), where it can't be padded on the right either, unpadded;
+    on both (`neither`), unpadded."""
     reason = f"`{{call.model_name}}`: {reason}"
-    if outcome == "left":
-        return Row(case, outcome, why, lambda call: call.breaks(assumption), reason)
+    if outcome in ("left", "neither"):  # neither: the model breaks the assumption on both sides
+        return Row(case, outcome.replace("neither", "unpadded"), why, lambda call: call.breaks(assumption), reason)
     condition = lambda call: call.not_right and call.breaks(assumption)  # noqa: E731
     return Row(
         f"left only: {case}",
@@ -218,12 +220,19 @@ DECISION = (
         "{found}",
     ),
     _model_row(
-        "unpadded",
-        "a model whose attention is not causal",
-        "masked pads in front change such a model's tokens",
+        "neither",
+        "a model whose attention is not causal (`is_decoder=False`, and no attention module says `is_causal`)",
+        "the prompt would attend to the pads after it; masked pads in front change its tokens",
         side_assumptions.attention_is_bidirectional,
-        "its attention is not causal (`is_decoder=False`): masked pads in front change such a model's tokens (measured "
-        "on XLM-RoBERTa-XL)",
+        "its attention is not causal (`is_decoder=False`): the prompt would attend to the pads after it, and masked "
+        "pads in front change such a model's tokens (measured on XLM-RoBERTa-XL)",
+    ),
+    _model_row(
+        "neither",
+        "attention that builds a dynamic mask from the keys over every slot it reads (Doge)",
+        "pads on either side would reach that mask",
+        side_assumptions.masks_from_keys,
+        "its attention builds a dynamic mask from the keys, which would see the pads after the prompt or in front",
     ),
     _model_row(
         "unpadded",
@@ -245,13 +254,6 @@ DECISION = (
         "pads in front would be read",
         side_assumptions.ignores_the_mask,
         "its forward ignores the attention mask",
-    ),
-    _model_row(
-        "unpadded",
-        "attention that builds a dynamic mask from the keys (Doge)",
-        "pads in front would reach that mask",
-        side_assumptions.masks_from_keys,
-        "its attention builds a dynamic mask from the keys, which would see the pads in front",
     ),
     _model_row(
         "unpadded",
@@ -352,24 +354,10 @@ DECISION = (
     ),
     _model_row(
         "left",
-        "a model whose attention is not causal (`is_decoder=False`, and no attention module says `is_causal`)",
-        "the prompt would attend to the pads after it",
-        side_assumptions.attention_is_bidirectional,
-        "its attention is not causal (`is_decoder=False`): the prompt would attend to the pads after it",
-    ),
-    _model_row(
-        "left",
         "a forward without `position_ids` whose config states no `max_position_embeddings` (ALiBi from the mask)",
         "the right-padded prefill passes no mask",
         side_assumptions.positions_from_the_mask,
         "its forward takes no `position_ids` and states no `max_position_embeddings`: positions come from the mask",
-    ),
-    _model_row(
-        "left",
-        "attention that builds a dynamic mask from the keys (Doge)",
-        "the pads after the prompt would reach that mask",
-        side_assumptions.masks_from_keys,
-        "its attention builds a dynamic mask from the keys, which would see the pads after it",
     ),
     _model_row(
         "left",
@@ -571,3 +559,7 @@ def choose_side(call: ResolvedCall) -> PaddingSide:
     if facts.batch_kept_reason is not None:
         logger.warning_once(f"`{PREFILL_BATCH_BUCKETS}` is not applied to this call: {facts.batch_kept_reason}.")
     return replace(side, padded_batch=facts.padded_batch, finished_rows_pad_id=facts.finished_rows_pad_id)
+
+
+if __name__ == "__main__":  # the table for the docs' What runs exactly page: `python -m prefill_buckets.call.decision`
+    print(decision_table())
