@@ -245,19 +245,23 @@ class RuleFacts:
         return self.rows if self.batch_kept_reason is not None else self.wanted_batch
 
     @cached_property
-    def finished_rows_error(self) -> str | None:
-        """Why the rows that finish early can't be fed `pad_token_id` (outside the vocabulary), or `None`. Upstream feeds
-        a row that finished early `pad_token_id`, which outside the vocabulary fails at the embedding (an index error
-        on CPU, a device assert on CUDA): an error when a user's row can finish early, that is, there is more than one
-        (and no beam search, which feeds no finished beam), and an eos id in the vocabulary, `stop_strings` or stopping
-        criteria could finish it."""
+    def pad_id_outside_vocabulary(self) -> bool:
+        """Whether rows that finish early would be fed a `pad_token_id` outside the vocabulary (no beam search, which
+        feeds no finished beam): upstream's embedding then fails (an index error on CPU, a device assert on CUDA)."""
         settings = self.settings
-        pad_token_id = settings.pad_token_id
-        if pad_token_id is None or settings.vocab_size is None or settings.num_beams > 1:
-            return None
-        if settings.in_vocabulary(pad_token_id):
-            return None
+        if settings.pad_token_id is None or settings.vocab_size is None or settings.num_beams > 1:
+            return False
+        return not settings.in_vocabulary(settings.pad_token_id)
+
+    @cached_property
+    def finished_rows_error(self) -> str | None:
+        """Why the rows that finish early can't be fed `pad_token_id` (`pad_id_outside_vocabulary`), or `None`: an
+        error where a user's row can finish early, one of several, by an eos id in the vocabulary, `stop_strings` or
+        stopping criteria."""
+        settings = self.settings
         rows = self.rows * settings.rows_per_prompt
+        if not self.pad_id_outside_vocabulary or rows <= 1:
+            return None
         can_finish_early = [
             reason
             for reason, present in (
@@ -270,10 +274,10 @@ class RuleFacts:
             )
             if present
         ]
-        if rows <= 1 or not can_finish_early:
+        if not can_finish_early:
             return None
         return (
-            f"`pad_token_id` is {pad_token_id}, outside the model's vocabulary (valid ids: 0 to "
+            f"`pad_token_id` is {settings.pad_token_id}, outside the model's vocabulary (valid ids: 0 to "
             f"{settings.vocab_size - 1}). This call generates {rows} rows and a row can finish before the others "
             f"({', '.join(can_finish_early)}): it is then filled with `pad_token_id` and fed back to the model, which "
             "can't look it up. Set `pad_token_id` to an id in the vocabulary (the eos token id is the usual choice)."
@@ -283,12 +287,9 @@ class RuleFacts:
     def finished_rows_pad_id(self) -> int | None:
         """The id the rows that finish early are fed instead of `pad_token_id` (outside the vocabulary, where no user
         row can finish early: the dummy rows of `prefill_batch_buckets` finish at once), or `None`."""
-        settings = self.settings
-        if settings.pad_token_id is None or settings.vocab_size is None or settings.num_beams > 1:
-            return None
-        if settings.in_vocabulary(settings.pad_token_id):
-            return None
-        return settings.fill_token_id if self.padded_batch > self.rows else None
+        if self.pad_id_outside_vocabulary and self.padded_batch > self.rows:
+            return self.settings.fill_token_id
+        return None
 
 
 def _error_of(check, *args) -> str | None:
