@@ -550,8 +550,6 @@ def choose_side(call: ResolvedCall) -> PaddingSide:
             logger.warning_once(
                 f"`{PREFILL_PADDING_SIDE}='right'` is not exact for this call, so it is padded on the left: {reason}."
             )
-        if call.continued is None:
-            capped_bucket(settings, call.prompt_length)  # logs what happened to a prompt outside the buckets
         side = PaddingSide("left", reason, padded_length=facts.padded_length)
     else:
         warn_long_prompt(settings, call.prompt_length - call.past_length, facts.bucket)

@@ -187,10 +187,10 @@ class RuleFacts:
     @cached_property
     def padded_length(self) -> int:
         """A left-padded prompt's length: a continued conversation's, with the padding its cache holds in front; else
-        its bucket (`capped_bucket`)."""
+        its bucket (`capped_bucket`, which logs what happened to a prompt outside the buckets)."""
         if self.continued is not None:
             return self.prompt_length + self.continued.columns
-        return capped_bucket(self.settings, self.prompt_length, warn=False)
+        return capped_bucket(self.settings, self.prompt_length)
 
     @cached_property
     def room(self) -> tuple[str | None, str | None]:
