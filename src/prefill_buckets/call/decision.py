@@ -39,7 +39,8 @@ from ..config import BUCKET_FIELDS, PREFILL_BATCH_BUCKETS, PREFILL_BUCKETS, PREF
 from ..upstream import transformers_api
 from ..upstream.transformers_api import forward_takes
 from . import side_assumptions
-from .padding_side import PaddingSide, RuleFacts, capped_bucket, count, warn_long_prompt
+from .padding_side import RuleFacts, capped_bucket, count, warn_long_prompt
+from .plan import PaddingSide
 from .resolved import ResolvedCall
 from .side_assumptions import window_reason
 

@@ -1,5 +1,5 @@
 """The facts of one call that the rows of the decision (`decision.DECISION`) read, each computed once, when a row first
-asks (so only after the rows before it did not apply): `RuleFacts`. And what the decision returns: `PaddingSide`.
+asks (so only after the rows before it did not apply): `RuleFacts`.
 
 Right padding puts the pad tokens after the prompt: prefill runs the prompt with no attention mask (causal SDPA, as
 upstream runs an unpadded prompt), the first new token comes from the logits at the prompt's last position, and
@@ -9,7 +9,6 @@ own end, and decode masks each row's pad slots (`prefill_right.py`). That is exa
 the pads and each row's positions follow its tokens: the decision's `left` rows say where it is not.
 """
 
-from dataclasses import dataclass
 from functools import cached_property
 
 import torch
@@ -29,19 +28,6 @@ logger = logging.get_logger(__name__)
 
 # Model inputs the right-padded prefill knows: the prompt, its all-ones mask, and the cache.
 _RIGHT_INPUTS = ("input_ids", "inputs_embeds", "attention_mask", "cache", "past_key_values")
-
-
-@dataclass(frozen=True)
-class PaddingSide:
-    """How one call is padded, and why (`decision.choose_side`)."""
-
-    side: str  # "left", "right", or "unpadded" (the call runs upstream's unpadded path, exact)
-    reason: str
-    bucket: int | None = None  # right: the bucket of the new tokens (the prompt, less what the cache holds)
-    past_length: int = 0  # right: the tokens the cache already holds
-    padded_length: int | None = None  # left: the length the prompt is padded to in front
-    padded_batch: int | None = None  # the rows the batch is padded to with dummy rows (`prefill_batch_buckets`)
-    finished_rows_pad_id: int | None = None  # the id rows that finish early are fed, when not `pad_token_id`
 
 
 class RuleFacts:

@@ -12,7 +12,7 @@ padded batch, every check made): the user's dicts and tensors are never modified
 """
 
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from transformers.generation.stopping_criteria import StoppingCriteriaList
@@ -23,10 +23,6 @@ from .resolved import CallSettings, ResolvedCall, bos_prompt
 from .views import DummyRowsFinished, PromptStrippingStreamer
 
 
-if TYPE_CHECKING:  # `padding_side` reads `PER_TOKEN_KWARGS` from here
-    from .padding_side import PaddingSide
-
-
 logger = logging.get_logger(__name__)
 
 # Per-token model inputs that are padded along with the prompt, and their fill value. Position ids of masked
@@ -35,8 +31,21 @@ PER_TOKEN_KWARGS = {"attention_mask": 0, "position_ids": 0, "token_type_ids": 0,
 
 
 @dataclass(frozen=True)
+class PaddingSide:
+    """How one call is padded, and why (`decision.choose_side`)."""
+
+    side: str  # "left", "right", or "unpadded" (the call runs upstream's unpadded path, exact)
+    reason: str
+    bucket: int | None = None  # right: the bucket of the new tokens (the prompt, less what the cache holds)
+    past_length: int = 0  # right: the tokens the cache already holds
+    padded_length: int | None = None  # left: the length the prompt is padded to in front
+    padded_batch: int | None = None  # the rows the batch is padded to with dummy rows (`prefill_batch_buckets`)
+    finished_rows_pad_id: int | None = None  # the id rows that finish early are fed, when not `pad_token_id`
+
+
+@dataclass(frozen=True)
 class RightPadding:
-    """What only a right-padded call needs (`padding_side.py` chose the right): the `_prefill` hook pads its prompt."""
+    """What only a right-padded call needs (`decision.py` chose the right): the `_prefill` hook pads its prompt."""
 
     bucket: int  # the length the prompt's new tokens are padded to, after their end
     past_length: int = 0  # the tokens the cache held before the call
@@ -114,7 +123,7 @@ class Plan:
         return self.padded_length - self.prompt_length
 
 
-def plan_call(call: ResolvedCall, side: "PaddingSide") -> tuple[Plan, dict, dict]:
+def plan_call(call: ResolvedCall, side: PaddingSide) -> tuple[Plan, dict, dict]:
     """
     The plan of a bucketed call padded as `side` says (`side.side`: `"left"` or `"right"`), and the arguments
     upstream `generate` runs with. On the left the prompt and its per-token inputs are padded in front to
@@ -239,7 +248,7 @@ def _line_up_with_ragged_rows(attention_mask: torch.Tensor, ragged: torch.Tensor
     return torch.cat([lined_up, attention_mask[:, width:]], dim=1)
 
 
-def _plan_right(call: ResolvedCall, side: "PaddingSide") -> tuple:
+def _plan_right(call: ResolvedCall, side: PaddingSide) -> tuple:
     """
     The plan of a right-padded call: the prompt goes to upstream unpadded, and the `_prefill` hook pads it to
     `side.bucket`. Returns the plan and the call arguments.
