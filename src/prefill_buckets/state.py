@@ -92,8 +92,8 @@ class ModelState:
     # Right padding: why the layers of the static cache `generate` would make can't take it, by slots (`None`: they
     # can).
     right_padding_layers: dict[int, str | None] = field(default_factory=dict)
-    # Why the model can't be padded on a side whatever the call (`padding_side.SIDE_ASSUMPTIONS`), by side.
-    side_assumptions: dict[str, str | None] = field(default_factory=dict)
+    # Whether the model breaks an assumption of a padding side (`side_assumptions.model_breaks`), by predicate name.
+    side_assumptions: dict[str, bool] = field(default_factory=dict)
     # Ragged right padding: whether that cache has sliding-window layers, by slots.
     ragged_sliding_layers: dict[int, bool] = field(default_factory=dict)
     # The static cache the last finished call made and did not hand back, for the next call that makes one

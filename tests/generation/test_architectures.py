@@ -1,7 +1,7 @@
 # Architectures whose layout breaks an assumption of the package, each exact against upstream `generate` (issue 27):
 # a config that misstates its key/value heads (the early cache allocation), a model with buffers as long as its
 # positions (the cache length), a model for which generate makes no cache object, and models that can't be padded on
-# one side or on either (`padding_side.SIDE_ASSUMPTIONS`).
+# one side or on either (`side_assumptions.py`, rows of `decision.DECISION`).
 
 import logging as std_logging
 import unittest

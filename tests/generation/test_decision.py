@@ -1,5 +1,5 @@
 # The one decision of how a call is padded (`call/decision.py`): every reason a call runs unpadded is decided there,
-# before anything is padded, and is the reason the log names; `UNSUPPORTED` is data that the docs show.
+# before anything is padded, and is the reason the log names (the table, `DECISION`, and the docs: test_padding_rule.py).
 
 import random
 import re
@@ -13,45 +13,11 @@ from transformers.testing_utils import CaptureLogger
 from transformers.utils import logging
 
 import prefill_buckets
-from prefill_buckets.call import decision, generation
-from prefill_buckets.call.decision import UNSUPPORTED, unsupported_table
+from prefill_buckets.call import generation
 from prefill_buckets.upstream import candidates
 
 from .test_equivalence import get_model
-from .test_padding_rule import REFERENCE
 from .tiny_models import CACHE, tiny_llama
-
-
-def outcome_rows(text: str) -> list[str]:
-    """The rows of the `| case | outcome |` table in `text`, as lines."""
-    lines = text.splitlines()
-    start = lines.index("| case | outcome |")
-    rows = []
-    for line in lines[start + 2 :]:
-        if not line.startswith("|"):
-            break
-        rows.append(line)
-    return rows
-
-
-class UnsupportedTableTest(unittest.TestCase):
-    expected = unsupported_table().splitlines()[2:]
-
-    def test_reference_page_shows_the_table(self):
-        self.assertEqual(outcome_rows(REFERENCE.read_text(encoding="utf-8")), self.expected)
-
-    def test_docstring_shows_the_table(self):
-        self.assertEqual(outcome_rows(decision.__doc__), self.expected)
-
-    def test_positive_control(self):
-        text = REFERENCE.read_text(encoding="utf-8")
-        broken = text.replace(self.expected[1] + "\n" + self.expected[2], self.expected[2] + "\n" + self.expected[1])
-        self.assertNotEqual(broken, text)
-        self.assertNotEqual(outcome_rows(broken), self.expected)
-
-    def test_the_table_is_well_formed(self):
-        self.assertEqual(len({case.case for case in UNSUPPORTED}), len(UNSUPPORTED), "each case once")
-        self.assertTrue(UNSUPPORTED[0].error)  # an encoder-decoder model raises before any other case is read
 
 
 class OneDecisionTest(unittest.TestCase):

@@ -53,13 +53,19 @@ class HookRegistryTest(unittest.TestCase):
             hook_table(print)
 
     def test_compat_checks_every_declared_target(self):
-        # The check reads the declarations: a model class without any one hooked step raises, naming it.
+        # The check reads the declarations: a model class without any one hooked step raises, naming it; one whose
+        # step takes none of the parameters its hook declares it reads (and passes none on) raises, naming the first.
         for name, (reads, positional) in hook_targets().items():
             with self.subTest(name):
-                self.assertEqual((HOOKS[name].reads, HOOKS[name].positional), (reads, positional))
                 missing = type(f"Without{name}", (LlamaForCausalLM,), {name: None})
                 with self.assertRaisesRegex(RuntimeError, rf"`Without{name}\.{name}` does not exist"):
                     support.check_upstream(missing, generate=prefill_buckets.generate)
+                if reads:
+                    bare = type(f"Bare{name}", (LlamaForCausalLM,), {name: lambda self: None})
+                    with self.assertRaisesRegex(
+                        RuntimeError, rf"`Bare{name}\.{name}` takes no parameter `{reads[0]}`"
+                    ):
+                        support.check_upstream(bare, generate=prefill_buckets.generate)
 
     def test_keywords_the_hook_does_not_know_reach_the_method(self):
         # As if upstream passed `_prepare_generated_length` a new keyword: the hook changes what it reads and passes

@@ -3,8 +3,8 @@
 1. Resolve: `resolved.py` (the call's inputs and its `CallSettings`, the bucket fields and the generation values padding
    depends on, read once into a frozen `ResolvedCall`), with `kvcache.record.PassedCache` (the cache the call passes).
 2. Check support: `support.check_upstream` (the version gate, `upstream/gate.py`, given this subpackage's hooks).
-3. Decide: `decision.py`, the one decision of how the call is padded (left, right, or unpadded with its reason), with
-   the rule of `padding_side.py` (as data) and `side_assumptions.py` (what a model's code assumes).
+3. Decide: `decision.py`, the one decision of how the call is padded (left, right, or unpadded with its reason), one
+   table of rows over the call's facts (`padding_side.py`) and what a model's code assumes (`side_assumptions.py`).
 4. Plan: `plan.plan_call` makes the frozen `Plan` (`plan.py`): the prompt padded in front, or on the right by the
    `_prefill` hook; the batch padded with dummy rows.
 5. Agree across ranks: `distributed.ranks_agree` (above: it is also the user's, for `rank_path`).

@@ -1,89 +1,126 @@
-"""Steps 2 and 3 of a bucketed call: the one decision of how it is padded (`choose_side`).
+"""Step 3 of a bucketed call: the one decision of how it is padded (`choose_side`), from one table, `DECISION`.
 
-A call is padded on the left, on the right, or not at all: then it runs upstream's exact path, and the package logs
-the reason once. Inputs padding can't serve raise a `ValueError`. Every such reason is decided here, before anything is
-padded, in this order:
+A call is padded on the left, on the right, or not at all (it runs upstream's exact path, and the package logs the
+reason once), or it raises a `ValueError` for inputs padding can't serve. Every such case is a row of `DECISION`: a
+condition (a predicate over the call's facts, `padding_side.RuleFacts`, each fact computed once, when a row first asks),
+the outcome (`raise`, `unpadded`, `left` or `right`), why (in words, for the docs) and the reason the log or the error
+gives. The rows are checked in order, before anything is planned; the first that applies decides. The docs' What runs
+exactly page shows the table as `decision_table` renders it (`python -m prefill_buckets.call.decision`; a test checks
+the page against it, and that each row decides a case of its own). In order:
 
-1. `UNSUPPORTED`: calls padding can't serve on either side (a table; the first case that applies decides). This table
-   is made from it (`unsupported_table`), and the docs' What runs exactly page shows the same one (a test checks it):
+1. Calls padding can't serve on either side (a model that breaks an assumption of both, `side_assumptions`, too).
+2. Calls that can't be padded on the right (`RuleFacts.not_right`: the reason of the first `left` row of step 4 that
+   applies, so those rows are read once, for both) and that left padding can't serve either: a model that can't take
+   it (`side_assumptions`), a cache whose tokens sit in front of where the padding would go, a prompt that can't be
+   padded, no room in the cache for the padded call. And ids outside the vocabulary, on either side.
+3. The batch, on either side: a continued cache's rows that don't line up, dummy rows it can't bring back, a
+   `pad_token_id` the rows that finish early can't be fed.
+4. The side: `left` where right padding is not exact (a model that can't take it, the call's settings, its cache),
+   else `right` (the last row takes every call the others leave).
 
-{unsupported_table}
+Besides the outcome, the decision returns the batch bucket the dummy rows pad it to (`prefill_batch_buckets`, or why it
+keeps its rows, logged) and the pad id the rows that finish early are fed.
 
-2. The side, by the rule (`padding_side.RULE`).
-3. What left padding needs besides the rule: a model that takes it (`side_assumptions.py`), a cache whose tokens sit
-   behind padding (a left-padded call's; an unpadded or right-padded call's don't), a prompt that can be padded (or a
-   `ValueError`), and room in the cache for the padded call.
-4. The batch: the bucket dummy rows pad it to (`prefill_batch_buckets`), or why it keeps its rows; and the pad id the
-   rows that finish early are fed (a `ValueError` where it can't be looked up).
-
-One check stays in the run: a right-padded call whose `generate` makes no static cache (a model keeping its own) runs
-its prefill unpadded (`prefill_right.py`): upstream's cache step picks the cache, by the model's class and config.
+Two checks stay in the run, each for a case no fact before the call tells:
+- a right-padded call for which `generate` makes no static cache (a model keeping its own, RWKV) runs its prefill
+  unpadded (`prefill_right.py`): upstream's cache step picks the cache, by the model's class name, in a list that
+  changes between transformers versions (`test_architectures.py`: `test_right_padding_without_a_cache_object`);
+- a left-padded call whose model step drops a mask that hides tokens raises (`hooks._check_mask_passed_on`): the
+  table's `drops_the_mask` row probes the step once per model, and a step can drop the mask only on some calls
+  (`test_compat.py`: `test_a_step_that_drops_a_mask_hiding_pads_raises`).
 """
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-import torch
 from transformers.utils import logging
 
-from ..compile.compiled_calls import compiled_forward, is_aot_forward
-from ..config import (
-    BUCKET_FIELDS,
-    PREFILL_BATCH_BUCKETS,
-    PREFILL_BUCKETS,
-    PREFILL_PAD_TO_MULTIPLE_OF,
-    PREFILL_PADDING_SIDE,
-)
-from ..kvcache.sizing import room_reason
+from ..config import BUCKET_FIELDS, PREFILL_BATCH_BUCKETS, PREFILL_BUCKETS, PREFILL_PADDING_SIDE
+from ..upstream import transformers_api
 from ..upstream.transformers_api import forward_takes
-from .padding_side import PaddingSide, RuleFacts, rule_side
-from .plan import PER_TOKEN_KWARGS
-from .resolved import CallSettings, ResolvedCall
-from .side_assumptions import side_assumption_broken, window_reason
+from . import side_assumptions
+from .padding_side import RuleFacts, capped_bucket, count, warn_long_prompt
+from .plan import PaddingSide
+from .resolved import ResolvedCall
+from .side_assumptions import window_reason
 
 
 logger = logging.get_logger(__name__)
 
+__all__ = ["DECISION", "capped_bucket", "choose_side", "decision_table"]
+
+OUTCOMES = ("raise", "unpadded", "left", "right")
+
 
 @dataclass(frozen=True)
-class Unsupported:
-    """A call padding can't serve on either side: when `applies`, it runs unpadded (or, with `error`, raises)."""
+class Row:
+    """One case of the decision: a call for which `condition` holds has `outcome`, and says `reason`."""
 
-    case: str  # in words
-    applies: Callable[[RuleFacts], object]  # truthy when the case applies: what it returns is `why` below
-    reason: str  # what the call says: `reason.format(call=facts, why=what applies returned)`
-    error: bool = False  # a `ValueError`: nothing upstream runs would be what the user asked for
+    case: str  # when it applies, in words (the table's first column)
+    outcome: str  # one of `OUTCOMES`: "raise" is a `ValueError`
+    why: str  # why that outcome, in words (the table's third column)
+    condition: Callable[[RuleFacts], object]  # truthy when the row applies: what it returns is `{found}` in `reason`
+    reason: str  # what the log or the error says: `reason.format(call=facts, found=what condition returned)`
+
+    def check(self, facts: RuleFacts) -> str | None:
+        """The row's reason for the call, when it applies; else `None`."""
+        found = self.condition(facts)
+        return self.reason.format(call=facts, found=found) if found else None
 
 
-def _user_compiled(call: RuleFacts) -> str | None:
-    """How the user compiled the model's forward, or `None` (eager, or compiled by upstream: `compile_config`)."""
-    if call.call.wrapper is not None:
-        return "the `torch.compile(model)` wrapper"
-    if is_aot_forward(call.model):
-        return "`aot_forward`"
-    compiled = compiled_forward(call.model)
-    return f"`{compiled}`" if compiled is not None else None
+def _model_row(outcome: str, case: str, why: str, assumption: Callable, reason: str) -> Row:
+    """The row of a model that breaks one of a side's assumptions (`side_assumptions`), whatever the call: on the right,
+    the call is padded on the left; on the left (`unpadded`), where it can't be padded on the right either, unpadded;
+    on both (`neither`), unpadded."""
+    reason = f"`{{call.model_name}}`: {reason}"
+    if outcome in ("left", "neither"):  # neither: the model breaks the assumption on both sides
+        return Row(case, outcome.replace("neither", "unpadded"), why, lambda call: call.breaks(assumption), reason)
+    condition = lambda call: call.not_right and call.breaks(assumption)  # noqa: E731
+    return Row(
+        f"left only: {case}",
+        outcome,
+        why,
+        condition,
+        f"{reason}; and it is not padded on the right: {{call.not_right}}",
+    )
+
+
+def _dummy_rows_lost(call: RuleFacts) -> str | None:
+    """Why a continued cache's dummy rows (`prefill_batch_buckets`) can't come back in this call, or `None`."""
+    if call.continued is None or call.batch_kept_reason is None:
+        return None
+    return (
+        f"The cache passed in holds {count(call.wanted_batch - call.rows, 'dummy row')} of `{PREFILL_BATCH_BUCKETS}` "
+        f"after the {count(call.rows, 'prompt')} of the call that filled it, which this call can't bring back: "
+        f"{call.batch_kept_reason}. Leave `{PREFILL_BATCH_BUCKETS}` unset on the call that starts a conversation you "
+        "continue this way."
+    )
 
 
 _FIELDS = ", ".join(f"`{field}`" for field in BUCKET_FIELDS)
 
-# Checked in order; the first that applies decides.
-UNSUPPORTED = (
-    Unsupported(
+# The decision, in the order its rows are checked: the first that applies decides (the module docstring).
+DECISION = (
+    Row(
         "an encoder-decoder model",
+        "raise",
+        "its prompt goes to the encoder: pad it there",
         lambda call: call.model.config.is_encoder_decoder,
         f"The prefill bucket fields ({_FIELDS}) support decoder-only models, but {{call.model_name}} is an "
         "encoder-decoder model. Its prompt goes to the encoder: pad it there with the tokenizer's `pad_to_multiple_of` "
         "(any side, with the attention mask), and unset the fields.",
-        error=True,
     ),
-    Unsupported(
+    Row(
         "`custom_generate`",
+        "unpadded",
+        "it replaces the generation loop",
         lambda call: call.arguments.get("custom_generate") is not None,
         "`custom_generate` replaces the generation loop",
     ),
-    Unsupported(
+    Row(
         "continuous batching (`cache_implementation='paged'`)",
+        "unpadded",
+        "continuous batching pads by its own intervals",
         lambda call: call.model_kwargs.get("cache_implementation") == "paged",
         "`cache_implementation='paged'` switches to continuous batching, which pads by its own intervals when it "
         "compiles or captures CUDA graphs: each step's query tokens to a multiple of "
@@ -91,309 +128,437 @@ UNSUPPORTED = (
         "`kv_padding_interval_size`. Set those on the `ContinuousBatchingConfig` instead, or drop "
         "`cache_implementation='paged'` to use the buckets",
     ),
-    Unsupported(
+    Row(
         "a cache of recurrent layers only",
+        "unpadded",
+        "a state and no keys: the prompt can't be lined up with them",
         lambda call: call.passed.tokens is None or call.passed.recurrent_only,
         "the cache passed in has only recurrent (linear-attention) layers, which hold a state and no keys (before "
         "transformers 5.25 not even how many tokens they hold), so the prompt can't be lined up with them. Let "
         "`generate` create the cache",
     ),
-    Unsupported(
+    Row(
         "a forward without `attention_mask`",
+        "unpadded",
+        "padding could not be masked",
         lambda call: not forward_takes(call.model, "attention_mask"),
         "`{call.model_name}.forward` takes no `attention_mask`, so padding could not be masked",
     ),
-    Unsupported(
+    Row(
         "assisted or prompt-lookup decoding from `inputs_embeds` alone",
+        "unpadded",
+        "upstream cuts the mask to the ids, which hold no prompt",
         lambda call: call.decodes_candidates and call.embeds_only,
         "assisted and prompt-lookup decoding from `inputs_embeds` alone cut the attention mask to the ids, which hold "
         "no prompt: the padding's mask would be lost. Pass `input_ids` to bucket it",
     ),
-    Unsupported(
+    Row(
         "candidates drafted from what padding changes: the target's outputs (`use_mtp`, a Gemma 4 assistant, DFlash), "
         "or an assistant with another tokenizer",
+        "unpadded",
+        "padding would change the candidates, and sampled tokens",
         lambda call: call.decodes_candidates and call.drafter_padding_changes,
-        "{why} (upstream runs it on one unpadded row): padding would change the candidates, and sampled tokens",
+        "{found} (upstream runs it on one unpadded row): padding would change the candidates, and sampled tokens",
     ),
-    Unsupported(
+    Row(
         "assisted or prompt-lookup decoding with `output_hidden_states` or `output_attentions`",
+        "unpadded",
+        "upstream returns the first positions' states, which padding fills",
         lambda call: (
             call.decodes_candidates and (call.settings.output_hidden_states or call.settings.output_attentions)
         ),
         "upstream returns, for the tokens its first candidate check accepts after the first, the states of the "
         "sequence's first positions (`_split_model_outputs` slices from 0), which padding fills",
     ),
-    Unsupported(
+    Row(
         "assisted or prompt-lookup decoding on a static cache with sliding-window layers",
+        "unpadded",
+        "upstream crops the cache, which a sliding-window layer allows only within its window",
         lambda call: call.decodes_candidates and call.sliding_static_cache,
         "upstream crops the cache after each candidate check, which its static sliding-window layer allows only "
         "while the cache fits the window: padding could take the cache past it",
     ),
-    Unsupported(
+    Row(
         "token healing (`token_healing=True`)",
+        "unpadded",
+        "the padding would be decoded with the prompt",
         lambda call: call.settings.token_healing,
         "token healing decodes the prompt and tokenizes it again inside `generate`, then regenerates each prompt's "
         "last token in `generate` calls of its own: the padding would be decoded with the prompt",
     ),
-    Unsupported(
+    Row(
         "classifier-free guidance (`guidance_scale`) on a forward the user compiled",
-        lambda call: call.settings.guidance_scale not in (None, 1) and _user_compiled(call),
+        "unpadded",
+        "a new graph every step, which no bucket bounds",
+        lambda call: call.settings.guidance_scale not in (None, 1) and call.user_compiled,
         "classifier-free guidance (`guidance_scale={call.settings.guidance_scale}`) runs the model's forward from its "
         "logits processor at every step, on a view of the last token whose stride is the sequence's length, with a "
-        "cache that grows: the forward, compiled with {why}, compiles new graphs for those on every call, which no "
+        "cache that grows: the forward, compiled with {found}, compiles new graphs for those on every call, which no "
         "bucket bounds. Generate with a forward upstream compiles (`compile_config`) to bucket guided calls",
     ),
-    Unsupported(
+    Row(
         "no cache (`use_cache=False`) on a forward the user compiled",
-        lambda call: not call.settings.use_cache and _user_compiled(call),
+        "unpadded",
+        "a graph per step of every call, which no bucket bounds",
+        lambda call: not call.settings.use_cache and call.user_compiled,
         "without a cache (`use_cache=False`) every step's forward runs the whole sequence, a token longer than the "
-        "last: the forward, compiled with {why}, compiles a graph per step of every call, which no bucket bounds. "
+        "last: the forward, compiled with {found}, compiles a graph per step of every call, which no bucket bounds. "
         "Generate with a cache to bucket the call",
     ),
-    Unsupported(
+    Row(
         "chunked prefill (`prefill_chunk_size`) with PEFT's activated LoRA (`alora_offsets`)",
+        "unpadded",
+        "padding would move the ends of the chunks",
         lambda call: call.settings.prefill_chunk_size is not None and call.peft_from_the_end,
-        "PEFT passes the layers `{why}`, which count from each forward's last token, and padding in front would move "
+        "PEFT passes the layers `{found}`, which count from each forward's last token, and padding in front would move "
         "the ends of the prefill's chunks (`prefill_chunk_size={call.settings.prefill_chunk_size}`)",
     ),
-    Unsupported(
+    Row(
         "local attention windows counted from the cache's end (GPT-Neo), in a cache longer than the window",
+        "unpadded",
+        "upstream's tokens depend on its cache's length, which bucketing changes",
         window_reason,
-        "{why}",
+        "{found}",
+    ),
+    _model_row(
+        "neither",
+        "a model whose attention is not causal (`is_decoder=False`, and no attention module says `is_causal`)",
+        "the prompt would attend to the pads after it; masked pads in front change its tokens",
+        side_assumptions.attention_is_bidirectional,
+        "its attention is not causal (`is_decoder=False`): the prompt would attend to the pads after it, and masked "
+        "pads in front change such a model's tokens (measured on XLM-RoBERTa-XL)",
+    ),
+    _model_row(
+        "neither",
+        "attention that builds a dynamic mask from the keys over every slot it reads (Doge)",
+        "pads on either side would reach that mask",
+        side_assumptions.masks_from_keys,
+        "its attention builds a dynamic mask from the keys, which would see the pads after the prompt or in front",
+    ),
+    _model_row(
+        "unpadded",
+        "a forward without `position_ids` that counts positions from the cache (TrOCR, BART's decoder)",
+        "pads in front would shift every position",
+        side_assumptions.positions_count_from_the_cache,
+        "its forward takes no `position_ids` and counts positions from the cache, so pads in front would shift them",
+    ),
+    _model_row(
+        "unpadded",
+        "a model whose own `prepare_inputs_for_generation` drops the mask (XLNet)",
+        "pads in front would be attended",
+        side_assumptions.drops_the_mask,
+        "its `prepare_inputs_for_generation` does not pass the attention mask on",
+    ),
+    _model_row(
+        "unpadded",
+        "a forward that ignores the attention mask it takes (RWKV, CPM-Ant)",
+        "pads in front would be read",
+        side_assumptions.ignores_the_mask,
+        "its forward ignores the attention mask",
+    ),
+    _model_row(
+        "unpadded",
+        "a forward that adds the cache length to the positions it is given at decode (GIT)",
+        "pads in front would shift every position",
+        side_assumptions.adds_the_cache_length_to_positions,
+        "its forward adds the cache length to the positions at decode, so pads in front would shift them",
+    ),
+    _model_row(
+        "unpadded",
+        "attention that compresses the cached tokens in blocks (DeepSeek-V4)",
+        "pads in front would be pooled with real tokens",
+        side_assumptions.compresses_the_cache,
+        "its attention compresses the cached tokens in blocks, pads in front included",
+    ),
+    _model_row(
+        "unpadded",
+        "attention that repeats its keys into more heads than its queries have (a latent-attention config whose "
+        "`num_key_value_heads` is below `num_attention_heads`)",
+        "upstream's masked attention fails on it, and pads in front need the mask",
+        side_assumptions.repeats_keys_past_the_query_heads,
+        "its attention repeats its keys `num_key_value_groups` times into more heads than its queries have (a "
+        "latent-attention config whose `num_key_value_heads` is below `num_attention_heads`), which fails with the "
+        "attention mask that pads in front need: upstream runs only where it needs no mask",
+    ),
+    Row(
+        "left only: a cache passed in that holds an unpadded or right-padded call's tokens",
+        "unpadded",
+        "no padding can go in front of the cached tokens",
+        lambda call: call.not_right and call.filled_unpadded,
+        "the cache passed in already holds tokens from {found}, so the prompt can't be padded in front of them, and it "
+        "is not padded on the right: {call.not_right}. The call runs unpadded (exact output), and this prompt length "
+        "may compile a new graph",
+    ),
+    Row(
+        "left only: `input_ids` that are not an integer `[batch, length]` tensor",
+        "raise",
+        "the left path pads `[batch, length]` ids",
+        lambda call: call.not_right and call.ids_not_paddable,
+        "{found}",
+    ),
+    Row(
+        "left only: an empty prompt",
+        "raise",
+        "a prompt is padded up to a bucket: it needs a token",
+        lambda call: call.not_right and call.prompt is not None and call.prompt_length == 0,
+        f"The prompt is empty (0 tokens). `{PREFILL_BUCKETS}` pads a prompt up to a bucket, so it needs at least one "
+        "token: start the prompt with the BOS token.",
+    ),
+    Row(
+        "`input_ids` outside the model's vocabulary (on the right, from `input_ids` alone)",
+        "raise",
+        "the embedding can't look them up (an index error on CPU, a device assert on CUDA)",
+        lambda call: call.ids_outside_vocabulary,
+        "{found}",
+    ),
+    Row(
+        "left only: a cache passed in too short for the padded call, holding a bucketed call's padding",
+        "raise",
+        "the padding in the cache can't be left out, and a static cache does not grow",
+        lambda call: call.not_right and call.room[0],
+        "{found}",
+    ),
+    Row(
+        "left only: a cache passed in too short for the padded call",
+        "unpadded",
+        "upstream runs the unpadded call in it",
+        lambda call: call.not_right and call.room[1],
+        "{found}",
+    ),
+    Row(
+        "a cache passed in whose rows are not the rows of the call that filled it (or of a selection of them)",
+        "raise",
+        "the rows would not line up: a dummy row's tokens are nobody's",
+        lambda call: isinstance(call.continued_rows, str) and call.continued_rows,
+        "{found}",
+    ),
+    Row(
+        "a cache passed in that holds dummy rows (`prefill_batch_buckets`) this call can't bring back",
+        "raise",
+        "beam search, a per-row input, `negative_prompt_ids` or PEFT's per-row arguments",
+        lambda call: _dummy_rows_lost(call),
+        "{found}",
+    ),
+    Row(
+        "`pad_token_id` outside the vocabulary, with rows that can finish early",
+        "raise",
+        "a finished row is fed `pad_token_id`, which the embedding can't look up",
+        lambda call: call.finished_rows_error,
+        "{found}",
+    ),
+    Row(
+        f'`{PREFILL_PADDING_SIDE}="left"`',
+        "left",
+        "asked for",
+        lambda call: call.settings.padding_side == "left",
+        f"`{PREFILL_PADDING_SIDE}='left'`",
+    ),
+    _model_row(
+        "left",
+        "a forward without `position_ids` whose config states no `max_position_embeddings` (ALiBi from the mask)",
+        "the right-padded prefill passes no mask",
+        side_assumptions.positions_from_the_mask,
+        "its forward takes no `position_ids` and states no `max_position_embeddings`: positions come from the mask",
+    ),
+    _model_row(
+        "left",
+        "recurrent blocks that keep their state on their modules, outside the cache (RecurrentGemma)",
+        "the pads after the prompt would run into the state",
+        side_assumptions.keeps_a_state_on_its_modules,
+        "its recurrent blocks keep their state on their modules, outside the cache, and the pads after the prompt "
+        "would run into it",
+    ),
+    Row(
+        "assisted decoding (`assistant_model`, `assistant_early_exit`, `use_mtp`) or prompt lookup",
+        "left",
+        "upstream runs the prompt with the first candidates, not through its prefill step",
+        lambda call: call.decodes_candidates,
+        "assisted and prompt-lookup decoding run the prompt together with the first candidates",
+    ),
+    Row(
+        "chunked prefill (`prefill_chunk_size`)",
+        "left",
+        "a bucket is one forward; the chunk size bounds each forward",
+        lambda call: call.settings.prefill_chunk_size is not None,
+        "chunked prefill (`prefill_chunk_size`) bounds each forward's length, and a bucket is one forward",
+    ),
+    Row(
+        "no cache (`use_cache=False`)",
+        "left",
+        "not compiled: there is no graph to share",
+        lambda call: not call.settings.use_cache,
+        "there is no cache (`use_cache=False`) to write the prompt into",
+    ),
+    Row(
+        "`output_hidden_states`, `output_attentions`",
+        "left",
+        "per-position prefill outputs, which the left path strips",
+        lambda call: call.settings.output_hidden_states or call.settings.output_attentions,
+        "`output_hidden_states` and `output_attentions` return the prefill's per-position outputs",
+    ),
+    Row(
+        "attention other than sdpa and eager (flash, flex)",
+        "left",
+        "with a static cache they need the 2D mask",
+        lambda call: call.attention not in ("sdpa", "eager"),
+        "`{call.attention}` attention needs the attention mask with a static cache (right: sdpa and eager)",
+    ),
+    Row(
+        "a forward without `logits_to_keep`",
+        "left",
+        "it would compute logits for every pad position",
+        lambda call: not forward_takes(call.model, "logits_to_keep"),
+        "`{call.model_name}.forward` takes no `logits_to_keep`: it would compute every pad's logits",
+    ),
+    Row(
+        "other per-token or multimodal inputs",
+        "left",
+        "not padded on the right",
+        lambda call: call.other_inputs,
+        "the input `{call.other_inputs[0]}` is not padded on the right",
+    ),
+    Row(
+        "PEFT's activated LoRA (`alora_offsets`, which its hooks pass the layers)",
+        "left",
+        "the offsets count from each forward's last token",
+        lambda call: call.peft_from_the_end is not None,
+        "PEFT passes the layers `{call.peft_from_the_end}`, which count from each forward's last token: after the "
+        "prompt, those would be pads",
+    ),
+    Row(
+        "a prompt that is not a `[batch, length]` tensor",
+        "left",
+        "the left path raises the error",
+        lambda call: call.prompt is not None and (call.prompt.ndim < 2 or call.prompt.shape[1] == 0),
+        "the prompt is not a [batch, length] tensor",
+    ),
+    Row(
+        "a dynamic cache (or an offloaded one, or `'hybrid'`, which it makes dynamic) for `generate` to make",
+        "left",
+        "not compiled: there is no graph to share",
+        lambda call: call.cache is None and transformers_api.is_dynamic(call.settings.cache_implementation),
+        "the cache is not a static cache (a dynamic cache is not compiled: no graph to share)",
+    ),
+    Row(
+        "a cache passed in that is not a `StaticCache`",
+        "left",
+        "not compiled: there is no graph to share",
+        lambda call: call.cache is not None and not transformers_api.is_static_cache(call.cache),
+        "the cache passed in is a `{call.cache.__class__.__name__}`, not a `StaticCache`",
+    ),
+    Row(
+        "a cache filled by a left-padded call, or with dummy rows (`prefill_batch_buckets`)",
+        "left",
+        "the prompt must line up with the padding in the cache, and the batch with its rows",
+        lambda call: (
+            call.cache is not None
+            and call.continued is not None
+            and (call.continued.columns > 0 or call.continued.padded_rows != call.rows)
+        ),
+        "the cache holds a left-padded call's tokens or dummy rows, and the prompt must line up with them",
+    ),
+    Row(
+        "a cache filled by rows of different lengths",
+        "left",
+        "the prompt must line up with the padding in the cache (pass the first call's mask, then ones)",
+        lambda call: call.cache is not None and call.past_length and call.passed.ragged_rows is not None,
+        "the cache holds rows of different lengths, each at the start of its slots: a mask lines them up",
+    ),
+    Row(
+        "`inputs_embeds` continuing from a cache",
+        "left",
+        "not padded on the right",
+        lambda call: (
+            call.cache is not None and call.past_length and call.model_kwargs.get("inputs_embeds") is not None
+        ),
+        "`inputs_embeds` continuing from a cache are not padded on the right",
+    ),
+    Row(
+        "a cache that already holds the whole prompt",
+        "left",
+        "no new token to pad",
+        lambda call: call.prompt_length - call.past_length < 1,
+        "the cache already holds the whole prompt",
+    ),
+    Row(
+        "pad positions past `max_position_embeddings`",
+        "left",
+        "the model has no such positions",
+        lambda call: call.settings.max_positions is not None and call.slots > call.settings.max_positions,
+        "the pad positions would pass `max_position_embeddings={call.settings.max_positions}`",
+    ),
+    Row(
+        "recurrent or convolutional layers (Mamba, Jamba, LFM2), chunked attention, or a sliding window shorter than "
+        "the cached tokens plus the bucket",
+        "left",
+        "the pads would run through their state; the ring buffer would keep pads and drop real tokens",
+        lambda call: call.layers_reason is not None,
+        "{call.layers_reason}",
+    ),
+    Row(
+        "a `max_cache_len` shorter than the cached tokens plus the bucket",
+        "left",
+        "no room for the pads",
+        lambda call: (
+            call.cache is None and call.settings.max_cache_len is not None and call.settings.max_cache_len < call.slots
+        ),
+        "`max_cache_len={call.settings.max_cache_len}` is shorter than the {call.slots} slots the padded prompt fills",
+    ),
+    Row(
+        "a cache passed in shorter than the cached tokens plus the bucket",
+        "left",
+        "no room for the pads",
+        lambda call: call.cache is not None and call.cache_slots < call.slots,
+        "the cache passed in has {call.cache_slots} slots, fewer than the {call.slots} needed",
+    ),
+    Row(
+        "rows of different lengths padded on the right, with zeros between a row's tokens, an empty row, or a mask "
+        "other than 0/1 `[batch, length]`; or with a sliding window, continuing from a cache, or a forward without "
+        "`position_ids`",
+        "left",
+        "upstream reads a short right-padded row's first token at a pad position: only its mask reproduces that; the "
+        "window counts slots, not positions; cached rows line up through the mask; positions must follow each row",
+        lambda call: call.ragged_reason is not None,
+        "{call.ragged_reason}",
+    ),
+    Row(
+        "everything else: a static cache, attention layers, sdpa or eager attention, none of the cases above",
+        "right",
+        "exact",
+        lambda call: True,
+        "exact",
     ),
 )
 
 
-def unsupported_table() -> str:
-    """`UNSUPPORTED` as a markdown table, `| case | outcome |`, as the module docstring and the docs show it."""
-    rows = [f"| {case.case} | {'`ValueError`' if case.error else 'unpadded'} |" for case in UNSUPPORTED]
-    return "\n".join(["| case | outcome |", "| --- | --- |", *rows])
+def decision_table() -> str:
+    """`DECISION` as a markdown table, `| case | outcome | why |`, as the docs' What runs exactly page shows it."""
+    rows = [f"| {row.case} | {row.outcome} | {row.why} |" for row in DECISION]
+    return "\n".join(["| case | outcome | why |", "| --- | --- | --- |", *rows])
 
 
 def choose_side(call: ResolvedCall) -> PaddingSide:
-    """How `call` is padded (the module docstring), or a `ValueError` for inputs padding can't serve."""
-    facts = RuleFacts(call)
-    for case in UNSUPPORTED:
-        why = case.applies(facts)
-        if why:
-            reason = case.reason.format(call=facts, why=why)
-            if case.error:
-                raise ValueError(reason)
-            return PaddingSide("unpadded", reason)
-    side = rule_side(facts)
-    if side.side == "left":
-        side = _left(facts, side)
-        if side.side == "unpadded":
-            return side
-    else:
-        input_ids = call.input_ids
-        if call.inputs_embeds is None and input_ids is not None and input_ids.dtype in (torch.long, torch.int):
-            call.settings.check_ids_in_vocabulary(input_ids)
-        warn_long_prompt(call.settings, call.prompt_length - side.past_length, side.bucket)
-    padded_batch = _padded_batch(facts)
-    return replace(side, padded_batch=padded_batch, finished_rows_pad_id=_finished_rows_pad_id(call, padded_batch))
-
-
-def _left(facts: RuleFacts, side: PaddingSide) -> PaddingSide:
-    """A left-padded call's own conditions (step 3): the side with the padded length, or why it runs unpadded."""
-    call = facts.call
-    left_broken = side_assumption_broken(call.model, "left")
-    if left_broken is not None:
-        return PaddingSide("unpadded", f"{left_broken}; and it is not padded on the right: {side.reason}")
-    if call.cache is not None and call.past_length > 0 and call.continued is None:
-        filled_by = "a right-padded call" if call.passed.bucketing is not None else "an unpadded call"
-        return PaddingSide(
-            "unpadded",
-            f"the cache passed in already holds tokens from {filled_by}, so the prompt can't be padded in front of "
-            f"them, and it is not padded on the right: {side.reason}. The call runs unpadded (exact output), and this "
-            "prompt length may compile a new graph",
-        )
-    if call.settings.padding_side == "right":
-        logger.warning_once(
-            f"`{PREFILL_PADDING_SIDE}='right'` is not exact for this call, so it is padded on the left: {side.reason}."
-        )
-    padded_length = _left_padded_length(call)
-    reason = room_reason(call.settings, call.cache, call.continued is not None, call.prompt_length, padded_length)
-    if reason is not None:
+    """How `call` is padded: the first row of `DECISION` that applies (a `ValueError` for a `raise` row)."""
+    facts = RuleFacts(call, DECISION)
+    row, reason = next((row, reason) for row in DECISION if (reason := row.check(facts)))
+    if row.outcome == "raise":
+        raise ValueError(reason)
+    if row.outcome == "unpadded":
         return PaddingSide("unpadded", reason)
-    return replace(side, padded_length=padded_length)
-
-
-def _left_padded_length(call: ResolvedCall) -> int:
-    """A left-padded prompt's length: a continued conversation's, with the padding its cache holds in front; else its
-    bucket (`capped_bucket`). Raises `ValueError` for a prompt that can't be padded."""
-    input_ids, inputs_embeds = call.input_ids, call.inputs_embeds
-    if inputs_embeds is None and input_ids is not None:
-        if input_ids.ndim != 2 or input_ids.dtype not in (torch.long, torch.int):
-            raise ValueError(
-                f"`{PREFILL_BUCKETS}` pads `input_ids` of shape [batch, length] with an integer dtype, but got shape "
-                f"{tuple(input_ids.shape)} and dtype {input_ids.dtype}."
-            )
-    prompt_length = call.prompt_length
-    if call.prompt is not None and prompt_length == 0:
-        raise ValueError(
-            f"The prompt is empty (0 tokens). `{PREFILL_BUCKETS}` pads a prompt up to a bucket, so it needs at least "
-            "one token: start the prompt with the BOS token."
-        )
-    continued = call.continued
-    if input_ids is not None:
-        call.settings.check_ids_in_vocabulary(input_ids)
-    if continued is not None:
-        return prompt_length + continued.columns
-    return capped_bucket(call.settings, prompt_length)
-
-
-def _continued_rows(call: ResolvedCall) -> int:
-    """
-    The rows a call that continues a bucketed call's cache runs with: the cache's. Where the cache holds the rows the
-    call that filled it left (its rows, then the dummy rows of `prefill_batch_buckets`), the call passes the rows it
-    generated, and the dummy rows come back; where the user has selected rows since (`batch_select_indices`), it passes
-    those. Raises `ValueError` for any other count: the rows would not line up (a dummy row's tokens are nobody's).
-    """
-    continued, expand = call.continued, call.settings.rows_per_prompt  # upstream runs each prompt as `expand` rows
-    held = call.passed.rows if call.passed.rows is not None else continued.padded_rows
-    if held % expand == 0:
-        if held == continued.padded_rows:
-            if call.rows * expand == continued.rows:
-                return held // expand
-        elif call.rows * expand == held:
-            return held // expand
-    dummy_rows = continued.padded_rows - continued.rows if held == continued.padded_rows else 0
-    dummies = f", then {_count(dummy_rows, 'dummy row')} of `{PREFILL_BATCH_BUCKETS}`" if dummy_rows else ""
-    each = f" of {expand} rows each" if expand > 1 else ""
-    raise ValueError(
-        f"The cache passed in holds {held} rows (the {_count(held - dummy_rows, 'row')} of the call that filled it"
-        f"{dummies}), but this call has {_count(call.rows, 'prompt')}{each}. Continue a cache with the rows that "
-        "filled it, one prompt each (a returned `sequences`, with your new tokens)."
-    )
-
-
-def _count(number: int, thing: str) -> str:
-    return f"{number} {thing}" + ("" if number == 1 else "s")
-
-
-def _padded_batch(facts: RuleFacts) -> int:
-    """The rows the call's batch is padded to (step 4): its batch bucket, or its own rows, with the reason logged. A call
-    that continues a cache brings back the dummy rows the call that filled it added, and raises where it can't."""
-    call = facts.call
-    rows, policy, continued = call.rows, call.settings.batch_policy, call.continued
-    if continued is not None:
-        padded_batch = _continued_rows(call)
-    elif policy is not None:
-        padded_batch = policy.bucket(rows)
-    else:
-        return rows
-    if padded_batch == rows:
-        return rows
-    known = {"input_ids", "inputs_embeds", *PER_TOKEN_KWARGS}
-    per_row = sorted(
-        k
-        for k, v in call.model_kwargs.items()
-        if isinstance(v, torch.Tensor) and k not in known and v.shape[:1] == (rows,)
-    )
-    reason = None
-    if call.settings.num_beams > 1:
-        reason = "beam search ranks rows together"
-    elif per_row:
-        reason = f"it can't pad the per-row input {per_row[0]!r}"
-    elif call.arguments.get("negative_prompt_ids") is not None:
-        reason = "it can't pad `negative_prompt_ids`"
-    elif facts.peft_row_arguments:
-        reason = f"it can't pad the per-row `{next(iter(facts.peft_row_arguments))}` PEFT passes the layers"
-    if reason is not None and continued is not None:
-        raise ValueError(
-            f"The cache passed in holds {_count(padded_batch - rows, 'dummy row')} of `{PREFILL_BATCH_BUCKETS}` after "
-            f"the {_count(rows, 'prompt')} of the call that filled it, which this call can't bring back: {reason}. "
-            f"Leave `{PREFILL_BATCH_BUCKETS}` unset on the call that starts a conversation you continue this way."
-        )
-    if reason is not None:
-        logger.warning_once(f"`{PREFILL_BATCH_BUCKETS}` is not applied to this call: {reason}.")
-        return rows
-    return padded_batch
-
-
-def _finished_rows_pad_id(call: ResolvedCall, padded_batch: int) -> int | None:
-    """
-    Checks the pad id against the rows that finish early; returns the id finished rows are fed instead, or `None`.
-    Upstream feeds a row that finished early `pad_token_id`, which outside the vocabulary fails at the embedding (an
-    index error on CPU, a device assert on CUDA). Raises `ValueError` when a user's row can finish early: there is more
-    than one (and no beam search, which feeds no finished beam), and an eos id in the vocabulary, `stop_strings` or
-    stopping criteria could finish it. The dummy rows of `prefill_batch_buckets` finish at once: when no user row can
-    finish early, finished rows are fed an id in the vocabulary instead, and no user row ever is.
-    """
     settings = call.settings
-    pad_token_id = settings.pad_token_id
-    if pad_token_id is None or settings.vocab_size is None or settings.num_beams > 1:
-        return None
-    if settings.in_vocabulary(pad_token_id):
-        return None
-    rows = call.rows * settings.rows_per_prompt
-    eos_in_vocabulary = any(map(settings.in_vocabulary, settings.eos_token_ids))
-    can_finish_early = [
-        reason
-        for reason, present in (
-            (f"the eos ids {list(settings.eos_token_ids)} are in it", eos_in_vocabulary),
-            ("`stop_strings` is set", bool(settings.stop_strings)),
-            ("`stopping_criteria` are passed", bool(call.arguments.get("stopping_criteria"))),
-        )
-        if present
-    ]
-    if rows > 1 and can_finish_early:
-        raise ValueError(
-            f"`pad_token_id` is {pad_token_id}, outside the model's vocabulary (valid ids: 0 to "
-            f"{settings.vocab_size - 1}). This call generates {rows} rows and a row can finish before the others "
-            f"({', '.join(can_finish_early)}): it is then filled with `pad_token_id` and fed back to the model, which "
-            "can't look it up. Set `pad_token_id` to an id in the vocabulary (the eos token id is the usual choice)."
-        )
-    return settings.fill_token_id if padded_batch > call.rows else None
+    if row.outcome == "left":
+        if settings.padding_side == "right":
+            logger.warning_once(
+                f"`{PREFILL_PADDING_SIDE}='right'` is not exact for this call, so it is padded on the left: {reason}."
+            )
+        side = PaddingSide("left", reason, padded_length=facts.padded_length)
+    else:
+        warn_long_prompt(settings, call.prompt_length - call.past_length, facts.bucket)
+        side = PaddingSide("right", reason, bucket=facts.bucket, past_length=call.past_length)
+    if facts.batch_kept_reason is not None:
+        logger.warning_once(f"`{PREFILL_BATCH_BUCKETS}` is not applied to this call: {facts.batch_kept_reason}.")
+    return replace(side, padded_batch=facts.padded_batch, finished_rows_pad_id=facts.finished_rows_pad_id)
 
 
-def capped_bucket(settings: CallSettings, prompt_length: int, warn: bool = True) -> int:
-    """The bucket of a prompt, capped at the model's `max_position_embeddings` (a longer prompt is not padded). With
-    `warn`, logs what happened to a prompt outside the buckets, one warning per call (`warn_long_prompt`)."""
-    padded_length = settings.policy.bucket(prompt_length)
-    max_positions = settings.max_positions
-    if max_positions is not None and padded_length > max_positions:
-        capped = max(prompt_length, max_positions)
-        if warn:
-            warn_long_prompt(settings, prompt_length, capped, uncapped=padded_length)
-        return capped
-    if warn:
-        warn_long_prompt(settings, prompt_length, padded_length)
-    return padded_length
-
-
-def warn_long_prompt(settings: CallSettings, prompt_length: int, padded_length: int, uncapped: int | None = None):
-    """
-    The one warning for a prompt outside the buckets, saying what was done with it; nothing for a prompt inside them.
-
-    - longer than `max_position_embeddings`: not padded, so each such length is a graph of its own;
-    - its bucket (`uncapped`) longer than `max_position_embeddings`: padded to that instead. Every such prompt gets
-      that one length, so the text names no prompt, and it is logged once;
-    - longer than the largest listed bucket: padded to a multiple of it, a graph per such length.
-    """
-    policy, max_positions = settings.policy, settings.max_positions
-    if uncapped is not None and padded_length == prompt_length and prompt_length > max_positions:
-        logger.warning_once(
-            f"A prompt of {prompt_length} tokens is longer than the model's `max_position_embeddings` "
-            f"({max_positions}), so it is not padded: it runs at its own length, and each such length compiles a new "
-            "graph. The model was not built for sequences this long."
-        )
-    elif uncapped is not None:
-        logger.warning_once(
-            f"Buckets longer than the model's `max_position_embeddings` ({max_positions}) have more positions than the "
-            f"model has, so a prompt of at most {max_positions} tokens whose bucket is longer ({policy}) is padded to "
-            f"{max_positions} instead: those prompts share one length, and its compiled graph. Make {max_positions} "
-            "your largest bucket to say so."
-        )
-    elif policy.exceeds_buckets(prompt_length):
-        multiple = policy.pad_to_multiple_of or policy.largest_bucket
-        logger.warning_once(
-            f"A prompt of {prompt_length} tokens is longer than the largest of `{PREFILL_BUCKETS}` "
-            f"({policy.largest_bucket}), so it is padded to {padded_length}, the next multiple of {multiple}. Each such "
-            f"length compiles a new graph: add a larger bucket, or set `{PREFILL_PAD_TO_MULTIPLE_OF}` to choose the "
-            "length for long prompts."
-        )
-
-
-__doc__ = __doc__.replace("{unsupported_table}", unsupported_table())
+if __name__ == "__main__":  # the table for the docs' What runs exactly page: `python -m prefill_buckets.call.decision`
+    print(decision_table())

@@ -6,7 +6,7 @@ Upstream `generate` does all the real work. One bucketed call, in the steps `gen
    `ResolvedCall` that every later step reads (`resolved.py`).
 2. Check support: the hooked upstream steps exist (`check_upstream`, the version gate).
 3. Decide: the one decision of how the call is padded, left, right or unpadded (with the reason the log names), or a
-   `ValueError` for inputs padding can't serve (`decision.choose_side`, with the rule of `padding_side.py`).
+   `ValueError` for inputs padding can't serve (`decision.choose_side`, one table of rows, `decision.DECISION`).
 4. Plan: the prompt padded to its bucket and the batch to its batch bucket; a frozen `Plan` says what was added
    (`plan.plan_call`).
 5. Agree across ranks: steps 1 to 4 run inside `distributed.ranks_agree`, so under tensor parallelism no rank raises
@@ -60,7 +60,7 @@ def generate(model, *args, **kwargs):
     `prefill_buckets`, `prefill_batch_buckets` and `prefill_padding_side` (as keyword arguments or on
     `generation_config`). When none of the first three is set, this is upstream `generate`, unchanged. When one is
     set, the prompt is padded to its bucket (and the batch, with `prefill_batch_buckets`, to its bucket with dummy
-    rows): on the right, with no mask, where that is exact (`prefill_padding_side`, see `padding_side.py`), else on
+    rows): on the right, with no mask, where that is exact (`prefill_padding_side`, see `decision.py`), else on
     the left with masked pad tokens; upstream `generate` runs, and the padding is stripped again: the returned
     sequences have the shape and ids of an unpadded run, and `max_new_tokens`, `max_length` and `min_length` mean
     what they mean without padding.

@@ -1,78 +1,43 @@
-"""Which side a call's bucket padding goes: the one rule (`RULE`, `rule_side`), from the call's settings and arguments.
+"""The facts of one call that the rows of the decision (`decision.DECISION`) read, each computed once, when a row first
+asks (so only after the rows before it did not apply): `RuleFacts`.
 
 Right padding puts the pad tokens after the prompt: prefill runs the prompt with no attention mask (causal SDPA, as
 upstream runs an unpadded prompt), the first new token comes from the logits at the prompt's last position, and
 decode starts at the prompt's length, overwriting the pad slots of the static cache one by one (the causal mask hides
 those not yet written). Rows of different lengths (a batch the tokenizer padded on the left) are padded each after its
 own end, and decode masks each row's pad slots (`prefill_right.py`). That is exact only where every layer can forget
-the pads and each row's positions follow its tokens. Where it is not, the call is left-padded (masked), as before.
-
-The rule is data: `RULE`, its cases in the order they are checked, the first that applies deciding. This table is
-made from it (`rule_table`), and the docs' What runs exactly page (`reference.md`) shows the same one (a test
-checks it):
-
-{rule_table}
-
-With `"auto"` (the default) the rule picks; an explicit `"right"` where the rule says left logs the reason, once, and
-pads on the left: never silently wrong.
-
-The rule is one part of the call's one decision (`decision.choose_side`): before it, the calls padding can't serve on
-either side; after it, what left padding needs besides (a model that can take it, `side_assumptions.SIDE_ASSUMPTIONS`,
-and room in the cache). Where neither side is exact the call runs unpadded, exact, and the package logs why, once.
+the pads and each row's positions follow its tokens: the decision's `left` rows say where it is not.
 """
 
-from collections.abc import Callable
-from dataclasses import dataclass
 from functools import cached_property
 
 import torch
+from transformers.utils import logging
 
-from ..config import PREFILL_PADDING_SIDE
+from ..compile.compiled_calls import compiled_forward, is_aot_forward
+from ..config import PREFILL_BATCH_BUCKETS, PREFILL_BUCKETS, PREFILL_PAD_TO_MULTIPLE_OF
+from ..kvcache.sizing import room_reason
 from ..upstream import candidates, transformers_api
 from ..upstream.transformers_api import forward_takes
+from .plan import PER_TOKEN_KWARGS
 from .resolved import CallSettings
-from .side_assumptions import (
-    cache_has_sliding_layers,
-    cache_layers_reason,
-    peft_row_arguments,
-    side_assumption_broken,
-)
+from .side_assumptions import cache_has_sliding_layers, cache_layers_reason, model_breaks, peft_row_arguments
 
+
+logger = logging.get_logger(__name__)
 
 # Model inputs the right-padded prefill knows: the prompt, its all-ones mask, and the cache.
 _RIGHT_INPUTS = ("input_ids", "inputs_embeds", "attention_mask", "cache", "past_key_values")
 
 
-@dataclass(frozen=True)
-class PaddingSide:
-    """How one call is padded, and why (`decision.choose_side`)."""
-
-    side: str  # "left", "right", or "unpadded" (the call runs upstream's unpadded path, exact)
-    reason: str
-    bucket: int | None = None  # right: the bucket of the new tokens (the prompt, less what the cache holds)
-    past_length: int = 0  # right: the tokens the cache already holds
-    padded_length: int | None = None  # left: the length the prompt is padded to in front
-    padded_batch: int | None = None  # the rows the batch is padded to with dummy rows (`prefill_batch_buckets`)
-    finished_rows_pad_id: int | None = None  # the id rows that finish early are fed, when not `pad_token_id`
-
-
-def rule_side(call: "RuleFacts") -> PaddingSide:
-    """The side of the first case of `RULE` that applies to the call (see the module docstring for the rule)."""
-    case = next(case for case in RULE if case.condition is None or case.condition(call))
-    reason = case.reason.format(call=call)
-    if case.side == "right":
-        return PaddingSide("right", reason, bucket=call.bucket, past_length=call.past_length)
-    return PaddingSide(case.side, reason)
-
-
 class RuleFacts:
     """
-    What the rule reads of one call (a `ResolvedCall`), each derived fact read once, when a case first asks (so only
-    after the cases before it did not apply).
+    What the decision's rows (`table`) read of one call (a `ResolvedCall`), each derived fact read once, when a row first
+    asks (so only after the rows before it did not apply).
     """
 
-    def __init__(self, call):
-        self.call = call
+    def __init__(self, call, table):
+        self.call, self.table = call, table
         self.model, self.settings, self.passed = call.model, call.settings, call.passed
         self.arguments, self.model_kwargs = call.arguments, call.model_kwargs
         self.cache, self.prompt, self.continued = call.cache, call.prompt, call.continued
@@ -147,10 +112,6 @@ class RuleFacts:
         return transformers_api.static_cache_slots(self.cache)
 
     @cached_property
-    def right_broken(self) -> str | None:
-        return side_assumption_broken(self.model, "right")
-
-    @cached_property
     def layers_reason(self) -> str | None:
         return cache_layers_reason(self.model, self.cache, self.slots)
 
@@ -160,204 +121,248 @@ class RuleFacts:
             self.model, self.settings, self.model_kwargs, self.prompt, self.past_length, self.cache, self.slots
         )
 
+    @cached_property
+    def not_right(self) -> str | None:
+        """Why the call is not padded on the right: the reason of the first `left` row that applies, or `None`."""
+        return next((reason for row in self.table if row.outcome == "left" and (reason := row.check(self))), None)
 
-@dataclass(frozen=True)
-class Case:
-    """One case of the rule: a call for which `condition` holds is padded on `side`, and says `reason`."""
+    def breaks(self, assumption) -> bool:
+        """Whether the model breaks a padding side's `assumption` (`side_assumptions`), asked once per model."""
+        return model_breaks(self.model, assumption)
 
-    case: str  # when it applies, in words (the table's first column)
-    side: str  # "left" or "right"
-    why: str  # in words (the table's third column)
-    # True when the case applies (read after the cases before it did not); `None` for the last case, which takes every
-    # call the others leave.
-    condition: Callable[["RuleFacts"], object] | None
-    reason: str  # what the call says, with its figures: `reason.format(call=call)`
+    @cached_property
+    def user_compiled(self) -> str | None:
+        """How the user compiled the model's forward, or `None` (eager, or compiled by upstream: `compile_config`)."""
+        if self.call.wrapper is not None:
+            return "the `torch.compile(model)` wrapper"
+        if is_aot_forward(self.model):
+            return "`aot_forward`"
+        compiled = compiled_forward(self.model)
+        return f"`{compiled}`" if compiled is not None else None
 
+    @cached_property
+    def filled_unpadded(self) -> str | None:
+        """Whose tokens a cache passed in holds, when no padding can go in front of them (not a bucketed call's)."""
+        if self.cache is None or self.past_length <= 0 or self.continued is not None:
+            return None
+        return "a right-padded call" if self.passed.bucketing is not None else "an unpadded call"
 
-# The rule, in the order its cases are checked: the first that applies decides. The module docstring's table is made
-# from it, and `tests/generation/test_padding_rule.py` checks the docs' page's.
-RULE = (
-    Case(
-        f'`{PREFILL_PADDING_SIDE}="left"`',
-        "left",
-        "asked for",
-        lambda call: call.settings.padding_side == "left",
-        f"`{PREFILL_PADDING_SIDE}='left'`",
-    ),
-    Case(
-        "a model that can't take right padding (`SIDE_ASSUMPTIONS`: not causal, ALiBi from the mask, Doge)",
-        "left",
-        "the pads after the prompt would reach its real tokens",
-        lambda call: call.right_broken is not None,
-        "{call.right_broken}",
-    ),
-    Case(
-        "assisted decoding (`assistant_model`, `assistant_early_exit`, `use_mtp`) or prompt lookup",
-        "left",
-        "upstream runs the prompt with the first candidates, not through its prefill step",
-        lambda call: call.decodes_candidates,
-        "assisted and prompt-lookup decoding run the prompt together with the first candidates",
-    ),
-    Case(
-        "chunked prefill (`prefill_chunk_size`)",
-        "left",
-        "a bucket is one forward; the chunk size bounds each forward",
-        lambda call: call.settings.prefill_chunk_size is not None,
-        "chunked prefill (`prefill_chunk_size`) bounds each forward's length, and a bucket is one forward",
-    ),
-    Case(
-        "no cache (`use_cache=False`)",
-        "left",
-        "not compiled: there is no graph to share",
-        lambda call: not call.settings.use_cache,
-        "there is no cache (`use_cache=False`) to write the prompt into",
-    ),
-    Case(
-        "`output_hidden_states`, `output_attentions`",
-        "left",
-        "per-position prefill outputs, which the left path strips",
-        lambda call: call.settings.output_hidden_states or call.settings.output_attentions,
-        "`output_hidden_states` and `output_attentions` return the prefill's per-position outputs",
-    ),
-    Case(
-        "attention other than sdpa and eager (flash, flex)",
-        "left",
-        "with a static cache they need the 2D mask",
-        lambda call: call.attention not in ("sdpa", "eager"),
-        "`{call.attention}` attention needs the attention mask with a static cache (right: sdpa and eager)",
-    ),
-    Case(
-        "a forward without `logits_to_keep`",
-        "left",
-        "it would compute logits for every pad position",
-        lambda call: not forward_takes(call.model, "logits_to_keep"),
-        "`{call.model_name}.forward` takes no `logits_to_keep`: it would compute every pad's logits",
-    ),
-    Case(
-        "other per-token or multimodal inputs",
-        "left",
-        "not padded on the right",
-        lambda call: call.other_inputs,
-        "the input `{call.other_inputs[0]}` is not padded on the right",
-    ),
-    Case(
-        "PEFT's activated LoRA (`alora_offsets`, which its hooks pass the layers)",
-        "left",
-        "the offsets count from each forward's last token",
-        lambda call: call.peft_from_the_end is not None,
-        "PEFT passes the layers `{call.peft_from_the_end}`, which count from each forward's last token: after the "
-        "prompt, those would be pads",
-    ),
-    Case(
-        "a prompt that is not a `[batch, length]` tensor",
-        "left",
-        "the left path raises the error",
-        lambda call: call.prompt is not None and (call.prompt.ndim < 2 or call.prompt.shape[1] == 0),
-        "the prompt is not a [batch, length] tensor",
-    ),
-    Case(
-        "a dynamic cache (or an offloaded one, or `'hybrid'`, which it makes dynamic) for `generate` to make",
-        "left",
-        "not compiled: there is no graph to share",
-        lambda call: call.cache is None and transformers_api.is_dynamic(call.settings.cache_implementation),
-        "the cache is not a static cache (a dynamic cache is not compiled: no graph to share)",
-    ),
-    Case(
-        "a cache passed in that is not a `StaticCache`",
-        "left",
-        "not compiled: there is no graph to share",
-        lambda call: call.cache is not None and not transformers_api.is_static_cache(call.cache),
-        "the cache passed in is a `{call.cache.__class__.__name__}`, not a `StaticCache`",
-    ),
-    Case(
-        "a cache filled by a left-padded call, or with dummy rows (`prefill_batch_buckets`)",
-        "left",
-        "the prompt must line up with the padding in the cache, and the batch with its rows",
-        lambda call: (
-            call.cache is not None
-            and call.continued is not None
-            and (call.continued.columns > 0 or call.continued.padded_rows != call.rows)
-        ),
-        "the cache holds a left-padded call's tokens or dummy rows, and the prompt must line up with them",
-    ),
-    Case(
-        "a cache filled by rows of different lengths",
-        "left",
-        "the prompt must line up with the padding in the cache (pass the first call's mask, then ones)",
-        lambda call: call.cache is not None and call.past_length and call.passed.ragged_rows is not None,
-        "the cache holds rows of different lengths, each at the start of its slots: a mask lines them up",
-    ),
-    Case(
-        "`inputs_embeds` continuing from a cache",
-        "left",
-        "not padded on the right",
-        lambda call: (
-            call.cache is not None and call.past_length and call.model_kwargs.get("inputs_embeds") is not None
-        ),
-        "`inputs_embeds` continuing from a cache are not padded on the right",
-    ),
-    Case(
-        "a cache that already holds the whole prompt",
-        "left",
-        "no new token to pad",
-        lambda call: call.prompt_length - call.past_length < 1,
-        "the cache already holds the whole prompt",
-    ),
-    Case(
-        "pad positions past `max_position_embeddings`",
-        "left",
-        "the model has no such positions",
-        lambda call: call.settings.max_positions is not None and call.slots > call.settings.max_positions,
-        "the pad positions would pass `max_position_embeddings={call.settings.max_positions}`",
-    ),
-    Case(
-        "recurrent or convolutional layers (Mamba, Jamba, LFM2), chunked attention, or a sliding window shorter than "
-        "the cached tokens plus the bucket",
-        "left",
-        "the pads would run through their state; the ring buffer would keep pads and drop real tokens",
-        lambda call: call.layers_reason is not None,
-        "{call.layers_reason}",
-    ),
-    Case(
-        "a `max_cache_len` shorter than the cached tokens plus the bucket",
-        "left",
-        "no room for the pads",
-        lambda call: (
-            call.cache is None and call.settings.max_cache_len is not None and call.settings.max_cache_len < call.slots
-        ),
-        "`max_cache_len={call.settings.max_cache_len}` is shorter than the {call.slots} slots the padded prompt fills",
-    ),
-    Case(
-        "a cache passed in shorter than the cached tokens plus the bucket",
-        "left",
-        "no room for the pads",
-        lambda call: call.cache is not None and call.cache_slots < call.slots,
-        "the cache passed in has {call.cache_slots} slots, fewer than the {call.slots} needed",
-    ),
-    Case(
-        "rows of different lengths padded on the right, with zeros between a row's tokens, an empty row, or a mask "
-        "other than 0/1 `[batch, length]`; or with a sliding window, continuing from a cache, or a forward without "
-        "`position_ids`",
-        "left",
-        "upstream reads a short right-padded row's first token at a pad position: only its mask reproduces that; the "
-        "window counts slots, not positions; cached rows line up through the mask; positions must follow each row",
-        lambda call: call.ragged_reason is not None,
-        "{call.ragged_reason}",
-    ),
-    Case(
-        "everything else: a static cache, attention layers, sdpa or eager attention, none of the cases above",
-        "right",
-        "exact",
-        None,
-        "exact",
-    ),
-)
+    @cached_property
+    def ids_not_paddable(self) -> str | None:
+        """The error for `input_ids` (the prompt) that are not an integer `[batch, length]` tensor, or `None`."""
+        ids = self.call.input_ids
+        if self.call.inputs_embeds is not None or ids is None:
+            return None
+        if ids.ndim == 2 and ids.dtype in (torch.long, torch.int):
+            return None
+        return (
+            f"`{PREFILL_BUCKETS}` pads `input_ids` of shape [batch, length] with an integer dtype, but got shape "
+            f"{tuple(ids.shape)} and dtype {ids.dtype}."
+        )
+
+    @cached_property
+    def ids_outside_vocabulary(self) -> str | None:
+        """The error for `input_ids` the embedding can't look up, when the call is padded on either side, or `None`."""
+        ids = self.call.input_ids
+        if ids is None or not (
+            self.not_right or (self.call.inputs_embeds is None and ids.dtype in (torch.long, torch.int))
+        ):
+            return None
+        return _error_of(self.settings.check_ids_in_vocabulary, ids)
+
+    @cached_property
+    def padded_length(self) -> int:
+        """A left-padded prompt's length: a continued conversation's, with the padding its cache holds in front; else
+        its bucket (`capped_bucket`, which logs what happened to a prompt outside the buckets)."""
+        if self.continued is not None:
+            return self.prompt_length + self.continued.columns
+        return capped_bucket(self.settings, self.prompt_length)
+
+    @cached_property
+    def room(self) -> tuple[str | None, str | None]:
+        """A left-padded call against the cache it writes (`room_reason`): `(why it can't run, why it runs unpadded)`,
+        `(None, None)` where it fits. It can't run where the cache holds a bucketed call's padding."""
+        try:
+            return None, room_reason(
+                self.settings, self.cache, self.continued is not None, self.prompt_length, self.padded_length
+            )
+        except ValueError as error:
+            return str(error), None
+
+    @cached_property
+    def continued_rows(self) -> int | str | None:
+        """The rows a call that continues a bucketed call's cache runs with (`_continued_rows`), why they can't line up
+        (a string), or `None` for a call that continues none."""
+        return _continued_rows(self) if self.continued is not None else None
+
+    @cached_property
+    def wanted_batch(self) -> int:
+        """The rows the batch would be padded to: a continued cache's, or the batch bucket, or its own."""
+        if self.continued is not None:
+            return self.continued_rows
+        policy = self.settings.batch_policy
+        return policy.bucket(self.rows) if policy is not None else self.rows
+
+    @cached_property
+    def batch_kept_reason(self) -> str | None:
+        """Why the batch keeps its rows though `wanted_batch` has more (dummy rows the call can't pad), or `None`."""
+        if self.wanted_batch == self.rows:
+            return None
+        known = {"input_ids", "inputs_embeds", *PER_TOKEN_KWARGS}
+        kwargs = self.model_kwargs
+        per_row = sorted(
+            k
+            for k, v in kwargs.items()
+            if isinstance(v, torch.Tensor) and k not in known and v.shape[:1] == (self.rows,)
+        )
+        if self.settings.num_beams > 1:
+            return "beam search ranks rows together"
+        if per_row:
+            return f"it can't pad the per-row input {per_row[0]!r}"
+        if self.arguments.get("negative_prompt_ids") is not None:
+            return "it can't pad `negative_prompt_ids`"
+        if self.peft_row_arguments:
+            return f"it can't pad the per-row `{next(iter(self.peft_row_arguments))}` PEFT passes the layers"
+        return None
+
+    @cached_property
+    def padded_batch(self) -> int:
+        """The rows the batch is padded to: `wanted_batch`, unless it keeps its own (`batch_kept_reason`)."""
+        return self.rows if self.batch_kept_reason is not None else self.wanted_batch
+
+    @cached_property
+    def pad_id_outside_vocabulary(self) -> bool:
+        """Whether rows that finish early would be fed a `pad_token_id` outside the vocabulary (no beam search, which
+        feeds no finished beam): upstream's embedding then fails (an index error on CPU, a device assert on CUDA)."""
+        settings = self.settings
+        if settings.pad_token_id is None or settings.vocab_size is None or settings.num_beams > 1:
+            return False
+        return not settings.in_vocabulary(settings.pad_token_id)
+
+    @cached_property
+    def finished_rows_error(self) -> str | None:
+        """Why the rows that finish early can't be fed `pad_token_id` (`pad_id_outside_vocabulary`), or `None`: an
+        error where a user's row can finish early, one of several, by an eos id in the vocabulary, `stop_strings` or
+        stopping criteria."""
+        settings = self.settings
+        rows = self.rows * settings.rows_per_prompt
+        if not self.pad_id_outside_vocabulary or rows <= 1:
+            return None
+        can_finish_early = [
+            reason
+            for reason, present in (
+                (
+                    f"the eos ids {list(settings.eos_token_ids)} are in it",
+                    any(map(settings.in_vocabulary, settings.eos_token_ids)),
+                ),
+                ("`stop_strings` is set", bool(settings.stop_strings)),
+                ("`stopping_criteria` are passed", bool(self.arguments.get("stopping_criteria"))),
+            )
+            if present
+        ]
+        if not can_finish_early:
+            return None
+        return (
+            f"`pad_token_id` is {settings.pad_token_id}, outside the model's vocabulary (valid ids: 0 to "
+            f"{settings.vocab_size - 1}). This call generates {rows} rows and a row can finish before the others "
+            f"({', '.join(can_finish_early)}): it is then filled with `pad_token_id` and fed back to the model, which "
+            "can't look it up. Set `pad_token_id` to an id in the vocabulary (the eos token id is the usual choice)."
+        )
+
+    @cached_property
+    def finished_rows_pad_id(self) -> int | None:
+        """The id the rows that finish early are fed instead of `pad_token_id` (outside the vocabulary, where no user
+        row can finish early: the dummy rows of `prefill_batch_buckets` finish at once), or `None`."""
+        if self.pad_id_outside_vocabulary and self.padded_batch > self.rows:
+            return self.settings.fill_token_id
+        return None
 
 
-def rule_table() -> str:
-    """`RULE` as a markdown table, `| case | side | why |`, as the module docstring and the docs show it."""
-    rows = [f"| {case.case} | {case.side} | {case.why} |" for case in RULE]
-    return "\n".join(["| case | side | why |", "| --- | --- | --- |", *rows])
+def _error_of(check, *args) -> str | None:
+    """The message of the `ValueError` `check(*args)` raises, or `None`."""
+    try:
+        check(*args)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def _continued_rows(call: "RuleFacts") -> int | str:
+    """
+    The rows a call that continues a bucketed call's cache runs with: the cache's. Where the cache holds the rows the
+    call that filled it left (its rows, then the dummy rows of `prefill_batch_buckets`), the call passes the rows it
+    generated, and the dummy rows come back; where the user has selected rows since (`batch_select_indices`), it passes
+    those. Any other count is an error, returned as its message: the rows would not line up (a dummy row's tokens are
+    nobody's).
+    """
+    continued, expand = call.continued, call.settings.rows_per_prompt  # upstream runs each prompt as `expand` rows
+    held = call.passed.rows if call.passed.rows is not None else continued.padded_rows
+    if held % expand == 0:
+        if held == continued.padded_rows:
+            if call.rows * expand == continued.rows:
+                return held // expand
+        elif call.rows * expand == held:
+            return held // expand
+    dummy_rows = continued.padded_rows - continued.rows if held == continued.padded_rows else 0
+    dummies = f", then {count(dummy_rows, 'dummy row')} of `{PREFILL_BATCH_BUCKETS}`" if dummy_rows else ""
+    each = f" of {expand} rows each" if expand > 1 else ""
+    return (
+        f"The cache passed in holds {held} rows (the {count(held - dummy_rows, 'row')} of the call that filled it"
+        f"{dummies}), but this call has {count(call.rows, 'prompt')}{each}. Continue a cache with the rows that "
+        "filled it, one prompt each (a returned `sequences`, with your new tokens)."
+    )
+
+
+def count(number: int, thing: str) -> str:
+    return f"{number} {thing}" + ("" if number == 1 else "s")
+
+
+def capped_bucket(settings: CallSettings, prompt_length: int, warn: bool = True) -> int:
+    """The bucket of a prompt, capped at the model's `max_position_embeddings` (a longer prompt is not padded). With
+    `warn`, logs what happened to a prompt outside the buckets, one warning per call (`warn_long_prompt`)."""
+    padded_length = settings.policy.bucket(prompt_length)
+    max_positions = settings.max_positions
+    if max_positions is not None and padded_length > max_positions:
+        capped = max(prompt_length, max_positions)
+        if warn:
+            warn_long_prompt(settings, prompt_length, capped, uncapped=padded_length)
+        return capped
+    if warn:
+        warn_long_prompt(settings, prompt_length, padded_length)
+    return padded_length
+
+
+def warn_long_prompt(settings: CallSettings, prompt_length: int, padded_length: int, uncapped: int | None = None):
+    """
+    The one warning for a prompt outside the buckets, saying what was done with it; nothing for a prompt inside them.
+
+    - longer than `max_position_embeddings`: not padded, so each such length is a graph of its own;
+    - its bucket (`uncapped`) longer than `max_position_embeddings`: padded to that instead. Every such prompt gets
+      that one length, so the text names no prompt, and it is logged once;
+    - longer than the largest listed bucket: padded to a multiple of it, a graph per such length.
+    """
+    policy, max_positions = settings.policy, settings.max_positions
+    if uncapped is not None and padded_length == prompt_length and prompt_length > max_positions:
+        logger.warning_once(
+            f"A prompt of {prompt_length} tokens is longer than the model's `max_position_embeddings` "
+            f"({max_positions}), so it is not padded: it runs at its own length, and each such length compiles a new "
+            "graph. The model was not built for sequences this long."
+        )
+    elif uncapped is not None:
+        logger.warning_once(
+            f"Buckets longer than the model's `max_position_embeddings` ({max_positions}) have more positions than the "
+            f"model has, so a prompt of at most {max_positions} tokens whose bucket is longer ({policy}) is padded to "
+            f"{max_positions} instead: those prompts share one length, and its compiled graph. Make {max_positions} "
+            "your largest bucket to say so."
+        )
+    elif policy.exceeds_buckets(prompt_length):
+        multiple = policy.pad_to_multiple_of or policy.largest_bucket
+        logger.warning_once(
+            f"A prompt of {prompt_length} tokens is longer than the largest of `{PREFILL_BUCKETS}` "
+            f"({policy.largest_bucket}), so it is padded to {padded_length}, the next multiple of {multiple}. Each such "
+            f"length compiles a new graph: add a larger bucket, or set `{PREFILL_PAD_TO_MULTIPLE_OF}` to choose the "
+            "length for long prompts."
+        )
 
 
 def _ragged_reason(
@@ -394,6 +399,3 @@ def _ragged_reason(
     if cache_has_sliding_layers(model, cache, slots):
         return "a sliding window counts cache slots, and a short row's pads would sit after its tokens, not before"
     return None
-
-
-__doc__ = __doc__.replace("{rule_table}", rule_table())

@@ -19,7 +19,6 @@ from transformers.generation.stopping_criteria import StoppingCriteriaList
 from transformers.utils import logging
 
 from ..config import PREFILL_BUCKETS
-from .padding_side import PaddingSide
 from .resolved import CallSettings, ResolvedCall, bos_prompt
 from .views import DummyRowsFinished, PromptStrippingStreamer
 
@@ -32,8 +31,21 @@ PER_TOKEN_KWARGS = {"attention_mask": 0, "position_ids": 0, "token_type_ids": 0,
 
 
 @dataclass(frozen=True)
+class PaddingSide:
+    """How one call is padded, and why (`decision.choose_side`)."""
+
+    side: str  # "left", "right", or "unpadded" (the call runs upstream's unpadded path, exact)
+    reason: str
+    bucket: int | None = None  # right: the bucket of the new tokens (the prompt, less what the cache holds)
+    past_length: int = 0  # right: the tokens the cache already holds
+    padded_length: int | None = None  # left: the length the prompt is padded to in front
+    padded_batch: int | None = None  # the rows the batch is padded to with dummy rows (`prefill_batch_buckets`)
+    finished_rows_pad_id: int | None = None  # the id rows that finish early are fed, when not `pad_token_id`
+
+
+@dataclass(frozen=True)
 class RightPadding:
-    """What only a right-padded call needs (`padding_side.py` chose the right): the `_prefill` hook pads its prompt."""
+    """What only a right-padded call needs (`decision.py` chose the right): the `_prefill` hook pads its prompt."""
 
     bucket: int  # the length the prompt's new tokens are padded to, after their end
     past_length: int = 0  # the tokens the cache held before the call

@@ -5,7 +5,7 @@ see the padding after it), logits for the prompt's last position only, then the 
 prompt's, so decode writes its first token over the first pad slot. Upstream, which sees the unpadded prompt, does
 everything else.
 
-Rows of different lengths (a batch the tokenizer padded on the left, with its mask; `padding_side.py` says when) are
+Rows of different lengths (a batch the tokenizer padded on the left, with its mask; `decision.py` says when) are
 padded each after its own end: row i's `L_i` tokens go to positions and cache slots `0..L_i-1`, pads after them. Its
 first new token comes from the logits at `L_i - 1`, gathered per row from those of a fixed number of positions (an index
 tensor: one graph per bucket and batch size, whatever the lengths). Decode then runs as upstream's, on the prompt as

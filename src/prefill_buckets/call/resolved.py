@@ -42,7 +42,7 @@ class CallSettings:
     stop_strings: str | list[str] | None
     vocab_size: int | None
     max_positions: int | None
-    # What decides the padding side (`padding_side.RULE`).
+    # What decides the padding side (`decision.DECISION`).
     padding_side: str = "auto"  # the `prefill_padding_side` asked for: "auto", "left" or "right"
     prefill_chunk_size: int | None = None
     max_cache_len: int | None = None

@@ -1,13 +1,13 @@
-"""What each padding side assumes of the model, whatever the call: `SIDE_ASSUMPTIONS`, one line a case.
+"""What each padding side assumes of the model, whatever the call: the predicates rows of `decision.DECISION` test.
 
 Right padding needs causal attention and positions that don't come from the mask; left padding a model that takes
-its positions from `position_ids` or the mask, and passes the mask on. `decision.choose_side` asks
-`side_assumption_broken` before its rule (right) and after it (left): where neither side holds, the call runs unpadded.
+its positions from `position_ids` or the mask, and passes the mask on. Each predicate is a model's property, asked
+once per model (`model_breaks`); the row that asks it says the outcome and why.
 
 One assumption depends on the call's cache as well: a local window counted from the cache's end (GPT-Neo) gives other
-tokens in a cache longer than the window, on either side (`window_reason`, a case of `decision.UNSUPPORTED`). And the
-cache's layers (`cache_layers_reason`, `cache_has_sliding_layers`): right padding needs layers that can forget the pads.
-And one depends on what PEFT passes the layers during the call (`peft_row_arguments`).
+tokens in a cache longer than the window, on either side (`window_reason`). And the cache's layers
+(`cache_layers_reason`, `cache_has_sliding_layers`): right padding needs layers that can forget the pads. And one
+depends on what PEFT passes the layers during the call (`peft_row_arguments`).
 """
 
 import sys
@@ -19,7 +19,7 @@ from ..upstream import torch_api, transformers_api
 from ..upstream.transformers_api import forward_takes, max_positions
 
 
-def _attention_is_bidirectional(model) -> bool:
+def attention_is_bidirectional(model) -> bool:
     """
     BERT-style models attend both ways unless `is_decoder` is set. Other configs carry `is_decoder=False` too (GPT-NeoX),
     with attention modules that say they are causal: those count as causal.
@@ -30,7 +30,7 @@ def _attention_is_bidirectional(model) -> bool:
     return not any(module.__dict__.get("is_causal") is True for module in model.modules())
 
 
-def _positions_from_the_mask(model) -> bool:
+def positions_from_the_mask(model) -> bool:
     """
     No `position_ids` and no `max_position_embeddings`: positions are ALiBi biases built from the attention mask
     (BLOOM), which the right-padded prefill leaves out (on transformers 5.17 BLOOM then fails), or there are none.
@@ -38,7 +38,7 @@ def _positions_from_the_mask(model) -> bool:
     return not forward_takes(model, "position_ids") and max_positions(model) is None
 
 
-def _positions_count_from_the_cache(model) -> bool:
+def positions_count_from_the_cache(model) -> bool:
     """No `position_ids`, but position embeddings (learned, sinusoidal or rotary): counted from the cache length."""
     if forward_takes(model, "position_ids"):
         return False
@@ -80,7 +80,7 @@ def window_from_the_cache_end(model) -> int | None:
 def window_reason(call) -> str | None:
     """
     Why a call (`padding_side.RuleFacts`) must run unpadded for a model whose local window counts from the cache's end
-    (GPT-Neo), or `None`: the case of `decision.UNSUPPORTED` for it.
+    (GPT-Neo), or `None`: a row of `decision.DECISION`.
     Upstream's tokens depend on its static cache's length once that is longer than the window; padding shifts the
     prompt in the cache and bucketing sizes the cache another way, so only a cache no longer than the window (both
     calls' local layers then attend to every token before the query) is padded.
@@ -113,19 +113,19 @@ def window_reason(call) -> str | None:
     )
 
 
-def _ignores_the_mask(model) -> bool:
+def ignores_the_mask(model) -> bool:
     return type(model).__name__ in MASK_IGNORED_BY
 
 
-def _masks_from_keys(model) -> bool:
+def masks_from_keys(model) -> bool:
     return type(model).__name__ in MASK_FROM_KEYS
 
 
-def _adds_the_cache_length_to_positions(model) -> bool:
+def adds_the_cache_length_to_positions(model) -> bool:
     return type(model).__name__ in POSITIONS_PLUS_CACHE
 
 
-def _keeps_a_state_on_its_modules(model) -> bool:
+def keeps_a_state_on_its_modules(model) -> bool:
     """
     Whether recurrent blocks keep their state on their own modules, outside the cache (RecurrentGemma's
     `recurrent_states`): pads after the prompt would run into it. Its static cache has a linear layer for those blocks
@@ -134,7 +134,7 @@ def _keeps_a_state_on_its_modules(model) -> bool:
     return any("recurrent_states" in module.__dict__ for module in model.modules())
 
 
-def _compresses_the_cache(model) -> bool:
+def compresses_the_cache(model) -> bool:
     """Whether layers pool the tokens they cache into blocks (DeepSeek-V4's compressed attention): pads would join."""
     config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
     layer_types = getattr(config, "layer_types", None) or ()
@@ -170,11 +170,11 @@ def repeated_key_heads(model) -> tuple[int, int] | None:
     return None
 
 
-def _repeats_keys_past_the_query_heads(model) -> bool:
+def repeats_keys_past_the_query_heads(model) -> bool:
     return repeated_key_heads(model) is not None
 
 
-def _drops_the_mask(model) -> bool:
+def drops_the_mask(model) -> bool:
     """Whether the model's own `prepare_inputs_for_generation` leaves the mask out of the model inputs (XLNet)."""
     ids = torch.zeros(1, 2, dtype=torch.long, device=model.device)
     try:
@@ -184,72 +184,13 @@ def _drops_the_mask(model) -> bool:
     return isinstance(model_inputs, dict) and "attention_mask" not in model_inputs
 
 
-# What each side assumes of the model, in order: (side, the model breaks it, why). Data, so a case is one line.
-SIDE_ASSUMPTIONS = (
-    (
-        "right",
-        _attention_is_bidirectional,
-        "its attention is not causal (`is_decoder=False`): the prompt would attend to the pads after it",
-    ),
-    (
-        "right",
-        _positions_from_the_mask,
-        "its forward takes no `position_ids` and states no `max_position_embeddings`: positions come from the mask",
-    ),
-    (
-        "right",
-        _masks_from_keys,
-        "its attention builds a dynamic mask from the keys, which would see the pads after it",
-    ),
-    (
-        "right",
-        _keeps_a_state_on_its_modules,
-        "its recurrent blocks keep their state on their modules, outside the cache, and the pads after the prompt would "
-        "run into it",
-    ),
-    (
-        "left",
-        _attention_is_bidirectional,
-        "its attention is not causal (`is_decoder=False`): masked pads in front change such a model's tokens (measured "
-        "on XLM-RoBERTa-XL)",
-    ),
-    (
-        "left",
-        _positions_count_from_the_cache,
-        "its forward takes no `position_ids` and counts positions from the cache, so pads in front would shift them",
-    ),
-    ("left", _drops_the_mask, "its `prepare_inputs_for_generation` does not pass the attention mask on"),
-    ("left", _ignores_the_mask, "its forward ignores the attention mask"),
-    ("left", _masks_from_keys, "its attention builds a dynamic mask from the keys, which would see the pads in front"),
-    (
-        "left",
-        _adds_the_cache_length_to_positions,
-        "its forward adds the cache length to the positions at decode, so pads in front would shift them",
-    ),
-    ("left", _compresses_the_cache, "its attention compresses the cached tokens in blocks, pads in front included"),
-    (
-        "left",
-        _repeats_keys_past_the_query_heads,
-        "its attention repeats its keys `num_key_value_groups` times into more heads than its queries have (a "
-        "latent-attention config whose `num_key_value_heads` is below `num_attention_heads`), which fails with the "
-        "attention mask that pads in front need: upstream runs only where it needs no mask",
-    ),
-)
-
-
-def side_assumption_broken(model, side: str) -> str | None:
-    """Why `model` can't be padded on `side` whatever the call (`SIDE_ASSUMPTIONS`), or `None`. Once per model."""
+def model_breaks(model, assumption) -> bool:
+    """Whether `model` breaks `assumption` (one of the predicates above, a condition of `decision.DECISION`), whatever
+    the call: asked once per model."""
     known = state_of(model).side_assumptions
-    if side not in known:
-        known[side] = next(
-            (
-                f"`{type(model).__name__}`: {reason}"
-                for assumed_side, breaks, reason in SIDE_ASSUMPTIONS
-                if assumed_side == side and breaks(model)
-            ),
-            None,
-        )
-    return known[side]
+    if assumption.__name__ not in known:
+        known[assumption.__name__] = bool(assumption(model))
+    return known[assumption.__name__]
 
 
 # What PEFT passes a call's LoRA layers per row, outside `generate`'s arguments: `PeftModel.generate` takes

@@ -222,8 +222,8 @@ def get_candidate_generator(plan, step):
     if plan.added_positions and candidates.drafts_from_padding(generator):
         raise RuntimeError(
             f"prefill_buckets padded this call, but upstream drafts its candidates with {type(generator).__name__}, "
-            "whose drafts padding changes (it reads the target's states, or the padded mask): `UNSUPPORTED` in "
-            "`call/decision.py` should have run it unpadded. Please report it; unset the prefill bucket fields for now."
+            "whose drafts padding changes (it reads the target's states, or the padded mask): a row of "
+            "`call/decision.py`'s `DECISION` should have run it unpadded. Please report it; unset the prefill bucket fields for now."
         )
     # Its candidates come from the ids' content: with the padding in front, a match could start in it. An assistant
     # model's candidates come from a forward with the attention mask, which hides the padding.

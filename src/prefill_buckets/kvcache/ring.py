@@ -26,7 +26,7 @@ attention windows of the full-attention layers: `windows.set_window`). Upstream'
 window (or the attention chunks) on absolute positions, so the positions the window drops are masked as upstream's
 are, and the attention is upstream's with masked slots added. `generate` builds a static cache's 4D masks eagerly
 (`prepare_inputs_for_generation`); the right-padded prefill builds its mask in the forward, but its tokens always fit
-the window (`padding_side.py`), where the offset is 0 whatever the count.
+the window (`call/decision.py`), where the offset is 0 whatever the count.
 """
 
 import torch

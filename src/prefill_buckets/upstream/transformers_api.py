@@ -181,7 +181,7 @@ def is_dynamic(cache_implementation) -> bool:
     return cache_implementation not in ALL_STATIC_CACHE_IMPLEMENTATIONS or "offloaded" in str(cache_implementation)
 
 
-# The static cache layers right padding can rewind (`padding_side.py`): attention layers whose length is a counter.
+# The static cache layers right padding can rewind (`call/decision.py`): attention layers whose length is a counter.
 RIGHT_PADDED_LAYERS = ("StaticLayer", "StaticSlidingWindowLayer")
 
 
