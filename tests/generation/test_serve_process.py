@@ -212,7 +212,7 @@ class ModelProcessServeTest(unittest.TestCase):
             str(SERVED_NEW_TOKENS),
             "--precompile",
             "--compile-with",
-            "model",
+            "static",  # a prefill graph per bucket: each bucket's compile is seen in the log
             "--compile-backend",
             "aot_eager",
         ]
@@ -260,6 +260,8 @@ class ModelProcessServeTest(unittest.TestCase):
             str(SERVED_NEW_TOKENS),
             "--compile-cache",
             path,
+            "--compile-with",
+            "aot",  # `aot_forward`: a warm start that traces nothing
             "--compile-backend",
             "aot_eager",
         ]
