@@ -176,7 +176,7 @@ def room_reason(settings, cache, holds_padding: bool, prompt_length: int, padded
                 f"The cache passed in has {slots} slots, fewer than the {needed} this call needs ({what}; the cache "
                 f"holds a bucketed call's padding, which this prompt is padded by too). A static cache does not grow: "
                 "make the first call's `max_cache_len` at least the longest conversation, padded, plus "
-                '`max_new_tokens` (the guide\'s "Cache sizing").'
+                '`max_new_tokens` (the reference\'s "Cache sizing").'
             )
         return (
             f"the cache passed in has {slots} slots, fewer than the {needed} the padded call needs ({what}), so the "
