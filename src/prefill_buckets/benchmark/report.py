@@ -347,7 +347,8 @@ def format_baseline_table(comparison: dict | None) -> str:
 
 
 def verdicts(comparison: dict) -> list[str]:
-    """A sentence per compiled strategy: the buckets where its first token beats the baseline's, its total time with
+    """
+    A sentence per compiled strategy: the buckets where its first token beats the baseline's, its total time with
     compiles against the baseline's, and when it has paid back."""
     base, sentences = comparison["baseline"], []
     for row in comparison["strategies"]:

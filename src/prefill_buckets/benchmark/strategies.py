@@ -201,7 +201,8 @@ BATCH_STRATEGIES = ("batch-eager", "batch-pow2", "cb-eager", "cb-level1", "cb-st
 
 
 def compiles_prefill(strategy: Strategy) -> bool:
-    """Whether the strategy's prefill runs compiled: a compiled strategy's, but not upstream's own recipe's
+    """
+    Whether the strategy's prefill runs compiled: a compiled strategy's, but not upstream's own recipe's
     (`compile_config`: decode only) nor continuous batching's (its own step function)."""
     return strategy.compiled and strategy.compile_config is None and strategy.kind != "continuous"
 

@@ -69,7 +69,8 @@ class Row:
 
 
 def _model_row(outcome: str, case: str, why: str, assumption: Callable, reason: str) -> Row:
-    """The row of a model that breaks one of a side's assumptions (`side_assumptions`), whatever the call: on the right,
+    """
+    The row of a model that breaks one of a side's assumptions (`side_assumptions`), whatever the call: on the right,
     the call is padded on the left; on the left (`unpadded`), where it can't be padded on the right either, unpadded;
     on both (`neither`), unpadded."""
     reason = f"`{{call.model_name}}`: {reason}"

@@ -172,7 +172,8 @@ class RuleFacts:
 
     @cached_property
     def padded_length(self) -> int:
-        """A left-padded prompt's length: a continued conversation's, with the padding its cache holds in front; else
+        """
+        A left-padded prompt's length: a continued conversation's, with the padding its cache holds in front; else
         its bucket (`capped_bucket`, which logs what happened to a prompt outside the buckets)."""
         if self.continued is not None:
             return self.prompt_length + self.continued.columns
@@ -180,7 +181,8 @@ class RuleFacts:
 
     @cached_property
     def room(self) -> tuple[str | None, str | None]:
-        """A left-padded call against the cache it writes (`room_reason`): `(why it can't run, why it runs unpadded)`,
+        """
+        A left-padded call against the cache it writes (`room_reason`): `(why it can't run, why it runs unpadded)`,
         `(None, None)` where it fits. It can't run where the cache holds a bucketed call's padding."""
         try:
             return None, room_reason(
@@ -191,7 +193,8 @@ class RuleFacts:
 
     @cached_property
     def continued_rows(self) -> int | str | None:
-        """The rows a call that continues a bucketed call's cache runs with (`_continued_rows`), why they can't line up
+        """
+        The rows a call that continues a bucketed call's cache runs with (`_continued_rows`), why they can't line up
         (a string), or `None` for a call that continues none."""
         return _continued_rows(self) if self.continued is not None else None
 
@@ -232,7 +235,8 @@ class RuleFacts:
 
     @cached_property
     def pad_id_outside_vocabulary(self) -> bool:
-        """Whether rows that finish early would be fed a `pad_token_id` outside the vocabulary (no beam search, which
+        """
+        Whether rows that finish early would be fed a `pad_token_id` outside the vocabulary (no beam search, which
         feeds no finished beam): upstream's embedding then fails (an index error on CPU, a device assert on CUDA)."""
         settings = self.settings
         if settings.pad_token_id is None or settings.vocab_size is None or settings.num_beams > 1:
@@ -241,7 +245,8 @@ class RuleFacts:
 
     @cached_property
     def finished_rows_error(self) -> str | None:
-        """Why the rows that finish early can't be fed `pad_token_id` (`pad_id_outside_vocabulary`), or `None`: an
+        """
+        Why the rows that finish early can't be fed `pad_token_id` (`pad_id_outside_vocabulary`), or `None`: an
         error where a user's row can finish early, one of several, by an eos id in the vocabulary, `stop_strings` or
         stopping criteria."""
         settings = self.settings
@@ -271,7 +276,8 @@ class RuleFacts:
 
     @cached_property
     def finished_rows_pad_id(self) -> int | None:
-        """The id the rows that finish early are fed instead of `pad_token_id` (outside the vocabulary, where no user
+        """
+        The id the rows that finish early are fed instead of `pad_token_id` (outside the vocabulary, where no user
         row can finish early: the dummy rows of `prefill_batch_buckets` finish at once), or `None`."""
         if self.pad_id_outside_vocabulary and self.padded_batch > self.rows:
             return self.settings.fill_token_id
@@ -318,7 +324,8 @@ def count(number: int, thing: str) -> str:
 
 
 def capped_bucket(settings: CallSettings, prompt_length: int, warn: bool = True) -> int:
-    """The bucket of a prompt, capped at the model's `max_position_embeddings` (a longer prompt is not padded). With
+    """
+    The bucket of a prompt, capped at the model's `max_position_embeddings` (a longer prompt is not padded). With
     `warn`, logs what happened to a prompt outside the buckets, one warning per call (`warn_long_prompt`)."""
     padded_length = settings.policy.bucket(prompt_length)
     max_positions = settings.max_positions

@@ -185,7 +185,8 @@ def drops_the_mask(model) -> bool:
 
 
 def model_breaks(model, assumption) -> bool:
-    """Whether `model` breaks `assumption` (one of the predicates above, a condition of `decision.DECISION`), whatever
+    """
+    Whether `model` breaks `assumption` (one of the predicates above, a condition of `decision.DECISION`), whatever
     the call: asked once per model."""
     known = state_of(model).side_assumptions
     if assumption.__name__ not in known:
