@@ -222,7 +222,8 @@ def suggest_buckets(lengths: Iterable[int], max_buckets: int = 8, pad_to_multipl
         lengths (`Iterable[int]`):
             Observed prompt lengths in tokens, each `>= 1` (for instance, the lengths of a sample of real traffic).
         max_buckets (`int`, *optional*, defaults to 8):
-            The most buckets to return: each bucket is one compiled prefill graph per batch size.
+            The most buckets to return: with `model.compile(dynamic=False)` each bucket is one compiled prefill graph
+            per batch size (`model.compile()` compiles one for every bucket).
         pad_to_multiple_of (`int`, *optional*):
             When set, every bucket is a multiple of it, matching `BucketPolicy(buckets, pad_to_multiple_of)`.
 
