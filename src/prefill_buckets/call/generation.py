@@ -156,7 +156,7 @@ class PreparedCall:
 
 def _prepare(call: ResolvedCall) -> PreparedCall:
     """Steps 2 to 4 of a resolved call: its support, its padding decided, its plan (see the module docstring)."""
-    if call.settings.policy is None:
+    if not call.bucketed:
         return PreparedCall(call.arguments, call.model_kwargs, after=_warn_unbucketed(call))
     # 2. Check support: the hooked steps of upstream `generate` (once per class that passes: the gate keeps it).
     if type(call.model) not in PROCESS.upstream_passed:
@@ -187,7 +187,7 @@ def _warn_unbucketed(call: ResolvedCall):
     The advice for a call without buckets: upstream runs unchanged, this only says what it will cost. Returns a
     function to call after the call (it records the shapes the call compiled for), or `None`.
     """
-    model, settings = call.model, call.settings
+    model = call.model
     if call.wrapper is not None and compiled_forward(model) is None:
         logger.warning_once(
             "`generate` was called on the `torch.compile(model)` wrapper (an `OptimizedModule`), which hands "
@@ -198,12 +198,8 @@ def _warn_unbucketed(call: ResolvedCall):
     compiled = compiled_forward(model)
     if compiled is None:
         return None
-    cache = call.cache
-    static = transformers_api.is_static_cache(cache) or (
-        cache is None and settings.cache_implementation in transformers_api.ALL_STATIC_CACHE_IMPLEMENTATIONS
-    )
     prompt = call.prompt
-    if not static or not isinstance(prompt, torch.Tensor) or prompt.ndim < 2:
+    if not isinstance(prompt, torch.Tensor) or prompt.ndim < 2 or not call.static_cache:
         return None
     state = state_of(model)
     state.unbucketed_prompt_lengths.add(prompt.shape[1])
@@ -215,7 +211,7 @@ def _warn_unbucketed(call: ResolvedCall):
             f"or `{PREFILL_PAD_TO_MULTIPLE_OF}`, or pad with the tokenizer's `pad_to_multiple_of` and "
             "`padding_side='left'`."
         )
-    rows = prompt.shape[0] * settings.rows_per_prompt
+    rows = call.output_rows
 
     def record():
         budget_of(model).account_unbucketed(

@@ -2,6 +2,8 @@
 must see through the padding. Each is declared with `@hook` (`hook_registry.py`) where it is written, and listed in
 `HOOKS`, the one table of them, made here:
 
+- `_prepare_generation_config`: upstream's own step ran once already, on the call as the user made it
+  (`resolved.ResolvedCall.settings`): its config goes on to upstream `generate`, which does not make it again.
 - `_prepare_generated_length`: `max_length` / `min_length` are resolved against the *unpadded* prompt, then shifted
   by the padding, so they keep their meaning.
 - `_prepare_cache_for_generation`: a static cache without `max_cache_len` gets a bucketed length (`kvcache/sizing.py`), so
@@ -61,6 +63,21 @@ logger = logging.get_logger(__name__)
 
 # True while a bucketed call builds its 4D masks: the mask is then always a tensor, never SDPA's `is_causal` skip.
 _MATERIALIZE_SDPA_MASK: contextvars.ContextVar[bool] = contextvars.ContextVar("prefill_buckets_mask", default=False)
+
+
+@hook("_prepare_generation_config", reads=())
+def _prepare_generation_config(plan, step):
+    # Handed once: a `generate` that runs inside the call (the model's own) prepares its own config.
+    if plan.run.generation_config_handed:
+        return step.call()
+    plan.run.generation_config_handed = True
+    settings = plan.settings
+    model_inputs = {name: v for name, v in step.kwargs.items() if name not in settings.generation_kwargs}
+    config = settings.generation_config
+    for name in ("output_attentions", "output_hidden_states"):  # as upstream's step: inputs of the forward too
+        if getattr(config, name):
+            model_inputs[name] = getattr(config, name)
+    return config, model_inputs
 
 
 @hook(
@@ -337,6 +354,7 @@ def get_compiled_call(plan, step):
 # The hooked steps of upstream `generate`, the one table of them: what `bucketed_call` installs, `check_upstream`
 # verifies (`hook_targets`) and the module docstring lists.
 HOOKS = hook_table(
+    _prepare_generation_config,
     _prepare_generated_length,
     _prepare_cache_for_generation,
     _prepare_static_cache,

@@ -78,6 +78,8 @@ class CallRun:
     windowed_cache: Any = None  # the static cache whose full-attention layers read windows (`kvcache/windows.py`)
     reads_windows: bool = False  # whether its full-attention layers read windows (`windows.has_windows`)
     decoding: bool = False  # whether the last forward prepared was a decode step (`hooks._before_forward`)
+    # Whether upstream `generate` has been handed the call's prepared generation config (`hooks._prepare_generation_config`).
+    generation_config_handed: bool = False
     # How each layer of the call's static cache lays out the keys it reads (`kvcache.attention_keys.key_layouts`), for the
     # attentions `views.strip_output` returns; `None`: no static cache.
     key_layouts: tuple | None = None
@@ -144,9 +146,8 @@ def plan_call(call: ResolvedCall, side: PaddingSide) -> tuple[Plan, dict, dict]:
     if side.padded_batch is not None and side.padded_batch > plan.batch_size:
         plan, arguments, model_kwargs = _pad_rows(plan, arguments, model_kwargs, side.padded_batch)
     if side.finished_rows_pad_id is not None:
-        model_kwargs["pad_token_id"] = (
-            side.finished_rows_pad_id
-        )  # dummy rows are finished: fed an id in the vocabulary
+        # Dummy rows are finished: fed an id in the vocabulary. The config is the call's own (`hooks.py` hands it on).
+        call.settings.generation_config.pad_token_id = side.finished_rows_pad_id
     return plan, arguments, model_kwargs
 
 

@@ -1,15 +1,19 @@
 """Step 1 of a bucketed call: its inputs resolved once (`resolve_call`), into one frozen record every later step reads.
 
-`generate` binds its arguments as upstream's `generate` binds them, takes the bucket fields out, resolves the settings
-(`CallSettings`, below), reads the cache it passes (`kvcache.record.PassedCache`), and finds the prompt. The support
-decision and the side (`decision.choose_side`), the plan (`plan.plan_call`) and the advice for an unbucketed call read
-the `ResolvedCall`; none digs into the keyword arguments again.
+`generate` binds its arguments as upstream's `generate` binds them, takes the bucket fields out, resolves them, reads
+the cache it passes (`kvcache.record.PassedCache`), and finds the prompt. The support decision and the side
+(`decision.choose_side`), the plan (`plan.plan_call`) and the advice for an unbucketed call read the `ResolvedCall`;
+none digs into the keyword arguments again.
 
-The settings are the bucket fields and the generation values padding needs. They resolve by upstream `generate`'s
-priority, in one rule (`resolve`): a `generate` keyword argument (even `None`, which turns a field off for the call) >
-the `generation_config` argument > `model.generation_config`. A call that continues from a cache a bucketed call
-filled, and sets no bucket field itself, takes the fields recorded with that cache instead (`call_sets_fields`), so a
-conversation stays bucketed without repeating them.
+The bucket fields resolve by upstream `generate`'s priority (`resolve_fields`): a `generate` keyword argument (even
+`None`, which turns a field off for the call) > the `generation_config` argument > `model.generation_config`. A call
+that continues from a cache a bucketed call filled, and sets no bucket field itself, takes the fields recorded with that
+cache instead (`call_sets_fields`), so a conversation stays bucketed without repeating them.
+
+Every other generation value is read off the call's generation config as upstream's own preparation step makes it
+(`GenerationMixin._prepare_generation_config`: its priorities, the model's defaults and the global ones). A bucketed
+call runs that step once, here (`prepare_generation_config`); the hook of that step (`hooks._prepare_generation_config`)
+hands upstream `generate` the same config, so it is not made twice. `CallSettings` is what padding reads of it.
 """
 
 import dataclasses
@@ -59,6 +63,10 @@ class CallSettings:
     guidance_scale: float | None = None  # classifier-free guidance: on unless `None` or 1
     token_healing: bool = False  # the prompt decoded and tokenized again inside `generate`
     model_config: Any = dataclasses.field(default=None, compare=False, repr=False)  # read for `reserved_token_ids`
+    # The call's generation config, as upstream's preparation step made it (`prepare_generation_config`), and the
+    # generation fields the call passed as keyword arguments, which that step took out of the model's inputs.
+    generation_config: Any = dataclasses.field(default=None, compare=False, repr=False)
+    generation_kwargs: frozenset = dataclasses.field(default=frozenset(), compare=False, repr=False)
 
     @functools.cached_property
     def reserved_token_ids(self) -> frozenset[int]:
@@ -75,7 +83,7 @@ class CallSettings:
         """The most tokens the call generates after a prompt of `prompt_length`, as upstream resolves it."""
         if self.max_new_tokens is not None:
             return self.max_new_tokens
-        return (self.max_length if self.max_length is not None else 20) - prompt_length
+        return self.max_length - prompt_length
 
     @property
     def returned_outputs(self) -> tuple[str, ...]:
@@ -144,7 +152,9 @@ class ResolvedCall:
     wrapper: Any  # the `torch.compile(model)` wrapper the call was made on, or `None`
     arguments: dict  # upstream `generate`'s named parameters the call passed, by name, in their order
     model_kwargs: dict  # the rest of its keyword arguments: model inputs and generation fields, bucket fields out
-    settings: CallSettings  # what the call asks for (a later turn's: the bucket fields its cache recorded)
+    # The bucket fields, validated (`policy, batch policy, padding side`; a later turn's: those its cache recorded). A
+    # policy of `None`: the call is not bucketed.
+    bucketing: tuple
     passed: PassedCache  # the cache the call passes (`passed.cache`: `None` when none), read before the call writes it
     input_ids: torch.Tensor | None  # `inputs` or `input_ids`, as passed
     inputs_embeds: torch.Tensor | None
@@ -153,6 +163,32 @@ class ResolvedCall:
     rows: int  # the prompts the call passes (as upstream counts them when it passes none)
     cache: Any  # the cache object the call passes, or `None`
     continued: CachePadding | None  # the padding the bucketed call that filled the cache left, or `None`
+
+    @property
+    def bucketed(self) -> bool:
+        return self.bucketing[0] is not None
+
+    @functools.cached_property
+    def settings(self) -> CallSettings:
+        """
+        What the call asks for (`CallSettings`), from its generation config as upstream's own step prepares it: made
+        when first read (a bucketed call's decision, or the advice for an unbucketed call on a compiled forward).
+        """
+        generation_config = self.arguments.get("generation_config")
+        prepared = prepare_generation_config(self.model, generation_config, self.model_kwargs)
+        return settings_of(self.model, *prepared, bucketing=self.bucketing)
+
+    @functools.cached_property
+    def static_cache(self) -> bool:
+        """Whether the call runs on a static cache: the one it passes, or the one `generate` makes for it."""
+        if self.cache is not None:
+            return transformers_api.is_static_cache(self.cache)
+        return self.settings.cache_implementation in transformers_api.ALL_STATIC_CACHE_IMPLEMENTATIONS
+
+    @property
+    def output_rows(self) -> int:
+        """The rows upstream generates for the user's prompts: `rows * max(num_beams, num_return_sequences)`."""
+        return self.rows * self.settings.rows_per_prompt
 
     @property
     def past_length(self) -> int:
@@ -175,20 +211,17 @@ def bind_call(model, args: tuple, kwargs: dict) -> tuple[dict, dict, dict]:
 
 def resolve_call(model, wrapper, arguments: dict, model_kwargs: dict, field_kwargs: dict) -> ResolvedCall:
     """
-    Step 1: a bound call (`bind_call`) with its settings resolved and the cache it passes read. Raises `ValueError`
-    for an invalid bucket field.
+    Step 1: a bound call (`bind_call`) with its bucket fields resolved and the cache it passes read. Raises
+    `ValueError` for an invalid bucket field.
     """
     passed = PassedCache(model_kwargs)  # read before the call writes the cache's record
     generation_config = arguments.get("generation_config")
-    settings = resolve_settings(model, generation_config, field_kwargs, model_kwargs)
-    recorded = passed.bucketing
-    if recorded is not None and not call_sets_fields(generation_config, field_kwargs):
-        # A later turn of a conversation: bucketed as the call that filled the cache was.
-        policy, batch_policy, padding_side = recorded
-        settings = dataclasses.replace(settings, policy=policy, batch_policy=batch_policy, padding_side=padding_side)
-    if settings.policy is None and passed.continued is not None:
+    bucketing = bucketing_of(resolve_fields(model, generation_config, field_kwargs))
+    if passed.bucketing is not None and not call_sets_fields(generation_config, field_kwargs):
+        bucketing = passed.bucketing  # a later turn of a conversation: bucketed as the call that filled the cache was
+    if bucketing[0] is None and passed.continued is not None:
         # The cache holds a bucketed call's padding: the prompt must get it too, bucket fields or not.
-        settings = dataclasses.replace(settings, policy=BucketPolicy(pad_to_multiple_of=1))
+        bucketing = (BucketPolicy(pad_to_multiple_of=1), *bucketing[1:])
     input_ids = arguments.get("inputs")
     input_ids = input_ids if input_ids is not None else model_kwargs.get("input_ids")
     inputs_embeds = model_kwargs.get("inputs_embeds")
@@ -199,7 +232,7 @@ def resolve_call(model, wrapper, arguments: dict, model_kwargs: dict, field_kwar
         wrapper,
         arguments,
         model_kwargs,
-        settings,
+        bucketing,
         passed,
         input_ids,
         inputs_embeds,
@@ -237,28 +270,17 @@ def _bind(model, args: tuple, kwargs: dict) -> tuple[dict, dict]:
     return {name: passed[name] for name in _NAMED if name in passed}, model_kwargs
 
 
-# The settings: each value by the rule of the module docstring.
-
-_MISSING = object()
-
-
-def resolve(names: tuple[str, ...], kwargs: dict, generation_config: GenerationConfig | None, model) -> dict:
-    """The values of generation fields for a call, by name (see the module docstring for the priority)."""
+def resolve_fields(model, generation_config: GenerationConfig | None, field_kwargs: dict) -> dict[str, Any]:
+    """The bucket fields' values for one call, by name, by the priority of the module docstring."""
     model_config = getattr(model, "generation_config", None)
     values = {}
-    for name in names:
-        value = kwargs.get(name, _MISSING)
-        if value is _MISSING:
-            value = getattr(generation_config, name, None) if generation_config is not None else None
-            if value is None:
-                value = getattr(model_config, name, None)
-        values[name] = value
+    for name in FIELDS:
+        if name in field_kwargs:
+            values[name] = field_kwargs[name]
+            continue
+        value = getattr(generation_config, name, None) if generation_config is not None else None
+        values[name] = value if value is not None else getattr(model_config, name, None)
     return values
-
-
-def resolve_fields(model, generation_config: GenerationConfig | None, field_kwargs: dict) -> dict[str, Any]:
-    """The bucket fields' values for one call, by name."""
-    return resolve(FIELDS, field_kwargs, generation_config, model)
 
 
 def bucketing_of(fields: dict[str, Any]) -> tuple[BucketPolicy | None, BucketPolicy | None, str]:
@@ -320,68 +342,67 @@ def _token_ids(value) -> tuple[int, ...]:
     return (int(value),)
 
 
-# The generation fields a call's settings read (`resolve_settings`), resolved in one pass.
-_GENERATION_FIELDS = (
-    "pad_token_id",
-    "bos_token_id",
-    "eos_token_id",
-    "num_beams",
-    "num_return_sequences",
-    "cache_implementation",
-    "stop_strings",
-    "prefill_chunk_size",
-    "max_cache_len",
-    "use_cache",
-    "output_hidden_states",
-    "output_attentions",
-    "prompt_lookup_num_tokens",
-    "assistant_early_exit",
-    "use_mtp",
-    "speculation_type",
-    "max_new_tokens",
-    "max_length",
-    "guidance_scale",
-    "token_healing",
-)
+def prepare_generation_config(
+    model, generation_config: GenerationConfig | None, model_kwargs: dict
+) -> tuple[GenerationConfig, frozenset[str]]:
+    """
+    The call's generation config, made by upstream's own step (`model._prepare_generation_config`, a private copy), and
+    the names of the generation fields among `model_kwargs` (the keyword arguments that step takes out of the model's
+    inputs).
+    """
+    prepared, model_inputs = model._prepare_generation_config(generation_config, **model_kwargs)
+    return prepared, frozenset(model_kwargs.keys() - model_inputs.keys())
+
+
+def settings_of(
+    model, generation_config: GenerationConfig, generation_kwargs: frozenset[str] = frozenset(), bucketing=None
+) -> CallSettings:
+    """
+    What padding reads of a call's prepared generation config (`prepare_generation_config`), and the bucket fields
+    (`bucketing_of`; `None`: unset).
+    """
+    config = generation_config
+    policy, batch_policy, padding_side = bucketing if bucketing is not None else (None, None, "auto")
+    pad_token_ids, bos_token_ids = _token_ids(config.pad_token_id), _token_ids(config.bos_token_id)
+    return CallSettings(
+        policy=policy,
+        batch_policy=batch_policy,
+        pad_token_id=pad_token_ids[0] if pad_token_ids else None,
+        eos_token_ids=_token_ids(config.eos_token_id),
+        bos_token_id=bos_token_ids[0] if bos_token_ids else None,
+        num_beams=config.num_beams or 1,
+        num_return_sequences=config.num_return_sequences or 1,
+        cache_implementation=transformers_api.cache_implementation_made(config.cache_implementation),
+        stop_strings=config.stop_strings,
+        vocab_size=vocabulary_size(model),
+        max_positions=max_positions(model),
+        padding_side=padding_side,
+        prefill_chunk_size=getattr(config, "prefill_chunk_size", None),
+        max_cache_len=getattr(config, "max_cache_len", None),
+        use_cache=config.use_cache is not False,
+        output_hidden_states=bool(config.output_hidden_states),
+        output_attentions=bool(config.output_attentions),
+        prompt_lookup_num_tokens=config.prompt_lookup_num_tokens,
+        assistant_early_exit=getattr(config, "assistant_early_exit", None),
+        use_mtp=bool(getattr(config, "use_mtp", False)),
+        speculation_type=getattr(config, "speculation_type", None),
+        max_new_tokens=config.max_new_tokens,
+        max_length=config.max_length,
+        config_pad_token_id=next(iter(_token_ids(getattr(model.config, "pad_token_id", None))), None),
+        guidance_scale=config.guidance_scale,
+        token_healing=bool(getattr(config, "token_healing", False)),
+        model_config=model.config,
+        generation_config=config,
+        generation_kwargs=generation_kwargs,
+    )
 
 
 def resolve_settings(
     model, generation_config: GenerationConfig | None, field_kwargs: dict, model_kwargs: dict
 ) -> CallSettings:
-    """Resolves everything a call's padding depends on, once. Raises `ValueError` for an invalid bucket field."""
-    policy, batch_policy, padding_side = bucketing_of(resolve_fields(model, generation_config, field_kwargs))
-    value = resolve(_GENERATION_FIELDS, model_kwargs, generation_config, model)
-    pad_token_ids = _token_ids(value["pad_token_id"])
-    bos_token_ids = _token_ids(value["bos_token_id"])
-    return CallSettings(
-        policy=policy,
-        batch_policy=batch_policy,
-        pad_token_id=pad_token_ids[0] if pad_token_ids else None,
-        eos_token_ids=_token_ids(value["eos_token_id"]),
-        bos_token_id=bos_token_ids[0] if bos_token_ids else None,
-        num_beams=value["num_beams"] or 1,
-        num_return_sequences=value["num_return_sequences"] or 1,
-        cache_implementation=transformers_api.cache_implementation_made(value["cache_implementation"]),
-        stop_strings=value["stop_strings"],
-        vocab_size=vocabulary_size(model),
-        max_positions=max_positions(model),
-        padding_side=padding_side,
-        prefill_chunk_size=value["prefill_chunk_size"],
-        max_cache_len=value["max_cache_len"],
-        use_cache=value["use_cache"] is not False,
-        output_hidden_states=bool(value["output_hidden_states"]),
-        output_attentions=bool(value["output_attentions"]),
-        prompt_lookup_num_tokens=value["prompt_lookup_num_tokens"],
-        assistant_early_exit=value["assistant_early_exit"],
-        use_mtp=bool(value["use_mtp"]),
-        speculation_type=value["speculation_type"],
-        max_new_tokens=value["max_new_tokens"],
-        max_length=value["max_length"],
-        config_pad_token_id=next(iter(_token_ids(getattr(model.config, "pad_token_id", None))), None),
-        guidance_scale=value["guidance_scale"],
-        token_healing=bool(value["token_healing"]),
-        model_config=model.config,
-    )
+    """The settings of a call made with these arguments (`settings_of`). Raises `ValueError` for an invalid field."""
+    bucketing = bucketing_of(resolve_fields(model, generation_config, field_kwargs))
+    return settings_of(model, *prepare_generation_config(model, generation_config, model_kwargs), bucketing)
 
 
 def prompt_rows(model_kwargs: dict) -> int:
