@@ -190,7 +190,7 @@ def account_call(plan, rows: int, prefill: int, chunk: int | None, max_cache_len
         shapes.add((None if generic and length == prefill > 1 else length, window))
     decode_windows = {None}
     if plan.run.reads_windows:  # from the first decode step (at least) to the last
-        first = (plan.prompt_slots if plan.right is None else plan.right.past_length) + 1
+        first = (plan.prompt_slots if plan.right is None else plan.cached_tokens) + 1
         decode_windows = windows_between(first, max(first, max_cache_length), cache_length)
     # On the right, a prefill onto an empty cache reads its query offset as 0 (`prefill_right`): a graph of its own.
     side = "right, onto cached tokens" if plan.right is not None and cached else plan.side

@@ -144,19 +144,18 @@ def _prepare_cache_for_generation(plan, step):
     if creates_static:
         plan.run.made_cache = cache
     _learn_cache(plan, cache)
-    rows = step["batch_size"] * max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
+    rows = plan.padded_rows
     plan.run.auto_compile, plan.run.compiled, plan.run.fullgraph, plan.run.generic_prefill = call_compilation(
         plan.model, model_kwargs, generation_config
     )
     if creates_static and plan.run.compiled and cache is not None:
         plan.run.allocated_early = early_initialize(plan.model, cache, rows)
-    # What prefill runs on: the padded prompt, or, continuing from a cache, the tokens it lacks (`None`: none kept).
-    cached_tokens = (transformers_api.cache_seq_length(cache) or 0) if cache is not None and not creates_static else 0
-    prefill = plan.right.bucket if plan.right is not None else plan.padded_length - cached_tokens
+    # What prefill runs on: the padded prompt, or, continuing from a cache, the tokens it lacks.
+    prefill = plan.right.bucket if plan.right is not None else plan.padded_length - plan.cached_tokens
     # The user's chunks have one length already: a chunked prefill stays static (`generic_prefill` off).
     plan.run.generic_prefill &= generation_config.prefill_chunk_size is None
     _prefill_through_compiled_call(plan, generation_config, prefill, cache)
-    if plan.run.generic_prefill and cached_tokens == 0:
+    if plan.run.generic_prefill and plan.cached_tokens == 0:
         plan.run.query_window_tokens = prefill  # the first forward fills the empty cache: it reads its own slots
     if plan.run.compiled:
         embeds = model_kwargs.get("inputs_embeds") is not None

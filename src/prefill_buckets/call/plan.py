@@ -48,7 +48,6 @@ class RightPadding:
     """What only a right-padded call needs (`decision.py` chose the right): the `_prefill` hook pads its prompt."""
 
     bucket: int  # the length the prompt's new tokens are padded to, after their end
-    past_length: int = 0  # the tokens the cache held before the call
     ragged: bool = False  # rows of different lengths, each padded after its own end
 
 
@@ -111,6 +110,7 @@ class Plan:
     padded_batch: int = 1  # prompts generated from, dummy rows of `prefill_batch_buckets` included
     rows: int = 1  # output rows the user gets: batch * max(num_beams, num_return_sequences)
     padded_rows: int = 1  # output rows generated, dummy rows of `prefill_batch_buckets` included
+    cached_tokens: int = 0  # the tokens the cache passed in holds before the call (0: a cache `generate` makes)
     right: RightPadding | None = None  # `None`: padded on the left (columns in front, masked)
     run: CallRun = field(default_factory=CallRun)  # what the call learns as it runs
 
@@ -122,7 +122,7 @@ class Plan:
     @property
     def prompt_slots(self) -> int:
         """The cache slots prefill fills: the padded prompt, or on the right the cached tokens plus the bucket."""
-        return self.padded_length if self.right is None else self.right.past_length + self.right.bucket
+        return self.padded_length if self.right is None else self.cached_tokens + self.right.bucket
 
     @property
     def added_positions(self) -> int:
@@ -219,18 +219,17 @@ def _pad_prompt(call: ResolvedCall, padded_length: int):
     if streamer is not None and added_id_columns > 0:
         arguments["streamer"] = PromptStrippingStreamer(streamer, added_id_columns)
 
-    batch_size = (model_kwargs["inputs_embeds"] if inputs_embeds is not None else input_ids).shape[0]
-    rows = batch_size * settings.rows_per_prompt
     plan = Plan(
         model,
         settings,
         prompt_length=prompt_length,
         padded_length=padded_length,
         added_id_columns=added_id_columns,
-        batch_size=batch_size,
-        padded_batch=batch_size,
-        rows=rows,
-        padded_rows=rows,
+        batch_size=call.rows,
+        padded_batch=call.rows,
+        rows=call.output_rows,
+        padded_rows=call.output_rows,
+        cached_tokens=call.past_length,
     )
     return plan, arguments, model_kwargs
 
@@ -265,27 +264,23 @@ def _plan_right(call: ResolvedCall, side: PaddingSide) -> tuple:
     if input_ids is None and inputs_embeds is None:  # upstream would start from a lone BOS token: made here, as left
         input_ids = model_kwargs["input_ids"] = bos_prompt(call.model, settings, model_kwargs)
     prompt = inputs_embeds if inputs_embeds is not None else input_ids
-    prompt_length, batch_size = prompt.shape[1], prompt.shape[0]
+    prompt_length = prompt.shape[1]
     mask = model_kwargs.get("attention_mask")
     if mask is None and inputs_embeds is None and settings.pad_token_is_inferable:
         if bool((input_ids == settings.pad_token_id).any()):
             mask = model_kwargs["attention_mask"] = _default_attention_mask(settings, input_ids)  # as upstream infers
-    rows = batch_size * settings.rows_per_prompt
     plan = Plan(
         call.model,
         settings,
         prompt_length=prompt_length,
         padded_length=prompt_length,
         added_id_columns=0,
-        batch_size=batch_size,
-        padded_batch=batch_size,
-        rows=rows,
-        padded_rows=rows,
-        right=RightPadding(
-            bucket=side.bucket,
-            past_length=side.past_length,
-            ragged=isinstance(mask, torch.Tensor) and not bool(mask.all()),
-        ),
+        batch_size=call.rows,
+        padded_batch=call.rows,
+        rows=call.output_rows,
+        padded_rows=call.output_rows,
+        cached_tokens=call.past_length,
+        right=RightPadding(bucket=side.bucket, ragged=isinstance(mask, torch.Tensor) and not bool(mask.all())),
     )
     return plan, arguments, model_kwargs
 

@@ -52,8 +52,7 @@ def prefill_right(plan: Plan, step):
     compiled = plan.run.compiled is not False or is_aot_forward(model)
     if compiled and not all(getattr(layer, "is_initialized", True) for layer in cache.layers):
         plan.run.allocated_early = early_initialize(model, cache, rows)
-    # What a continued conversation holds; 0 for a fresh cache (one the call made holds nothing yet).
-    past = 0 if cache is plan.run.made_cache else (cache_seq_length(cache) or 0)
+    past = plan.cached_tokens  # what a continued conversation holds; 0 for a fresh cache
     inputs_embeds = model_kwargs.get("inputs_embeds")
     if past == 0:
         new_tokens = (inputs_embeds if inputs_embeds is not None else input_ids).shape[1]
