@@ -76,7 +76,6 @@ DEFAULT_CACHE_SLOTS = 8192
 MAX_UNASKED_SLOTS = 16384
 
 
-# Where a bucketed call leaves its `CacheRecord` on the cache it filled.
 def _aligned(policy: BucketPolicy, slots: int) -> int:
     return round_up(slots, policy.pad_to_multiple_of or CACHE_ALIGNMENT)
 
