@@ -317,5 +317,4 @@ def _compiles_generic_prefill(model, generation_config) -> bool:
     """Whether `model`'s bucketed prefill is one graph for every bucket: compiled with any `dynamic` but `False`."""
     if compiled_forward(model) is not None:
         return forward_compiled_dynamic(model) is not False
-    config = generation_config.compile_config
-    return config is not None and getattr(config, "dynamic", False) is not False
+    return getattr(generation_config.compile_config, "dynamic", False) is not False  # `False` without one too
