@@ -26,13 +26,11 @@ from dataclasses import dataclass
 from typing import Any
 
 
-POW2 = "pow2"
-POW2_QUARTERS = "pow2-quarters"
 # The named bucket sets, as data: the lengths of each doubling. `"pow2"`: every power of two (pads up to 2x).
 # `"pow2-quarters"`: every power of two and, from `FINE_FROM` on, the three lengths evenly between it and the next,
 # 4 per doubling like vLLM's capture sizes and the attention windows (`kvcache/windows.py`): 1, 2, 4, 8, 10, 12, 14, 16, 20,
 # 24, ..., 128, 160, 192, 224, 256, 320, ... (pads at most 25% past 8 tokens).
-STEPS_PER_DOUBLING = {POW2: 1, POW2_QUARTERS: 4}
+STEPS_PER_DOUBLING = {"pow2": 1, "pow2-quarters": 4}
 NAMED_BUCKETS = tuple(STEPS_PER_DOUBLING)
 FINE_FROM = 8  # below it a finer step would be under 2 tokens: powers of two only
 
