@@ -26,15 +26,12 @@ from dataclasses import dataclass
 from typing import Any
 
 
-POW2 = "pow2"
-POW2_QUARTERS = "pow2-quarters"
 # The named bucket sets, as data: the lengths of each doubling. `"pow2"`: every power of two (pads up to 2x).
 # `"pow2-quarters"`: every power of two and, from `FINE_FROM` on, the three lengths evenly between it and the next,
 # 4 per doubling like vLLM's capture sizes and the attention windows (`kvcache/windows.py`): 1, 2, 4, 8, 10, 12, 14, 16, 20,
 # 24, ..., 128, 160, 192, 224, 256, 320, ... (pads at most 25% past 8 tokens).
-STEPS_PER_DOUBLING = {POW2: 1, POW2_QUARTERS: 4}
+STEPS_PER_DOUBLING = {"pow2": 1, "pow2-quarters": 4}
 NAMED_BUCKETS = tuple(STEPS_PER_DOUBLING)
-BUCKET_POLICIES = NAMED_BUCKETS  # the names `validate_buckets` accepts
 FINE_FROM = 8  # below it a finer step would be under 2 tokens: powers of two only
 
 
@@ -82,15 +79,15 @@ def validate_pad_to_multiple_of(value: Any, field: str) -> None:
 
 def validate_buckets(value: Any, field: str, example: str = "[64, 256, 1024]") -> None:
     """
-    Raises `ValueError` naming `field` unless `value` is `None`, a policy name of `BUCKET_POLICIES`, or a strictly
+    Raises `ValueError` naming `field` unless `value` is `None`, a policy name of `NAMED_BUCKETS`, or a strictly
     increasing list (or tuple) of positive ints. The one check of bucket lengths: `BucketPolicy` and the
     `GenerationConfig` fields (`config.py`) both run it. `example`: a valid list for this field, said in the error.
     """
     if value is None:
         return
-    valid = f"a list of strictly increasing positive integers (such as {example}), one of {BUCKET_POLICIES}, or None"
+    valid = f"a list of strictly increasing positive integers (such as {example}), one of {NAMED_BUCKETS}, or None"
     if isinstance(value, str):
-        if value not in BUCKET_POLICIES:
+        if value not in NAMED_BUCKETS:
             raise ValueError(f"`{field}` must be {valid}, but is the unknown policy {value!r}.")
         return
     if not isinstance(value, (list, tuple)):
@@ -163,10 +160,7 @@ class BucketPolicy:
 
     def cache_length(self, length: int) -> int:
         """The static cache length for a sequence that needs `length` slots: the next power of two, aligned."""
-        padded = next_power_of_two(length)
-        if self.pad_to_multiple_of is not None:
-            padded = round_up(padded, self.pad_to_multiple_of)
-        return padded
+        return self._align(next_power_of_two(length))
 
     def __str__(self) -> str:
         parts = []

@@ -56,11 +56,6 @@ FIELD_DOCS = """
 """
 
 
-def validate_prefill_pad_to_multiple_of(value: Any) -> None:
-    """Raises `ValueError` unless `value` is `None` or a positive `int`."""
-    validate_pad_to_multiple_of(value, PREFILL_PAD_TO_MULTIPLE_OF)
-
-
 def validate_prefill_buckets(value: Any, field: str = PREFILL_BUCKETS) -> None:
     """Raises `ValueError` unless `value` is `None`, a known policy name, or a strictly increasing list of positive ints."""
     validate_buckets(value, field, example="[1, 2, 4, 8]" if field == PREFILL_BATCH_BUCKETS else "[64, 256, 1024]")
@@ -86,7 +81,7 @@ def validate_fields(
 ) -> None:
     """Validates the fields; raises `ValueError` naming the field, the value and what is valid."""
     validate_prefill_padding_side(prefill_padding_side)
-    validate_prefill_pad_to_multiple_of(prefill_pad_to_multiple_of)
+    validate_pad_to_multiple_of(prefill_pad_to_multiple_of, PREFILL_PAD_TO_MULTIPLE_OF)
     validate_prefill_buckets(prefill_buckets)
     validate_prefill_buckets(prefill_batch_buckets, field=PREFILL_BATCH_BUCKETS)
 

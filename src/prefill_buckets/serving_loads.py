@@ -3,7 +3,7 @@
 - transformers 5.17 to 5.24 load them in the server's process, with `ModelManager.load_model_and_processor`:
   `prepared_loads` wraps that method while the server is built.
 - transformers 5.25 loads each in a process of its own, which `EngineClient.start_process` spawns and hands the
-  server's loader: `prepared_processes` hands it a `PreparingLoader` around that loader instead, pickled into the
+  server's loader: `wrapped_process_loaders` hands it a `PreparingLoader` around that loader instead, pickled into the
   process with what prepares the model, so the warm-up runs there, before the process says the model is loaded.
 
 `prepared(prepare, report)` picks the one this transformers needs; `unsupported_server` says why neither applies.
@@ -51,7 +51,7 @@ def prepared(prepare: Callable, report: Callable):
             f"pickled, and can't ({type(error).__name__}: {error}). Pass a function defined at a module's top level, "
             "and a backend by name or a picklable callable."
         ) from None
-    return prepared_processes(prepare, report)
+    return wrapped_process_loaders(lambda loader: PreparingLoader(loader, prepare, report))
 
 
 @contextlib.contextmanager
@@ -102,14 +102,6 @@ class PreparingLoader:
             threads_rule(model.device)
         self.report(model, self.prepare(model, processor=processor))
         return model, processor
-
-
-def prepared_processes(prepare: Callable, report: Callable):
-    """
-    While open, every model process upstream's server starts (transformers 5.25) gets a `PreparingLoader` around the
-    server's loader: the model is prepared there, before its process says it is loaded.
-    """
-    return wrapped_process_loaders(lambda loader: PreparingLoader(loader, prepare, report))
 
 
 @contextlib.contextmanager

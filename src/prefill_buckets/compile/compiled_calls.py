@@ -122,12 +122,18 @@ def call_compilation(model, model_kwargs: dict, generation_config) -> tuple[bool
 
 def forward_compiled_dynamic(model) -> bool | None:
     """The `dynamic` the user compiled `model`'s forward with (`compiled_forward`'s ways; `False` if not compiled)."""
-    for compiled in (torch_api.compiled_call_impl(model), model.__dict__.get("forward")):
-        if compiled is not None:
-            dynamic = torch_api.compiled_dynamic(compiled)
-            if dynamic is not False:
-                return dynamic
-    return False
+    dynamics = (torch_api.compiled_dynamic(compiled) for compiled in _user_compiled(model))
+    return next((dynamic for dynamic in dynamics if dynamic is not False), False)
+
+
+def forward_compiled_with_fullgraph(model) -> bool:
+    """Whether the user compiled `model`'s forward with `fullgraph=True` (`compiled_forward`'s ways; `False` if not)."""
+    return any(torch_api.compiled_with_fullgraph(compiled) for compiled in _user_compiled(model))
+
+
+def _user_compiled(model) -> tuple:
+    """Where `compiled_forward`'s ways leave a compiled callable: `model.compile()`'s call, a compiled `forward`."""
+    return torch_api.compiled_call_impl(model), model.__dict__.get("forward")
 
 
 # The inputs of a forward that hold one entry per new token, and the dimension that counts them.
@@ -186,14 +192,6 @@ def _marked_mask(mask, new_tokens: int, tokens: int):
     sizes = {2: ((1, tokens),), 4: ((2, new_tokens), (3, tokens))}.get(mask.ndim, ())
     dims = [dim for dim, size in sizes if mask.shape[dim] == size]
     return _marked(mask, *dims) if dims else mask
-
-
-def forward_compiled_with_fullgraph(model) -> bool:
-    """Whether the user compiled `model`'s forward with `fullgraph=True` (`compiled_forward`'s ways; `False` if not)."""
-    for compiled in (torch_api.compiled_call_impl(model), model.__dict__.get("forward")):
-        if compiled is not None and torch_api.compiled_with_fullgraph(compiled):
-            return True
-    return False
 
 
 @contextlib.contextmanager

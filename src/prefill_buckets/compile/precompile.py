@@ -18,7 +18,7 @@ from ..call.generation import generate
 from ..call.resolved import resolve_fields, resolve_settings
 from ..config import PREFILL_BUCKETS, PREFILL_PAD_TO_MULTIPLE_OF
 from ..forgotten_enable import generation_configs, warn_if_enable_forgotten
-from ..kvcache.sizing import pinned_cache_length
+from ..kvcache.sizing import aligned_cache_length
 from ..kvcache.windows import decode_warmups
 from ..upstream import torch_api, transformers_api
 from ..upstream.torch_api import graphs_compiled
@@ -204,7 +204,7 @@ def precompile(
     if cache_implementation in ALL_STATIC_CACHE_IMPLEMENTATIONS and generation_config.max_cache_len is None:
         # Pinned, so one decode graph whatever its size: the slots the longest bucket needs, rounded up to a
         # multiple of 64 (not to the next power of two, which a growing cache uses to bound its sizes).
-        generation_config.max_cache_len = pinned_cache_length(policy, lengths[0] + max_new_tokens - 1)
+        generation_config.max_cache_len = aligned_cache_length(policy, lengths[0] + max_new_tokens - 1)
 
     # Warm-up calls: 2 new tokens = one prefill and one decode step; sampling and stopping don't change the graphs.
     # With a static cache, more where decode crosses attention windows (`windows.decode_warmups`).
@@ -317,5 +317,4 @@ def _compiles_generic_prefill(model, generation_config) -> bool:
     """Whether `model`'s bucketed prefill is one graph for every bucket: compiled with any `dynamic` but `False`."""
     if compiled_forward(model) is not None:
         return forward_compiled_dynamic(model) is not False
-    config = generation_config.compile_config
-    return config is not None and getattr(config, "dynamic", False) is not False
+    return getattr(generation_config.compile_config, "dynamic", False) is not False  # `False` without one too

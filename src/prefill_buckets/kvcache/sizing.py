@@ -17,7 +17,7 @@ context unasked:
 Every length is rounded up to a multiple of 64 (or of `prefill_pad_to_multiple_of`), and capped at what the model
 takes: never past `max_position_embeddings`, which some models size buffers by (GPT-Neo's causal mask), unless the
 call itself needs more slots, as it would unbucketed. `precompile` pins the cache to its longest bucket instead
-(`pinned_cache_length`). A cache the user did not ask for that is longer than `DEFAULT_CACHE_SLOTS` logs its size in
+(`aligned_cache_length`). A cache the user did not ask for that is longer than `DEFAULT_CACHE_SLOTS` logs its size in
 bytes when it is made. Pin `max_cache_len` to the largest bucket plus `max_new_tokens` to choose the memory yourself
 (`room_reason` checks a call against a pinned or passed cache).
 
@@ -76,8 +76,8 @@ DEFAULT_CACHE_SLOTS = 8192
 MAX_UNASKED_SLOTS = 16384
 
 
-# Where a bucketed call leaves its `CacheRecord` on the cache it filled.
-def _aligned(policy: BucketPolicy, slots: int) -> int:
+def aligned_cache_length(policy: BucketPolicy, slots: int) -> int:
+    """`slots` rounded up to a multiple of `CACHE_ALIGNMENT` (or of the policy's `pad_to_multiple_of`)."""
     return round_up(slots, policy.pad_to_multiple_of or CACHE_ALIGNMENT)
 
 
@@ -97,12 +97,12 @@ def static_cache_length(model, settings, needed: int, prompt_slots: int) -> int:
     if previous < 0:
         largest = policy.largest_bucket
         first = policy.bucket(largest) + new_slots if largest is not None else DEFAULT_CACHE_SLOTS
-        first = _aligned(policy, max(needed, first))
+        first = aligned_cache_length(policy, max(needed, first))
         first = first if cap is None else min(first, cap)
         _log_unasked(model, first)
         return first
     grown = cap if cap is not None and cap <= MAX_UNASKED_SLOTS else policy.cache_length(needed)
-    grown = grown if cap is None else min(_aligned(policy, grown), cap)
+    grown = grown if cap is None else min(aligned_cache_length(policy, grown), cap)
     logger.warning_once(
         f"A call needs {needed} static cache slots, more than the model's cache of {previous}, so the cache grows to "
         f"{grown} slots ({_megabytes(model, grown)} per row): a compiled model compiles its prefill and decode graphs "
@@ -144,11 +144,6 @@ def _megabytes(model, slots: int) -> str:
     if size is None:
         return "size unknown"
     return f"{size / 2**20:,.0f} MB" if size >= 2**20 else f"{max(1, round(size / 2**10)):,} KB"
-
-
-def pinned_cache_length(policy: BucketPolicy, needed: int) -> int:
-    """The length `precompile` pins the static cache to, for a workload whose longest call needs `needed` slots."""
-    return _aligned(policy, needed)
 
 
 def room_reason(settings, cache, holds_padding: bool, prompt_length: int, padded_length: int) -> str | None:

@@ -33,7 +33,7 @@ it holds past 1,024, and a 131,072-slot cache has 32 of them.
 import torch
 from transformers.utils import logging
 
-from ..buckets import round_up
+from ..buckets import next_power_of_two, round_up
 from ..upstream import checks, transformers_api
 from .ring import SlidingWindowRing
 
@@ -49,7 +49,7 @@ WINDOWS_PER_OCTAVE = 4
 
 def window_length(tokens: int, slots: int) -> int:
     """The window a forward reads when, after it, the cache holds `tokens` tokens of its `slots` slots."""
-    octave = 1 << max(tokens - 1, 0).bit_length()  # the power of two at or above `tokens`
+    octave = next_power_of_two(tokens)
     step = max(MIN_WINDOW, octave // (2 * WINDOWS_PER_OCTAVE))
     return min(round_up(max(tokens, 1), step), slots)
 

@@ -314,14 +314,9 @@ def parameters_of(function):
     return parameters
 
 
-def forward_parameters(model):
-    """The parameters of `model.forward`."""
-    return parameters_of(model.forward)
-
-
 def forward_takes(model, name: str) -> bool:
     """Whether `model.forward` takes a parameter `name`."""
-    return name in forward_parameters(model)
+    return name in parameters_of(model.forward)
 
 
 def vocabulary_size(model) -> int | None:
