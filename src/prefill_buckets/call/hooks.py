@@ -39,7 +39,6 @@ from transformers.utils import logging
 from ..compile.compiled_calls import (
     EagerFallback,
     call_compilation,
-    compiled_forward,
     install_fallbacks,
     is_aot_forward,
     mark_decode_static,
@@ -117,14 +116,15 @@ def _prepare_generated_length(plan, step):
 )
 def _prepare_cache_for_generation(plan, step):
     generation_config, model_kwargs = step["generation_config"], step["model_kwargs"]
-    creates_static = (
-        passed_cache(model_kwargs) is None
-        and generation_config.cache_implementation in transformers_api.ALL_STATIC_CACHE_IMPLEMENTATIONS
-    )
+    creates_static = plan.makes_static_cache
     if not (creates_static or getattr(passed_cache(model_kwargs), "is_compileable", False)):
-        # No static cache: upstream compiles nothing itself, so the forwards are compiled only if the user compiled them.
-        plan.run.compiled = compiled_forward(plan.model) is not None
-        return step.call()
+        # No static cache: nothing to size or window. Whether the forwards are compiled (by the user, or by upstream for
+        # a compileable cache it makes) is known once the cache is.
+        result = step.call()
+        plan.run.auto_compile, plan.run.compiled, plan.run.fullgraph, plan.run.generic_prefill = call_compilation(
+            plan.model, model_kwargs, generation_config
+        )
+        return result
     # `generation_config` is upstream's private copy: what the user passed is untouched.
     sized_here = creates_static and generation_config.max_cache_len is None
     if sized_here:

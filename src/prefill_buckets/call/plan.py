@@ -111,6 +111,7 @@ class Plan:
     rows: int = 1  # output rows the user gets: batch * max(num_beams, num_return_sequences)
     padded_rows: int = 1  # output rows generated, dummy rows of `prefill_batch_buckets` included
     cached_tokens: int = 0  # the tokens the cache passed in holds before the call (0: a cache `generate` makes)
+    makes_static_cache: bool = False  # whether `generate` makes the call a static cache (it passes none)
     right: RightPadding | None = None  # `None`: padded on the left (columns in front, masked)
     run: CallRun = field(default_factory=CallRun)  # what the call learns as it runs
 
@@ -230,6 +231,7 @@ def _pad_prompt(call: ResolvedCall, padded_length: int):
         rows=call.output_rows,
         padded_rows=call.output_rows,
         cached_tokens=call.past_length,
+        makes_static_cache=call.makes_static_cache,
     )
     return plan, arguments, model_kwargs
 
@@ -280,6 +282,7 @@ def _plan_right(call: ResolvedCall, side: PaddingSide) -> tuple:
         rows=call.output_rows,
         padded_rows=call.output_rows,
         cached_tokens=call.past_length,
+        makes_static_cache=call.makes_static_cache,
         right=RightPadding(bucket=side.bucket, ragged=isinstance(mask, torch.Tensor) and not bool(mask.all())),
     )
     return plan, arguments, model_kwargs

@@ -186,6 +186,11 @@ class ResolvedCall:
         return self.settings.cache_implementation in transformers_api.ALL_STATIC_CACHE_IMPLEMENTATIONS
 
     @property
+    def makes_static_cache(self) -> bool:
+        """Whether `generate` makes the call a static cache (it passes none)."""
+        return self.cache is None and self.static_cache
+
+    @property
     def output_rows(self) -> int:
         """The rows upstream generates for the user's prompts: `rows * max(num_beams, num_return_sequences)`."""
         return self.rows * self.settings.rows_per_prompt
@@ -372,7 +377,7 @@ def settings_of(
         bos_token_id=bos_token_ids[0] if bos_token_ids else None,
         num_beams=config.num_beams or 1,
         num_return_sequences=config.num_return_sequences or 1,
-        cache_implementation=transformers_api.cache_implementation_made(config.cache_implementation),
+        cache_implementation=config.cache_implementation,
         stop_strings=config.stop_strings,
         vocab_size=vocabulary_size(model),
         max_positions=max_positions(model),

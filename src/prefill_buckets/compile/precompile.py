@@ -195,12 +195,8 @@ def precompile(
     lengths = sorted(bucket_lengths(policy, max_prompt_length, settings.max_positions), reverse=True)
     if min_prompt_length is not None:
         lengths = [length for length in lengths if length >= capped_bucket(settings, min_prompt_length, warn=False)]
-    max_new_tokens = generation_config.max_new_tokens
-    if max_new_tokens is None:
-        max_new_tokens = (generation_config.max_length or 20) - 1
-    cache_implementation = transformers_api.cache_implementation_made(
-        generation_config.cache_implementation or module.generation_config.cache_implementation
-    )
+    max_new_tokens = settings.new_tokens(1)
+    cache_implementation = settings.cache_implementation
     if cache_implementation in ALL_STATIC_CACHE_IMPLEMENTATIONS and generation_config.max_cache_len is None:
         # Pinned, so one decode graph whatever its size: the slots the longest bucket needs, rounded up to a
         # multiple of 64 (not to the next power of two, which a growing cache uses to bound its sizes).

@@ -170,12 +170,6 @@ def is_static_cache(cache) -> bool:
     return type(cache).__name__ == "StaticCache"
 
 
-def cache_implementation_made(cache_implementation):
-    """The `cache_implementation` upstream `generate` makes a cache for: it unsets `"hybrid"`, a dynamic cache since
-    transformers#40039 (every supported version), though `"hybrid"` is still listed as static."""
-    return None if cache_implementation == "hybrid" else cache_implementation
-
-
 def is_dynamic(cache_implementation) -> bool:
     """Whether `generate` makes a cache that is not compiled for a `cache_implementation`: dynamic, or offloaded."""
     return cache_implementation not in ALL_STATIC_CACHE_IMPLEMENTATIONS or "offloaded" in str(cache_implementation)
