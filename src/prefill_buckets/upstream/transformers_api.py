@@ -158,6 +158,18 @@ def holds_only_recurrent_layers(cache) -> bool:
     return bool(is_linear) and all(is_linear)
 
 
+def uncount_recurrent_tokens(cache, tokens: int) -> None:
+    """
+    Takes `tokens` off the count of a cache of only recurrent layers (transformers 5.25's `cumulative_length_linear`;
+    before, such layers count none): the count upstream slices a later turn's ids by. Their state holds no positions.
+    """
+    if tokens and holds_only_recurrent_layers(cache):
+        for layer in cache.layers:
+            count = getattr(layer, "cumulative_length_linear", None)
+            if isinstance(count, torch.Tensor):
+                count.sub_(tokens)
+
+
 def reports_its_length(cache) -> bool:
     """
     Whether `cache.get_seq_length()` answers, as upstream's chunked prefill asks it: a cache of only recurrent layers
