@@ -112,9 +112,11 @@ class ContinuedConversationTest(unittest.TestCase):
     A second turn that passes the first turn's static cache back, with the conversation so far, against upstream's two
     unpadded turns: tokens of both, and the second turn's logits. The hybrids' linear-attention layers hold no slots
     (continuing their cache raised `AttributeError` reading the cache's length, and RecurrentGemma's a `ValueError`).
+    Zamba2 and Inkling hold keys and a state in one layer, which transformers 5.17's `is_linear` counts as linear: the
+    second turn ran unpadded on a left-padded cache (other logits).
     """
 
-    @parameterized.expand([("llama",), ("mistral",), ("jamba",), ("recurrent_gemma",)])
+    @parameterized.expand([("llama",), ("mistral",), ("jamba",), ("recurrent_gemma",), ("zamba2",), ("inkling_text",)])
     def test_second_turn(self, model_type):
         import prefill_buckets
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import transformers
-from transformers import StaticCache, StaticLayer, StaticSlidingWindowLayer, masking_utils
+from transformers import StaticCache, StaticLayer, StaticSlidingWindowLayer, cache_utils, masking_utils
 from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS
 from transformers.generation.utils import GenerationMixin
 from transformers.utils import output_capturing as _output_capturing
@@ -153,9 +153,15 @@ def cache_rows(cache) -> int | None:
 
 
 def holds_only_recurrent_layers(cache) -> bool:
-    """Whether every layer of `cache` is recurrent (linear attention: Mamba's cache), holding a state and no keys."""
+    """
+    Whether every layer of `cache` is recurrent (linear attention: Mamba's cache), holding a state and no keys. Read
+    from the layers as transformers 5.24 reads `is_linear`: 5.17's also counts a layer that holds a static attention
+    layer's keys beside its state (`LinearAttentionAndStaticFullAttentionLayer`: Falcon-H1, Zamba2, Inkling).
+    """
     is_linear = getattr(cache, "is_linear", None)
-    return bool(is_linear) and all(is_linear)
+    if not (bool(is_linear) and all(is_linear)):
+        return False
+    return not any(isinstance(layer, cache_utils.CacheLayerMixin) for layer in getattr(cache, "layers", ()))
 
 
 def uncount_recurrent_tokens(cache, tokens: int) -> None:
