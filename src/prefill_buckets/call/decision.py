@@ -264,6 +264,16 @@ DECISION = (
         side_assumptions.adds_the_cache_length_to_positions,
         "its forward adds the cache length to the positions at decode, so pads in front would shift them",
     ),
+    Row(
+        "rows of different lengths on a forward that adds the cache length to the positions it is given at decode (GIT)",
+        "unpadded",
+        "padded on the right, each after its own end, they leave a cache a later turn lines up with only on the left",
+        lambda call: call.ragged and call.breaks(side_assumptions.adds_the_cache_length_to_positions),
+        "`{call.model_name}`: rows of different lengths padded on the right, each after its own end, leave their "
+        "tokens in other cache slots than upstream's, which a later turn that continues the cache lines up with only "
+        "by padding on the left, and its forward adds the cache length to the positions at decode, so pads in front "
+        "would shift them",
+    ),
     _model_row(
         "unpadded",
         "attention that compresses the cached tokens in blocks (DeepSeek-V4)",
