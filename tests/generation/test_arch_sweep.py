@@ -127,11 +127,6 @@ class ContinuedConversationTest(unittest.TestCase):
         if model_type == "git" and version.parse(transformers.__version__) < version.parse("5.24"):
             self.skipTest("upstream's own GIT conversation on a static cache fails before transformers 5.24")
 
-        if model_type == "recurrent_gemma" and version.parse(transformers.__version__) >= version.parse("5.25"):
-            # Known, open: on transformers 5.25 the cache counts RecurrentGemma's tokens by its first layer, a recurrent
-            # one that counts none, so the first turn's record is dropped as if the cache were reset, and the second
-            # turn gets other tokens (a ragged batch; and every prompt once the count is read from an attention layer).
-            self.skipTest("RecurrentGemma's continued conversation on transformers 5.25: open (other tokens)")
         model = arch_sweep.build_tiny_model(model_type, arch_sweep.tiny_config(model_type))
         user = torch.randint(3, arch_sweep.VOCAB, (2, 5), generator=torch.Generator().manual_seed(1))
         options = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0, "return_dict_in_generate": True}

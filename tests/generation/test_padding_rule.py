@@ -111,6 +111,7 @@ CASES = [
     ),
     (breaks("attention_is_bidirectional"), None),
     (breaks("masks_from_keys"), None),
+    (breaks("counts_no_tokens"), None),
     *[
         ({**LEFT_ONLY, **breaks(name)(None)}, None)
         for name in (
@@ -215,7 +216,7 @@ class DecisionRowsTest(unittest.TestCase):
         # The plain call is padded on the right; a case moved after a row that hides it decides that row instead.
         self.assertIs(self.decided(({}, None)), DECISION[-1])
         self.assertIsNot(
-            self.decided(({**LEFT_ONLY, "room": (None, "no room")}, takes_no("attention_mask"))), DECISION[28]
+            self.decided(({**LEFT_ONLY, "room": (None, "no room")}, takes_no("attention_mask"))), DECISION[29]
         )
 
 

@@ -237,6 +237,16 @@ DECISION = (
         "its attention builds a dynamic mask from the keys, which would see the pads after the prompt or in front",
     ),
     _model_row(
+        "neither",
+        "recurrent blocks that keep their state on their modules, in a cache that counts its tokens by their layer "
+        "(RecurrentGemma on transformers 5.25)",
+        "the cache reads as empty: a later turn can't line up with the padding in it",
+        side_assumptions.counts_no_tokens,
+        "its recurrent blocks keep their state on their modules, and its cache counts its tokens by their layer, "
+        "which counts none: the cache would read as empty, and a later turn that continues it, which upstream runs "
+        "whole again, could not line up with the padding in it",
+    ),
+    _model_row(
         "unpadded",
         "a forward without `position_ids` that counts positions from the cache (TrOCR, BART's decoder)",
         "pads in front would shift every position",

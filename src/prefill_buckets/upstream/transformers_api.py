@@ -208,6 +208,25 @@ def lazy_static_cache(model, max_cache_len: int):
     return StaticCache(config=model.config, max_cache_len=max_cache_len)
 
 
+def counts_by_a_recurrent_layer(model) -> bool:
+    """
+    Whether the static cache `generate` makes for `model` says how many tokens it holds (`get_seq_length`) by its
+    first layer, a recurrent one (transformers 5.25; 5.24 reads its first attention layer instead): that layer counts
+    only what the model writes to it through the cache. Asked of a throwaway lazy cache, whose first layer's count is
+    set to 1.
+    """
+    try:
+        cache = lazy_static_cache(model, 1)
+    except Exception:  # a model whose config a static cache can't be built from: `generate` makes none
+        return False
+    first = cache.layers[0] if cache.layers else None
+    count = getattr(first, "cumulative_length_linear", None)
+    if not isinstance(count, torch.Tensor) or isinstance(first, cache_utils.CacheLayerMixin):
+        return False
+    count.add_(1)
+    return int(cache.get_seq_length()) == 1
+
+
 def slot_layers(cache) -> list:
     """A static cache's layers that hold tokens in slots: not a hybrid model's linear-attention layers (Qwen3-Next,
     Jamba, RecurrentGemma, ...), which keep a state of fixed size."""
