@@ -331,6 +331,7 @@ SHORT_REASONS = (
     ("made no static cache", "no cache object to pad"),
     ("takes no `attention_mask`", "no attention mask"),
     ("only recurrent", "recurrent cache"),
+    ("which counts none", "a cache that counts no tokens"),
     ("compresses the cached tokens", "compressed attention"),
     ("ignores the attention mask", "the mask is ignored"),
     ("builds a dynamic mask from the keys", "a mask built from the keys"),

@@ -1008,6 +1008,36 @@ class RecurrentCacheTest(unittest.TestCase):
                 if first_fields:  # the turn that continues a bucketed call's cache says why it is not padded
                     self.assertIn("only recurrent (linear-attention) layers", captured.out)
 
+    @unittest.skipIf(CACHE != "cache", "transformers < 5.24 continues no Mamba conversation itself")
+    def test_a_later_turn_after_a_left_padded_turn(self):
+        # From transformers 5.25 a recurrent layer counts the tokens it ran, and upstream slices a later turn's ids by
+        # that count: a first turn padded on the left counted its pads, and the later turn ran too few of its tokens
+        # (other logits from its first step). The pads are uncounted after the call.
+        config = MambaConfig(
+            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, state_size=8, expand=2, conv_kernel=4,
+            pad_token_id=PAD, eos_token_id=EOS, bos_token_id=BOS,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        model = MambaForCausalLM(config).eval()
+        prompt, reply = random_ids(1, 11), random_ids(1, 5, seed=1)
+        options = {"do_sample": False, "max_new_tokens": 4, "return_dict_in_generate": True, "pad_token_id": PAD}
+        for cache in ({"cache_implementation": "static", "max_cache_len": 64}, {}):
+            turns = []
+            for generate in (model.generate, functools.partial(prefill_buckets.generate, model)):
+                first = generate(prompt, **options, **cache, **({"prefill_buckets": [16]} if turns else {}))
+                later = generate(
+                    torch.cat([first.sequences, reply], dim=1),
+                    output_logits=True,
+                    **options,
+                    **{CACHE: getattr(first, CACHE)},
+                )
+                turns.append((first.sequences, later.sequences, torch.stack(later.logits)))
+            with self.subTest(cache=cache):
+                (first, later, logits), (our_first, our_later, our_logits) = turns
+                self.assertEqual(our_first.tolist(), first.tolist())
+                self.assertEqual(our_later.tolist(), later.tolist())
+                torch.testing.assert_close(our_logits, logits)
+
 
 class EncoderDecoderTest(unittest.TestCase):
     @classmethod

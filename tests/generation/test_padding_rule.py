@@ -111,6 +111,7 @@ CASES = [
     ),
     (breaks("attention_is_bidirectional"), None),
     (breaks("masks_from_keys"), None),
+    (breaks("counts_no_tokens"), None),
     *[
         ({**LEFT_ONLY, **breaks(name)(None)}, None)
         for name in (
@@ -118,9 +119,12 @@ CASES = [
             "drops_the_mask",
             "ignores_the_mask",
             "adds_the_cache_length_to_positions",
-            "compresses_the_cache",
-            "repeats_keys_past_the_query_heads",
         )
+    ],
+    ({"ragged": True, **breaks("adds_the_cache_length_to_positions")(None)}, None),
+    *[
+        ({**LEFT_ONLY, **breaks(name)(None)}, None)
+        for name in ("compresses_the_cache", "repeats_keys_past_the_query_heads")
     ],
     ({**LEFT_ONLY, "filled_unpadded": "an unpadded call"}, None),
     ({**LEFT_ONLY, "ids_not_paddable": "not [batch, length]"}, None),
@@ -212,7 +216,7 @@ class DecisionRowsTest(unittest.TestCase):
         # The plain call is padded on the right; a case moved after a row that hides it decides that row instead.
         self.assertIs(self.decided(({}, None)), DECISION[-1])
         self.assertIsNot(
-            self.decided(({**LEFT_ONLY, "room": (None, "no room")}, takes_no("attention_mask"))), DECISION[27]
+            self.decided(({**LEFT_ONLY, "room": (None, "no room")}, takes_no("attention_mask"))), DECISION[29]
         )
 
 

@@ -237,6 +237,16 @@ DECISION = (
         "its attention builds a dynamic mask from the keys, which would see the pads after the prompt or in front",
     ),
     _model_row(
+        "neither",
+        "recurrent blocks that keep their state on their modules, in a cache that counts its tokens by their layer "
+        "(RecurrentGemma on transformers 5.25)",
+        "the cache reads as empty: a later turn can't line up with the padding in it",
+        side_assumptions.counts_no_tokens,
+        "its recurrent blocks keep their state on their modules, and its cache counts its tokens by their layer, "
+        "which counts none: the cache would read as empty, and a later turn that continues it, which upstream runs "
+        "whole again, could not line up with the padding in it",
+    ),
+    _model_row(
         "unpadded",
         "a forward without `position_ids` that counts positions from the cache (TrOCR, BART's decoder)",
         "pads in front would shift every position",
@@ -263,6 +273,16 @@ DECISION = (
         "pads in front would shift every position",
         side_assumptions.adds_the_cache_length_to_positions,
         "its forward adds the cache length to the positions at decode, so pads in front would shift them",
+    ),
+    Row(
+        "rows of different lengths on a forward that adds the cache length to the positions it is given at decode (GIT)",
+        "unpadded",
+        "padded on the right, each after its own end, they leave a cache a later turn lines up with only on the left",
+        lambda call: call.ragged and call.breaks(side_assumptions.adds_the_cache_length_to_positions),
+        "`{call.model_name}`: rows of different lengths padded on the right, each after its own end, leave their "
+        "tokens in other cache slots than upstream's, which a later turn that continues the cache lines up with only "
+        "by padding on the left, and its forward adds the cache length to the positions at decode, so pads in front "
+        "would shift them",
     ),
     _model_row(
         "unpadded",

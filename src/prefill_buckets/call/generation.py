@@ -130,7 +130,8 @@ def generate(model, *args, **kwargs):
     # 7. Mark the cache, passed in or returned, for a call that continues from it; keep one the call made and did not
     # return, for the next call's.
     returned = _returned_cache(output)
-    for cache in (passed_cache(prepared.model_kwargs), returned):  # often one cache, twice: idempotent
+    passed = passed_cache(prepared.model_kwargs)
+    for cache in (passed, returned if returned is not passed else None):  # often one cache: recorded once
         if cache is not None:
             record_call(cache, plan, prepared.model_kwargs.get("attention_mask"), continues=call.continued is not None)
     made = plan.run.made_cache

@@ -134,6 +134,16 @@ def keeps_a_state_on_its_modules(model) -> bool:
     return any("recurrent_states" in module.__dict__ for module in model.modules())
 
 
+def counts_no_tokens(model) -> bool:
+    """
+    Whether the model's static cache counts its tokens by a recurrent layer the model never writes (RecurrentGemma's
+    blocks keep their state on their modules, `keeps_a_state_on_its_modules`, and transformers 5.25 counts by the
+    first layer): a bucketed call's cache then reads as empty, so its record is lost, and upstream's later turn runs
+    the whole conversation again on it, next to the padding its attention layers hold.
+    """
+    return keeps_a_state_on_its_modules(model) and transformers_api.counts_by_a_recurrent_layer(model)
+
+
 def compresses_the_cache(model) -> bool:
     """Whether layers pool the tokens they cache into blocks (DeepSeek-V4's compressed attention): pads would join."""
     config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config

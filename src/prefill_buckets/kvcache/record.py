@@ -11,7 +11,13 @@ from typing import NamedTuple
 
 import torch
 
-from ..upstream.transformers_api import cache_argument, cache_rows, cache_seq_length, holds_only_recurrent_layers
+from ..upstream.transformers_api import (
+    cache_argument,
+    cache_rows,
+    cache_seq_length,
+    holds_only_recurrent_layers,
+    uncount_recurrent_tokens,
+)
 
 
 # Where a bucketed call leaves its `CacheRecord` on the cache it filled.
@@ -128,6 +134,12 @@ def record_call(cache, plan, attention_mask, continues: bool) -> None:
     padding = previous.padding if previous is not None else None
     if right is None or plan.padded_batch > plan.batch_size or right.ragged:
         padding = CachePadding(plan.added_positions, plan.rows, plan.padded_rows)
+    if padding is not None and padding.columns and holds_only_recurrent_layers(cache):
+        # Recurrent layers keep the masked pads out of their state, but count them (transformers 5.25), and upstream
+        # slices a later turn's ids by that count: uncounted, the cache is an unpadded call's, which a later turn
+        # continues unpadded (`decision.DECISION`).
+        uncount_recurrent_tokens(cache, padding.columns)
+        padding = padding._replace(columns=0) if padding.padded_rows != padding.rows else None
     if continues:
         ragged_rows = previous.ragged_rows if previous is not None else None
     else:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import transformers
-from transformers import StaticCache, StaticLayer, StaticSlidingWindowLayer, masking_utils
+from transformers import StaticCache, StaticLayer, StaticSlidingWindowLayer, cache_utils, masking_utils
 from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEMENTATIONS
 from transformers.generation.utils import GenerationMixin
 from transformers.utils import output_capturing as _output_capturing
@@ -153,9 +153,27 @@ def cache_rows(cache) -> int | None:
 
 
 def holds_only_recurrent_layers(cache) -> bool:
-    """Whether every layer of `cache` is recurrent (linear attention: Mamba's cache), holding a state and no keys."""
+    """
+    Whether every layer of `cache` is recurrent (linear attention: Mamba's cache), holding a state and no keys. Read
+    from the layers as transformers 5.24 reads `is_linear`: 5.17's also counts a layer that holds a static attention
+    layer's keys beside its state (`LinearAttentionAndStaticFullAttentionLayer`: Falcon-H1, Zamba2, Inkling).
+    """
     is_linear = getattr(cache, "is_linear", None)
-    return bool(is_linear) and all(is_linear)
+    if not (bool(is_linear) and all(is_linear)):
+        return False
+    return not any(isinstance(layer, cache_utils.CacheLayerMixin) for layer in getattr(cache, "layers", ()))
+
+
+def uncount_recurrent_tokens(cache, tokens: int) -> None:
+    """
+    Takes `tokens` off the count of a cache of only recurrent layers (transformers 5.25's `cumulative_length_linear`;
+    before, such layers count none): the count upstream slices a later turn's ids by. Their state holds no positions.
+    """
+    if tokens and holds_only_recurrent_layers(cache):
+        for layer in cache.layers:
+            count = getattr(layer, "cumulative_length_linear", None)
+            if isinstance(count, torch.Tensor):
+                count.sub_(tokens)
 
 
 def reports_its_length(cache) -> bool:
@@ -182,6 +200,25 @@ RIGHT_PADDED_LAYERS = ("StaticLayer", "StaticSlidingWindowLayer")
 def lazy_static_cache(model, max_cache_len: int):
     """The static cache `generate` would make for `model`, lazily initialized (no tensors are allocated)."""
     return StaticCache(config=model.config, max_cache_len=max_cache_len)
+
+
+def counts_by_a_recurrent_layer(model) -> bool:
+    """
+    Whether the static cache `generate` makes for `model` says how many tokens it holds (`get_seq_length`) by its
+    first layer, a recurrent one (transformers 5.25; 5.24 reads its first attention layer instead): that layer counts
+    only what the model writes to it through the cache. Asked of a throwaway lazy cache, whose first layer's count is
+    set to 1.
+    """
+    try:
+        cache = lazy_static_cache(model, 1)
+    except Exception:  # a model whose config a static cache can't be built from: `generate` makes none
+        return False
+    first = cache.layers[0] if cache.layers else None
+    count = getattr(first, "cumulative_length_linear", None)
+    if not isinstance(count, torch.Tensor) or isinstance(first, cache_utils.CacheLayerMixin):
+        return False
+    count.add_(1)
+    return int(cache.get_seq_length()) == 1
 
 
 def slot_layers(cache) -> list:
