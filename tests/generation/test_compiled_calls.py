@@ -10,6 +10,7 @@
 # `torch.compile(model)` wrapper, real inductor), as the call path reads it (`compiled_forward`, `call_compilation`,
 # `compiled_wrapper_forward`, `forward_compiled_with_fullgraph`), on the compile tests' shared model.
 
+import threading
 import unittest
 
 import torch
@@ -22,6 +23,7 @@ from transformers import (
     Mamba2Config,
     Mamba2ForCausalLM,
 )
+from transformers.generation.streamers import BaseStreamer
 from transformers.testing_utils import CaptureLogger, slow
 
 import prefill_buckets
@@ -45,6 +47,8 @@ from .tiny_models import (
     make_prompt,
     make_reference,
     prefill_lengths,
+    random_ids,
+    tiny_llama,
 )
 
 
@@ -365,6 +369,81 @@ class InductorTest(CompilationTestCase):
             output = prefill_buckets.generate(model, input_ids, generation_config=config, prefill_buckets=[16])
             expected = reference.generate(input_ids, generation_config=config)
             self.assertEqual(output.tolist(), expected.tolist(), f"prompt length {length}")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# A `torch.compile(model)` wrapper shared by threads keeps every forward compiled (`compiled_wrapper_forward`)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+class _PausingStreamer(BaseStreamer):
+    """Sets `started` at the prompt, then blocks its generation at token `pause_at` until `resume` is set."""
+
+    def __init__(self, pause_at: int, resume: threading.Event):
+        self.started = threading.Event()
+        self.resume = resume
+        self.pause_at = pause_at
+        self.puts = 0
+
+    def put(self, value):
+        if self.puts == 0:
+            self.started.set()
+        if self.puts == self.pause_at:
+            assert self.resume.wait(timeout=120), "the other thread never got there"
+        self.puts += 1
+
+    def end(self):
+        pass
+
+
+class SharedWrapperThreadsTest(unittest.TestCase):
+    def test_overlapping_calls_on_one_wrapper_stay_compiled(self):
+        # Two threads share one `torch.compile(model)` wrapper. A enters first; B enters while A runs, and pauses;
+        # A returns; then B finishes. B's forwards after A returned must still run compiled: each forward is one
+        # compiled call.
+        model = tiny_llama()
+        counter = GraphCounter()
+        wrapper = torch.compile(model, backend=counter, dynamic=False)
+        config = GenerationConfig(cache_implementation="static", do_sample=False, prefill_buckets=[16])
+        outputs, errors = {}, []
+
+        def run(name, length, new_tokens, **kwargs):
+            try:
+                outputs[name] = prefill_buckets.generate(
+                    wrapper,
+                    random_ids(length, seed=length),
+                    generation_config=config,
+                    max_new_tokens=new_tokens,
+                    min_new_tokens=new_tokens,
+                    **kwargs,
+                )
+            except Exception as error:  # reported below, not lost in the thread
+                errors.append(error)
+
+        run("warm", 10, 2)  # compiles the shapes, so the threads only run graphs
+        calls_before = counter.calls
+        b_started, a_done = threading.Event(), threading.Event()
+        streamer_a = _PausingStreamer(pause_at=1, resume=b_started)  # A waits in its call until B is in its own
+        streamer_b = _PausingStreamer(pause_at=2, resume=a_done)  # B waits until A has returned
+        thread_a = threading.Thread(target=run, args=("a", 10, 3), kwargs={"streamer": streamer_a})
+        thread_b = threading.Thread(target=run, args=("b", 12, 6), kwargs={"streamer": streamer_b})
+        thread_a.start()
+        self.assertTrue(streamer_a.started.wait(timeout=120))
+        thread_b.start()
+        self.assertTrue(streamer_b.started.wait(timeout=120))
+        b_started.set()
+        thread_a.join(timeout=120)
+        a_done.set()
+        thread_b.join(timeout=120)
+        self.assertFalse(thread_a.is_alive() or thread_b.is_alive())
+        self.assertEqual(errors, [])
+        self.assertEqual(counter.calls - calls_before, 3 + 6)  # every forward of both calls compiled
+        for name, length, new_tokens in (("a", 10, 3), ("b", 12, 6)):
+            expected = model.generate(
+                random_ids(length, seed=length), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False
+            )
+            self.assertTrue(torch.equal(outputs[name], expected), name)
+        self.assertIsNone(model._compiled_call_impl)  # the last call out removed the wrapper's compiled call
 
 
 if __name__ == "__main__":

@@ -43,6 +43,8 @@ __all__ = [
     "make_prompt",
     "make_reference",
     "prefill_lengths",
+    # the upstream-coupling tests' prompt
+    "random_ids",
 ]
 
 
@@ -244,3 +246,10 @@ class CompilationTestCase(unittest.TestCase):
         self.assertEqual(decode_graphs(counter), DECODE_GRAPHS_FOR_LENGTHS, f"graphs: {counter.shapes}")
         self.assertEqual(model._previous_max_cache_length, 64)
         self.assertEqual(counter.calls, MAX_NEW_TOKENS * len(LENGTHS))
+
+
+# ---- one prompt of random ids (test_checks.py, test_selftest.py, test_compiled_calls.py) ---------------------------
+
+
+def random_ids(length: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, 128, (1, length), generator=torch.Generator().manual_seed(seed))
