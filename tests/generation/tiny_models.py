@@ -1,7 +1,11 @@
-"""Tiny randomly initialised models built from configs, shared by the test files. Never a hub download.
+"""Tiny randomly initialised models built from configs, and the helpers more than one test file needs: the one place
+for them, so that no test file copies another's. Never a hub download.
 
 The models live in `prefill_buckets.testing_utils`, shared with the CLI and `utils/`; this module names them for the
-tests, with what only the tests need.
+tests, with what only the tests need: the compile tests' tiny Llama, their registered counting backend and
+`CompilationTestCase` (test_compiled_calls.py, test_precompile.py, test_budget.py, test_decision.py,
+test_generation.py; test_compile_counts.py takes its prompts and references), and `random_ids`, one prompt of random
+ids (test_checks.py, test_selftest.py, test_compiled_calls.py).
 """
 
 import unittest
