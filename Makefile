@@ -34,8 +34,9 @@ NEWEST_PYTHON := $(NEWEST_VENV)/bin/python
 NEWEST_CONSTRAINTS := constraints/newest.txt
 RANGE_TESTS := tests/generation/test_equivalence.py tests/generation/test_compile_counts.py \
 	tests/generation/test_windows.py tests/generation/test_sliding.py tests/generation/test_aot_compiled.py \
-	tests/generation/test_bounded.py tests/generation/test_compat.py tests/generation/test_env.py \
-	tests/generation/test_cache_storage.py tests/generation/test_decision.py tests/generation/test_architectures.py \
+	tests/generation/test_bounded.py tests/generation/test_checks.py tests/generation/test_selftest.py \
+	tests/generation/test_transformers_api.py tests/generation/test_env.py \
+	tests/generation/test_sizing.py tests/generation/test_decision.py tests/generation/test_architectures.py \
 	tests/generation/test_peft.py tests/generation/test_multimodal.py tests/generation/test_compiled_calls.py \
 	tests/generation/test_resolved.py
 OLDEST_TESTS := $(RANGE_TESTS) tests/generation/test_robustness.py tests/generation/test_arch_sweep.py

@@ -36,7 +36,7 @@ def read_version():
 
 
 extras = {
-    # `accelerate`: transformers needs it to load a model with `tp_plan` (tests/generation/test_tensor_parallel.py).
+    # `accelerate`: transformers needs it to load a model with `tp_plan` (tests/generation/test_distributed.py).
     # `peft`: PEFT models through bucketed `generate` (tests/generation/test_peft.py).
     "testing": ["pytest", "pytest-xdist", "parameterized", "hypothesis", "tqdm", "matplotlib", "accelerate", "peft"],
     # Tensor parallelism (`from_pretrained(..., distributed_config=DistributedConfig(tp_plan="auto"))` + torchrun).

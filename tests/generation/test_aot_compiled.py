@@ -32,7 +32,7 @@ from .tiny_models import CACHE, tiny_llama, tiny_llama_config
 
 
 logger = logging.get_logger("prefill_buckets.compile.aot_forward")
-# `aot_forward` raises a clear error on a torch older than 2.13 (tests/generation/test_compat.py tests it there).
+# `aot_forward` raises a clear error on a torch older than 2.13 (tests/generation/test_checks.py tests it there).
 AOT_FORWARD_SKIP = unittest.skipIf(checks.aot_compile_problem() is not None, "`aot_forward` raises on this torch")
 CONFIG = {"cache_implementation": "static", "max_new_tokens": 3, "min_new_tokens": 3, "prefill_buckets": [4, 8]}
 PROMPTS = [torch.tensor([[5, 6, 7]]), torch.tensor([[9, 8, 7, 6, 5, 4, 3]])]

@@ -16,10 +16,10 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen3C
 import prefill_buckets
 from prefill_buckets import GraphCounter
 
+from .tiny_models import make_prompt, make_reference, prefill_lengths
+
 
 MAX_NEW_TOKENS = 5
-# Token ids for prompts: above pad (0), eos (1) and bos (2), so no prompt token is mistaken for padding.
-FIRST_PROMPT_ID = 3
 
 # Prompt lengths within the bucket 16. The exact fit comes first: it is the one prompt with nothing to pad, which
 # upstream would run without a mask (it drops an all-ones 2D mask, and SDPA skips the 4D mask for an unpadded
@@ -51,19 +51,6 @@ def make_model(name: str = "llama"):
     return model_class(make_config()).eval()
 
 
-def make_reference(model):
-    """An uncompiled copy of `model` (same weights), for unbucketed reference generations."""
-    model_class = type(model)
-    reference = model_class(model.config).eval()
-    reference.load_state_dict(model.state_dict())
-    return reference
-
-
-def make_prompt(length: int, batch_size: int = 1, seed: int = 0) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(1000 * seed + length)
-    return torch.randint(FIRST_PROMPT_ID, TINY_CONFIG["vocab_size"], (batch_size, length), generator=generator)
-
-
 def generation_config(cache_implementation: str | None = "static", **fields) -> GenerationConfig:
     return GenerationConfig(
         cache_implementation=cache_implementation,
@@ -83,11 +70,6 @@ def compile_model(model, how: str) -> GraphCounter:
     else:
         raise ValueError(how)
     return counter
-
-
-def prefill_lengths(counter: GraphCounter) -> list[int]:
-    """The sequence length of the prefill-shaped graphs (first input, `input_ids` [B, S], with S > 1)."""
-    return [shapes[0][1] for shapes in counter.shapes if shapes[0][1] > 1]
 
 
 class CompileCountTestBase(unittest.TestCase):

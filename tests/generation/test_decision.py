@@ -8,16 +8,27 @@ from unittest import mock
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import GenerationConfig, PreTrainedTokenizerFast, StaticCache
+from transformers import CompileConfig, GenerationConfig, PreTrainedTokenizerFast, StaticCache
 from transformers.testing_utils import CaptureLogger
 from transformers.utils import logging
 
 import prefill_buckets
+from prefill_buckets import GraphCounter
 from prefill_buckets.call import generation
 from prefill_buckets.upstream import candidates
 
 from .test_equivalence import get_model
-from .tiny_models import CACHE, tiny_llama
+from .tiny_models import (
+    BUCKETS,
+    CACHE,
+    COUNTER_BACKEND,
+    CompilationTestCase,
+    make_config,
+    make_model,
+    make_prompt,
+    make_reference,
+    tiny_llama,
+)
 
 
 class OneDecisionTest(unittest.TestCase):
@@ -245,6 +256,101 @@ class DrafterBackstopTest(unittest.TestCase):
                 prefill_buckets.generate(
                     target, prompt, generation_config=config, assistant_model=assistant, prefill_buckets="pow2"
                 )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Calls a forward the user compiled can't bound (classifier-free guidance, no cache): decided unpadded, upstream's call
+# (the compile tests' model and counting backend, `tiny_models.CompilationTestCase`)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+class GuidanceTest(CompilationTestCase):
+    """
+    Classifier-free guidance (`guidance_scale`) runs the model's forward from its logits processor at every step, on
+    the last token's view of the sequence (its stride is the sequence's length) with a growing cache: a forward the user
+    compiled gets new graphs for those on every call, which no bucket bounds.
+    """
+
+    LENGTHS = (5, 6, 7, 9, 11)
+
+    def guided_config(self, **fields) -> GenerationConfig:
+        return make_config(guidance_scale=1.5, **fields)
+
+    def test_a_forward_the_user_compiled_runs_upstreams_call(self):
+        # Bucketed, the package raised torch's limit for graphs it had not predicted (graph breaks' room, as it reads
+        # them), and every call compiled 5 more: 22 graphs after these 5 calls, against upstream's 8 and eager after.
+        model = make_model()
+        reference = make_reference(model)
+        counter = GraphCounter()
+        model.compile(backend=counter, dynamic=False)  # no fullgraph: torch runs past its limit eagerly
+        config = self.guided_config(prefill_buckets=BUCKETS)
+        with CaptureLogger(logging.get_logger("prefill_buckets.call.generation")) as captured:
+            for length in self.LENGTHS:
+                got = prefill_buckets.generate(model, make_prompt(length), generation_config=config)
+                expected = reference.generate(make_prompt(length), generation_config=self.guided_config())
+                self.assertEqual(got.tolist(), expected.tolist(), f"prompt {length}")
+        self.assertLessEqual(counter.graphs, 8, "torch's own limit: the package raised it for the guidance's graphs")
+        self.assertEqual(torch._dynamo.config.recompile_limit, 8)
+        self.assertIn("are ignored for this call: classifier-free guidance (`guidance_scale=1.5`)", captured.out)
+        self.assertIn("compiled with `model.compile()`", captured.out)
+
+    def test_a_forward_upstream_compiles_is_bucketed(self):
+        # With `compile_config`, the processor calls the model's eager module: every forward `generate` runs is
+        # compiled, one graph per bucket, and the guidance's forwards compile nothing.
+        model = make_model()
+        reference = make_reference(model)
+        counter = self.registered_counter()
+        compile_config = CompileConfig(backend=COUNTER_BACKEND, fullgraph=True, dynamic=False, mode=None)
+        config = self.guided_config(prefill_buckets=BUCKETS, compile_config=compile_config)
+        for length in self.LENGTHS:
+            self.check_call(
+                counter,
+                lambda ids: prefill_buckets.generate(model, ids, generation_config=config),
+                make_prompt(length),
+                reference,
+                self.guided_config(),
+            )
+        self.assertEqual(counter.graphs, 2, counter.shapes)  # prefill 16, decode
+
+
+class NoCacheTest(CompilationTestCase):
+    """
+    Without a cache (`use_cache=False`) every step's forward runs the whole sequence, a token longer than the last: a
+    forward the user compiled gets a graph per step of every call, which no bucket bounds.
+    """
+
+    def test_a_forward_the_user_compiled_runs_upstreams_call(self):
+        # Bucketed, the package took each step for a decode step on a cache and raised torch's limit for the graphs it
+        # predicted, so torch compiled past its own limit (12 graphs here), and then said torch may have run forwards
+        # eagerly. Upstream's call compiles up to torch's limit (8), then runs eagerly.
+        model = make_model()
+        reference = make_reference(model)
+        counter = GraphCounter()
+        model.compile(backend=counter, dynamic=False)  # no fullgraph: torch runs past its limit eagerly
+        config = make_config(use_cache=False, prefill_buckets=[8, 16, 32])
+        with CaptureLogger(logging.get_logger("prefill_buckets.call.generation")) as captured:
+            for length in (5, 12, 20):  # 12 lengths of forwards, padded or not: more than torch's limit of 8
+                got = prefill_buckets.generate(model, make_prompt(length), generation_config=config)
+                expected = reference.generate(make_prompt(length), generation_config=make_config(use_cache=False))
+                self.assertEqual(got.tolist(), expected.tolist(), f"prompt {length}")
+        self.assertEqual(torch._dynamo.config.recompile_limit, 8)
+        self.assertLessEqual(counter.graphs, 8, "torch's own limit: the package raised it")
+        self.assertIn("are ignored for this call: without a cache (`use_cache=False`)", captured.out)
+        self.assertIn("compiled with `model.compile()`", captured.out)
+
+    def test_an_eager_forward_is_bucketed(self):
+        # Eager, nothing compiles: the call is padded on the left (`padding_side.RULE`), exact.
+        model = make_model()
+        reference = make_reference(model)
+        config = make_config(use_cache=False, prefill_buckets=BUCKETS)
+        sides = []
+        choose_side = generation.choose_side
+        with mock.patch.object(generation, "choose_side", lambda call: sides.append(choose_side(call)) or sides[-1]):
+            for length in (5, 9):
+                got = prefill_buckets.generate(model, make_prompt(length), generation_config=config)
+                expected = reference.generate(make_prompt(length), generation_config=make_config(use_cache=False))
+                self.assertEqual(got.tolist(), expected.tolist(), f"prompt {length}")
+        self.assertEqual([side.side for side in sides], ["left", "left"])
 
 
 if __name__ == "__main__":

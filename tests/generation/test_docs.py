@@ -17,7 +17,7 @@
 # A checkpoint the docs load by name (`CHECKPOINTS`) is the page's own tiny model and tokenizer, saved to a folder that
 # `from_pretrained` reads, and `aot_forward` compiles with the saveable "aot_eager" backend in place of inductor. A
 # block opts out with `<!-- skip-test -->` on the line before it; only a block that can't run in one process may (the
-# tensor-parallel script, started by `torchrun` on several devices: `test_tensor_parallel.py` runs what it does).
+# tensor-parallel script, started by `torchrun` on several devices: `test_distributed.py` runs what it does).
 # Shell snippets are ```bash blocks, and outputs ```text blocks: neither runs.
 
 import contextlib

@@ -407,7 +407,7 @@ class PrecompileWindowsTest(unittest.TestCase):
         self.assertEqual(counter.graphs, graphs, f"later calls compiled {counter.graphs - graphs} more graphs")
 
 
-@unittest.skipIf(checks.aot_compile_problem() is not None, "`aot_forward` raises on this torch (test_compat.py)")
+@unittest.skipIf(checks.aot_compile_problem() is not None, "`aot_forward` raises on this torch (test_checks.py)")
 class AOTForwardWindowsTest(unittest.TestCase):
     def setUp(self):
         torch._dynamo.reset()

@@ -1,13 +1,23 @@
-"""Tiny randomly initialised models built from configs, shared by the test files. Never a hub download.
+"""Tiny randomly initialised models built from configs, and the helpers more than one test file needs: the one place
+for them, so that no test file copies another's. Never a hub download.
 
 The models live in `prefill_buckets.testing_utils`, shared with the CLI and `utils/`; this module names them for the
-tests, with what only the tests need.
+tests, with what only the tests need: the compile tests' tiny Llama, their registered counting backend and
+`CompilationTestCase` (test_compiled_calls.py, test_precompile.py, test_budget.py, test_decision.py,
+test_generation.py; test_compile_counts.py takes its prompts and references), and `random_ids`, one prompt of random
+ids (test_checks.py, test_selftest.py, test_compiled_calls.py).
 """
 
-import torch
-from transformers import GenerationConfig
-from transformers.generation.utils import GenerateDecoderOnlyOutput
+import unittest
 
+import torch
+from torch._dynamo.backends.registry import register_backend
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+from transformers.utils import logging
+
+import prefill_buckets
+from prefill_buckets import GraphCounter
 from prefill_buckets.testing_utils import tiny_llama, tiny_llama_config
 
 
@@ -21,6 +31,24 @@ __all__ = [
     "single_thread_module",
     "tiny_llama",
     "tiny_llama_config",
+    # the compile tests' model and counting backend (below)
+    "BOS",
+    "BUCKETS",
+    "COUNTER_BACKEND",
+    "CompilationTestCase",
+    "EOS",
+    "MAX_NEW_TOKENS",
+    "PAD",
+    "VOCAB",
+    "decode_graphs",
+    "logger",
+    "make_config",
+    "make_model",
+    "make_prompt",
+    "make_reference",
+    "prefill_lengths",
+    # the upstream-coupling tests' prompt
+    "random_ids",
 ]
 
 
@@ -54,3 +82,178 @@ def single_thread_module():
         torch.set_num_threads(threads.pop("before"))
 
     return set_up, tear_down
+
+
+# =====================================================================================================================
+# The compile tests' tiny Llama, its counting backend, and `CompilationTestCase` (test_compiled_calls.py,
+# test_precompile.py, test_budget.py, test_decision.py, test_generation.py): every way of compiling a model runs
+# bucketed `generate` through compiled graphs, a bounded number of them, with the tokens of an uncompiled, unbucketed
+# run.
+#
+#
+# Counting: `GraphCounter` (eager backend, so a graph costs only dynamo's tracing) counts graphs and compiled calls.
+# Every compile here uses `dynamic=False, fullgraph=True`, so one forward is exactly one compiled call (or an error),
+# and `min_new_tokens == max_new_tokens`, so one call is exactly `MAX_NEW_TOKENS` forwards (one prefill, the rest
+# decode). "compiled calls == forwards" is then the proof that no forward ran eagerly (for example past torch's
+# recompile limit, where torch silently falls back to eager).
+# =====================================================================================================================
+
+PAD, EOS, BOS = 0, 1, 2
+VOCAB = 128
+FIRST_PROMPT_ID = 3  # prompt ids are above pad, eos and bos, so no prompt token reads as padding
+MAX_NEW_TOKENS = 4
+
+# Two buckets, lengths in both; the exact fit of the first bucket comes first (it is the one prompt upstream would
+# run without a mask, so a second prefill graph for it would show at once).
+BUCKETS = [16, 32]
+LENGTHS = [16, 9, 12, 5, 3, 30, 17]
+# What those lengths compile, from the rules: the first static cache holds the largest bucket (`32 + MAX_NEW_TOKENS
+# - 1` = 35 slots, rounded up to a multiple of 64), so every call runs at cache 64: prefill 16 @ 64, prefill 32 @ 64,
+# one decode graph @ 64.
+GRAPHS_FOR_LENGTHS = 3
+DECODE_GRAPHS_FOR_LENGTHS = 1
+
+logger = logging.get_logger("prefill_buckets")
+
+
+# ---- a registered counting backend, for `CompileConfig` --------------------------------------------------------------
+# `generate` deep-copies its `GenerationConfig`, `compile_config` included, and upstream recompiles whenever the
+# (copied) `CompileConfig` differs from the last one: a backend *object* would be copied into an unequal one every
+# call. A registered name compares equal. `register_backend` refuses a name twice (`AssertionError: duplicate name`),
+# so the name is registered once, and its backend hands each graph to the counter of the running test.
+
+COUNTER_BACKEND = "pb_test_counter"
+_active_counter: dict[str, GraphCounter | None] = {"counter": None}
+
+
+def _counting_backend(gm, example_inputs):
+    counter = _active_counter["counter"]
+    if counter is None:
+        raise RuntimeError(f"The `{COUNTER_BACKEND}` backend was used outside a test that set its counter.")
+    return counter(gm, example_inputs)
+
+
+if COUNTER_BACKEND not in torch._dynamo.list_backends(exclude_tags=()):
+    register_backend(name=COUNTER_BACKEND, compiler_fn=_counting_backend)
+
+
+# ---- models, prompts, configs ----------------------------------------------------------------------------------------
+
+
+def make_model() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        pad_token_id=PAD,
+        eos_token_id=EOS,
+        bos_token_id=BOS,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def make_reference(model: LlamaForCausalLM) -> LlamaForCausalLM:
+    """An uncompiled copy of `model` (same weights), run without buckets for the expected tokens."""
+    reference = type(model)(model.config).eval()
+    reference.load_state_dict(model.state_dict())
+    return reference
+
+
+def make_prompt(length: int, batch_size: int = 1, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1000 * seed + length)
+    return torch.randint(FIRST_PROMPT_ID, VOCAB, (batch_size, length), generator=generator)
+
+
+def make_config(max_new_tokens: int = MAX_NEW_TOKENS, **fields) -> GenerationConfig:
+    """Greedy, static cache, exactly `max_new_tokens` forwards per call. Without `enable()`, the bucket fields are
+    stored on the config as plain attributes, which `prefill_buckets.generate` reads all the same."""
+    return GenerationConfig(
+        cache_implementation="static",
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=max_new_tokens,
+        do_sample=False,
+        **fields,
+    )
+
+
+def prefill_lengths(counter: GraphCounter) -> list[int]:
+    """Sequence lengths of the prefill graphs (first input `input_ids` [B, S], S > 1), in compile order."""
+    return [shapes[0][1] for shapes in counter.shapes if shapes[0][1] > 1]
+
+
+def decode_graphs(counter: GraphCounter) -> int:
+    return sum(1 for shapes in counter.shapes if shapes[0][1] == 1)
+
+
+class CompilationTestCase(unittest.TestCase):
+    def setUp(self):
+        torch._dynamo.reset()
+        self.addCleanup(torch._dynamo.reset)
+        recompile_limit = torch._dynamo.config.recompile_limit
+        self.addCleanup(setattr, torch._dynamo.config, "recompile_limit", recompile_limit)
+        # `warning_once` is one `functools.lru_cache` shared by every logger (keyed on logger and message): clear it
+        # so a warning an earlier test logged can be seen again here.
+        logger.warning_once.cache_clear()
+        self.addCleanup(logger.warning_once.cache_clear)
+        _active_counter["counter"] = None
+        self.addCleanup(_active_counter.__setitem__, "counter", None)
+
+    def enable(self):
+        prefill_buckets.enable()
+        self.addCleanup(prefill_buckets.disable)
+
+    def registered_counter(self) -> GraphCounter:
+        """A fresh counter behind the registered backend name `COUNTER_BACKEND`."""
+        counter = GraphCounter()
+        _active_counter["counter"] = counter
+        return counter
+
+    def check_call(
+        self,
+        counter: GraphCounter,
+        generate,
+        input_ids: torch.Tensor,
+        reference: LlamaForCausalLM,
+        reference_config: GenerationConfig,
+        expected_calls: int = MAX_NEW_TOKENS,
+        **kwargs,
+    ) -> torch.Tensor:
+        """
+        Runs `generate(input_ids, **kwargs)` and checks that it ran `expected_calls` compiled calls and returned the
+        tokens of the reference model, uncompiled and without buckets.
+        """
+        calls_before = counter.calls
+        output = generate(input_ids, **kwargs)
+        calls = counter.calls - calls_before
+        self.assertEqual(
+            calls,
+            expected_calls,
+            f"prompt {tuple(input_ids.shape)}: {calls} compiled calls, expected {expected_calls} "
+            f"({MAX_NEW_TOKENS} forwards); fewer means forwards ran eagerly. Graphs: {counter.shapes}",
+        )
+        self.assertEqual(tuple(output.shape), (input_ids.shape[0], input_ids.shape[1] + MAX_NEW_TOKENS))
+        expected = reference.generate(input_ids, generation_config=reference_config, **kwargs)
+        self.assertEqual(output.tolist(), expected.tolist(), f"prompt {tuple(input_ids.shape)}: tokens differ")
+        return output
+
+    def check_lengths(self, counter, generate, reference, reference_config, model):
+        """`LENGTHS` through `generate`: every forward compiled, the tokens of the reference, `GRAPHS_FOR_LENGTHS`."""
+        for length in LENGTHS:
+            self.check_call(counter, generate, make_prompt(length), reference, reference_config)
+        self.assertEqual(counter.graphs, GRAPHS_FOR_LENGTHS, f"graphs: {counter.shapes}")
+        self.assertEqual(sorted(prefill_lengths(counter)), BUCKETS, f"graphs: {counter.shapes}")
+        self.assertEqual(decode_graphs(counter), DECODE_GRAPHS_FOR_LENGTHS, f"graphs: {counter.shapes}")
+        self.assertEqual(model._previous_max_cache_length, 64)
+        self.assertEqual(counter.calls, MAX_NEW_TOKENS * len(LENGTHS))
+
+
+# ---- one prompt of random ids (test_checks.py, test_selftest.py, test_compiled_calls.py) ---------------------------
+
+
+def random_ids(length: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, 128, (1, length), generator=torch.Generator().manual_seed(seed))

@@ -27,7 +27,7 @@ Two checks stay in the run, each for a case no fact before the call tells:
   changes between transformers versions (`test_architectures.py`: `test_right_padding_without_a_cache_object`);
 - a left-padded call whose model step drops a mask that hides tokens raises (`hooks._check_mask_passed_on`): the
   table's `drops_the_mask` row probes the step once per model, and a step can drop the mask only on some calls
-  (`test_compat.py`: `test_a_step_that_drops_a_mask_hiding_pads_raises`).
+  (`test_checks.py`: `test_a_step_that_drops_a_mask_hiding_pads_raises`).
 """
 
 from collections.abc import Callable

@@ -3,7 +3,7 @@
 
 Every name here is listed in `checks.PRIVATE_TORCH_NAMES` (or probed by `checks.torch_problems`, or for `aot_forward`
 listed in `checks.AOT_TORCH_NAMES`): a torch release that renamed one fails the version gate with its name, instead of
-an AttributeError in the middle of a call (`tests/generation/test_compat.py` checks that the lists hold every name
+an AttributeError in the middle of a call (`tests/generation/test_checks.py` checks that the lists hold every name
 read here).
 """
 

@@ -1,44 +1,36 @@
-# The coupling to private upstream API (`upstream/`): a missing or reshaped hook target raises a clear error instead
-# of being skipped, and a `torch.compile(model)` wrapper shared by threads keeps every forward compiled.
+# The coupling to private upstream API (`upstream/checks.py`, asked by the version gate, `upstream/gate.py`, through
+# `call/support.py`): a missing or reshaped hook target, or private torch name, raises a clear error instead of being
+# skipped. The self-test outside the tested range: test_selftest.py; the transformers names: test_transformers_api.py.
 
 import ast
 import contextlib
-import inspect
 import re
-import threading
-import time
 import types
 import unittest
 from pathlib import Path
 from unittest import mock
 
 import torch
-import transformers
 from packaging.version import Version
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
-from transformers.generation.streamers import BaseStreamer
+from transformers import GenerationConfig, LlamaForCausalLM
 from transformers.testing_utils import CaptureLogger
 from transformers.utils import logging
 
 import prefill_buckets
-from prefill_buckets import GraphCounter, upstream
+from prefill_buckets import upstream
 from prefill_buckets.call import support
 from prefill_buckets.state import PROCESS
 from prefill_buckets.testing_utils import as_new_process
-from prefill_buckets.upstream import checks, gate, transformers_api, versions
+from prefill_buckets.upstream import checks, gate, versions
 from prefill_buckets.upstream.gate import SELF_TEST_RUNNING
 from prefill_buckets.upstream.selftest import self_test
 
-from .tiny_models import tiny_llama, tiny_llama_config
+from .tiny_models import random_ids, tiny_llama, tiny_llama_config
 
 
 # A torch release just outside the tested range at each end (`versions.TESTED_TORCH`).
 OLDER_TORCH = "2.10.0"
 NEWER_TORCH = f"2.{Version(versions.TESTED_TORCH[-1]).minor + 1}.0"
-
-
-def random_ids(length: int, seed: int = 0) -> torch.Tensor:
-    return torch.randint(3, 128, (1, length), generator=torch.Generator().manual_seed(seed))
 
 
 class RenamedHookTarget(LlamaForCausalLM):
@@ -194,178 +186,6 @@ class CheckUpstreamTest(unittest.TestCase):
         self.assertNotIn(LlamaForCausalLM, PROCESS.upstream_passed)
 
 
-class _PausingStreamer(BaseStreamer):
-    """Sets `started` at the prompt, then blocks its generation at token `pause_at` until `resume` is set."""
-
-    def __init__(self, pause_at: int, resume: threading.Event):
-        self.started = threading.Event()
-        self.resume = resume
-        self.pause_at = pause_at
-        self.puts = 0
-
-    def put(self, value):
-        if self.puts == 0:
-            self.started.set()
-        if self.puts == self.pause_at:
-            assert self.resume.wait(timeout=120), "the other thread never got there"
-        self.puts += 1
-
-    def end(self):
-        pass
-
-
-class SharedWrapperThreadsTest(unittest.TestCase):
-    def test_overlapping_calls_on_one_wrapper_stay_compiled(self):
-        # Two threads share one `torch.compile(model)` wrapper. A enters first; B enters while A runs, and pauses;
-        # A returns; then B finishes. B's forwards after A returned must still run compiled: each forward is one
-        # compiled call.
-        model = tiny_llama()
-        counter = GraphCounter()
-        wrapper = torch.compile(model, backend=counter, dynamic=False)
-        config = GenerationConfig(cache_implementation="static", do_sample=False, prefill_buckets=[16])
-        outputs, errors = {}, []
-
-        def run(name, length, new_tokens, **kwargs):
-            try:
-                outputs[name] = prefill_buckets.generate(
-                    wrapper,
-                    random_ids(length, seed=length),
-                    generation_config=config,
-                    max_new_tokens=new_tokens,
-                    min_new_tokens=new_tokens,
-                    **kwargs,
-                )
-            except Exception as error:  # reported below, not lost in the thread
-                errors.append(error)
-
-        run("warm", 10, 2)  # compiles the shapes, so the threads only run graphs
-        calls_before = counter.calls
-        b_started, a_done = threading.Event(), threading.Event()
-        streamer_a = _PausingStreamer(pause_at=1, resume=b_started)  # A waits in its call until B is in its own
-        streamer_b = _PausingStreamer(pause_at=2, resume=a_done)  # B waits until A has returned
-        thread_a = threading.Thread(target=run, args=("a", 10, 3), kwargs={"streamer": streamer_a})
-        thread_b = threading.Thread(target=run, args=("b", 12, 6), kwargs={"streamer": streamer_b})
-        thread_a.start()
-        self.assertTrue(streamer_a.started.wait(timeout=120))
-        thread_b.start()
-        self.assertTrue(streamer_b.started.wait(timeout=120))
-        b_started.set()
-        thread_a.join(timeout=120)
-        a_done.set()
-        thread_b.join(timeout=120)
-        self.assertFalse(thread_a.is_alive() or thread_b.is_alive())
-        self.assertEqual(errors, [])
-        self.assertEqual(counter.calls - calls_before, 3 + 6)  # every forward of both calls compiled
-        for name, length, new_tokens in (("a", 10, 3), ("b", 12, 6)):
-            expected = model.generate(
-                random_ids(length, seed=length), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False
-            )
-            self.assertTrue(torch.equal(outputs[name], expected), name)
-        self.assertIsNone(model._compiled_call_impl)  # the last call out removed the wrapper's compiled call
-
-
-class UntestedVersionTest(unittest.TestCase):
-    def setUp(self):
-        # As on a transformers release outside the tested range, in a fresh process: nothing checked yet.
-        self.enterContext(as_new_process())
-        patcher = mock.patch.object(gate, "is_tested_range", return_value=False)
-        patcher.start()
-        self.addCleanup(patcher.stop)
-
-    def test_self_test_passes_here(self):
-        self_test(prefill_buckets.generate)
-
-    def test_self_test_runs_on_the_cpu_in_float32_whatever_the_call_runs_under(self):
-        # The first bucketed call runs it, inside whatever the user's call runs under: a `with torch.device("cuda"):`
-        # block (the meta device plays it on a CPU-only machine) made its model there, and it failed ("Cannot copy
-        # out of meta tensor"), and with it, for the whole process, every bucketed call; a float16 default dtype made
-        # its model float16.
-        with torch.device("meta"):
-            self_test(prefill_buckets.generate)
-        previous = torch.get_default_dtype()
-        self.addCleanup(torch.set_default_dtype, previous)
-        torch.set_default_dtype(torch.float16)
-        models = []
-
-        def generate(model, *args, **kwargs):
-            models.append((model.dtype, model.device.type))
-            return prefill_buckets.generate(model, *args, **kwargs)
-
-        self_test(generate)
-        self.assertEqual(set(models), {(torch.float32, "cpu")})
-
-    def test_self_test_logs_nothing(self):
-        # It generates on a model of its own, which the user never sees: it logged that its bucketed call grew the
-        # static cache of its unpadded one ("A call needs 10 static cache slots, more than the model's cache of 7").
-        logger = logging.get_logger("prefill_buckets")
-        logger.warning_once.cache_clear()
-        self.addCleanup(logger.warning_once.cache_clear)
-        with CaptureLogger(logger) as logs:
-            self_test(prefill_buckets.generate)
-        # The version gate's own warning aside (this test plays an untested version, and its calls pass the gate).
-        others = [line for line in logs.out.splitlines() if line and "prefill_buckets is tested on" not in line]
-        self.assertEqual(others, [])
-
-    def test_first_bucketed_call_warns_and_self_tests(self):
-        model = tiny_llama()
-        with mock.patch("prefill_buckets.upstream.selftest.self_test", wraps=self_test) as spy:
-            with CaptureLogger(logging.get_logger("prefill_buckets")) as logs:
-                out = prefill_buckets.generate(model, random_ids(5), max_new_tokens=2, prefill_buckets=[8])
-                prefill_buckets.generate(model, random_ids(6), max_new_tokens=2, prefill_buckets=[8])
-        self.assertEqual(out.shape, (1, 7))
-        self.assertEqual(spy.call_count, 1)  # once per process
-        self.assertIn("prefill_buckets is tested on transformers", logs.out)
-
-    def test_a_changed_step_fails_loudly(self):
-        # As if a release changed what a hooked step means: here, the padding is no longer stripped.
-        with mock.patch("prefill_buckets.call.generation.strip_output", lambda output, plan: output):
-            with self.assertRaisesRegex(RuntimeError, "self-test failed on transformers"):
-                prefill_buckets.generate(tiny_llama(), random_ids(5), max_new_tokens=2, prefill_buckets=[8])
-
-    def test_a_failed_self_test_keeps_failing(self):
-        # The verdict sticks: the second call (the step still broken, or not) raises too, instead of running bucketed
-        # on a version the self-test has shown to be broken. The self-test runs once.
-        model = tiny_llama()
-        with mock.patch("prefill_buckets.upstream.selftest.self_test", wraps=self_test) as spy:
-            with mock.patch("prefill_buckets.call.generation.strip_output", lambda output, plan: output):
-                with self.assertRaisesRegex(RuntimeError, "self-test failed on transformers"):
-                    prefill_buckets.generate(model, random_ids(5), max_new_tokens=2, prefill_buckets=[8])
-            for _ in range(2):
-                with self.assertRaisesRegex(RuntimeError, "self-test failed on transformers"):
-                    prefill_buckets.generate(model, random_ids(5), max_new_tokens=2, prefill_buckets=[8])
-        self.assertEqual(spy.call_count, 1)
-        # Unbucketed calls are upstream's, and still run.
-        self.assertEqual(prefill_buckets.generate(model, random_ids(5), max_new_tokens=2).shape, (1, 7))
-
-    def test_concurrent_first_calls_wait_for_the_verdict(self):
-        # A second thread's first call, made while the self-test runs, waits for its verdict and raises it too.
-        started, results = threading.Event(), {}
-
-        def failing_self_test(generate):
-            started.set()
-            time.sleep(0.5)  # long enough for the other thread to be waiting on the verdict
-            raise RuntimeError("prefill_buckets' self-test failed on transformers (simulated)")
-
-        def call(name):
-            try:
-                prefill_buckets.generate(tiny_llama(), random_ids(5), max_new_tokens=2, prefill_buckets=[8])
-                results[name] = "ran"
-            except RuntimeError as error:
-                results[name] = str(error)
-
-        with mock.patch("prefill_buckets.upstream.selftest.self_test", failing_self_test):
-            first = threading.Thread(target=call, args=("first",))
-            first.start()
-            self.assertTrue(started.wait(timeout=60))
-            second = threading.Thread(target=call, args=("second",))
-            second.start()
-            first.join(timeout=60)
-            second.join(timeout=60)
-        self.assertEqual(set(results), {"first", "second"})
-        for name in ("first", "second"):
-            self.assertIn("self-test failed", results[name], name)
-
-
 @contextlib.contextmanager
 def removed(owner, name: str):
     """As if a torch release renamed `owner.name`: the attribute is gone for the block."""
@@ -409,43 +229,6 @@ def _private_torch_paths(tree: ast.AST) -> set[str]:
         if isinstance(node, ast.ImportFrom) and "._" in f".{node.module}":
             paths.update(f"{node.module}.{alias.name}" for alias in node.names)
     return paths
-
-
-class TextConfigTest(unittest.TestCase):
-    def test_only_configs_that_may_nest_one_ask_for_their_text_config(self):
-        # `max_positions` reads the text config, and asks `get_text_config()` (slow: each name it looks under goes
-        # through the config's attribute hooks) only of configs that may nest one: for every config class of
-        # transformers, one that doesn't is its own text config.
-        checked = 0
-        for name in dir(transformers):
-            if not name.endswith("Config"):
-                continue
-            try:  # a lazily imported name whose module needs what this machine lacks raises here
-                config_class = getattr(transformers, name)
-                if not (inspect.isclass(config_class) and issubclass(config_class, transformers.PretrainedConfig)):
-                    continue
-                config = config_class()
-            except Exception:  # noqa: BLE001 (also a config that needs arguments)
-                continue
-            checked += 1
-            if not transformers_api._may_nest_a_text_config(config):
-                self.assertIs(config.get_text_config(), config, name)
-        self.assertGreater(checked, 100)
-
-    def test_a_text_config_set_on_the_instance_is_read(self):
-        config = LlamaConfig(max_position_embeddings=512)
-        model = types.SimpleNamespace(config=config)
-        self.assertEqual(transformers_api.max_positions(model), 512)
-        config.text_config = LlamaConfig(max_position_embeddings=77)
-        self.assertEqual(transformers_api.max_positions(model), 77)
-
-    def test_a_config_class_with_its_own_get_text_config_is_asked(self):
-        class OwnTextConfig(LlamaConfig):  # as a model's remote code may define it
-            def get_text_config(self, *args, **kwargs):
-                return LlamaConfig(max_position_embeddings=33)
-
-        model = types.SimpleNamespace(config=OwnTextConfig(max_position_embeddings=512))
-        self.assertEqual(transformers_api.max_positions(model), 33)
 
 
 class TorchVersionTest(unittest.TestCase):

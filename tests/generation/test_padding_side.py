@@ -1,6 +1,7 @@
 # A prompt outside the buckets gets one warning, and it says what was done with the prompt: padded to a multiple of
 # the largest bucket, capped at `max_position_embeddings` (a length every such prompt shares: logged once), or not
 # padded at all (longer than the model's positions: each length its own graph).
+# (`call/padding_side.py`: `capped_bucket`, `warn_long_prompt`.)
 
 import logging as std_logging
 import unittest

@@ -1,4 +1,5 @@
-"""Logits processors and stopping criteria that read token content see the user's ids, never the added padding."""
+"""Logits processors and stopping criteria that read token content see the user's ids, never the added padding
+(`call/views.py`: the views of the objects upstream `generate` hands the padded ids to)."""
 
 import unittest
 
