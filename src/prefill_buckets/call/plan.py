@@ -220,20 +220,7 @@ def _pad_prompt(call: ResolvedCall, padded_length: int):
     if streamer is not None and added_id_columns > 0:
         arguments["streamer"] = PromptStrippingStreamer(streamer, added_id_columns)
 
-    plan = Plan(
-        model,
-        settings,
-        prompt_length=prompt_length,
-        padded_length=padded_length,
-        added_id_columns=added_id_columns,
-        batch_size=call.rows,
-        padded_batch=call.rows,
-        rows=call.output_rows,
-        padded_rows=call.output_rows,
-        cached_tokens=call.past_length,
-        makes_static_cache=call.makes_static_cache,
-    )
-    return plan, arguments, model_kwargs
+    return _plan_of(call, prompt_length, padded_length, added_id_columns), arguments, model_kwargs
 
 
 def _line_up_with_ragged_rows(attention_mask: torch.Tensor, ragged: torch.Tensor) -> torch.Tensor:
@@ -271,21 +258,26 @@ def _plan_right(call: ResolvedCall, side: PaddingSide) -> tuple:
     if mask is None and inputs_embeds is None and settings.pad_token_is_inferable:
         if bool((input_ids == settings.pad_token_id).any()):
             mask = model_kwargs["attention_mask"] = _default_attention_mask(settings, input_ids)  # as upstream infers
-    plan = Plan(
+    right = RightPadding(bucket=side.bucket, ragged=isinstance(mask, torch.Tensor) and not bool(mask.all()))
+    return _plan_of(call, prompt_length, prompt_length, 0, right), arguments, model_kwargs
+
+
+def _plan_of(call: ResolvedCall, prompt_length: int, padded_length: int, added_id_columns: int, right=None) -> Plan:
+    """The plan of `call`, its prompt padded as given, its batch as passed (`_pad_rows` adds dummy rows)."""
+    return Plan(
         call.model,
-        settings,
+        call.settings,
         prompt_length=prompt_length,
-        padded_length=prompt_length,
-        added_id_columns=0,
+        padded_length=padded_length,
+        added_id_columns=added_id_columns,
         batch_size=call.rows,
         padded_batch=call.rows,
         rows=call.output_rows,
         padded_rows=call.output_rows,
         cached_tokens=call.past_length,
         makes_static_cache=call.makes_static_cache,
-        right=RightPadding(bucket=side.bucket, ragged=isinstance(mask, torch.Tensor) and not bool(mask.all())),
+        right=right,
     )
-    return plan, arguments, model_kwargs
 
 
 def _pad_rows(plan: Plan, arguments: dict, model_kwargs: dict, padded_batch: int):

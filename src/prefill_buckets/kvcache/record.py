@@ -139,7 +139,7 @@ def record_call(cache, plan, attention_mask, continues: bool) -> None:
         # slices a later turn's ids by that count: uncounted, the cache is an unpadded call's, which a later turn
         # continues unpadded (`decision.DECISION`).
         uncount_recurrent_tokens(cache, padding.columns)
-        padding = padding._replace(columns=0) if padding.padded_rows != padding.rows else None
+        padding = CachePadding(0, padding.rows, padding.padded_rows) if padding.padded_rows != padding.rows else None
     if continues:
         ragged_rows = previous.ragged_rows if previous is not None else None
     else:
