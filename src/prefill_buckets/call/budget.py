@@ -170,14 +170,14 @@ class GraphBudget:
         self.add(rows, ((prompt_length, None),), cache_length, variant=graph_variant())
 
 
-def account_call(plan, rows: int, prefill: int, chunk: int | None, max_cache_length: int, embeds: bool) -> None:
+def account_call(plan, rows: int, prefill: int, chunk: int | None, max_cache_length: int, embeds: bool) -> CallGraphs:
     """
     A bucketed call's graphs, accounted for in its model's budget (`GraphBudget.account`) once its cache is made: one
     per prefill forward's (length, window), the chunks and a shorter last chunk, and one per window the decode steps
     reach. A prompt given as `inputs_embeds` (`embeds`) is another input of the prefill forwards than ids: other
-    graphs.
+    graphs. Returns what the call expects to compile, for `check_compiled`.
     """
-    cache_length, plan.run.prefill_tokens = plan.run.static_cache_length, prefill
+    cache_length = plan.run.static_cache_length
     cached = plan.prompt_slots - prefill
     chunks = [prefill] if chunk is None else [min(chunk, prefill - start) for start in range(0, prefill, chunk)]
     # A shape-generic prefill is one graph for every length (`None`), unless the model's code fixed it.
@@ -196,7 +196,7 @@ def account_call(plan, rows: int, prefill: int, chunk: int | None, max_cache_len
     side = "right, onto cached tokens" if plan.right is not None and cached else plan.side
     side += ", from embeddings" if embeds else ""
     variant = graph_variant(plan.settings.returned_outputs)
-    plan.run.expected_graphs = budget_of(plan.model).account(
+    return budget_of(plan.model).account(
         plan.model, rows, shapes, cache_length, side, decode_windows, variant, plan.run.fullgraph
     )
 
@@ -222,7 +222,6 @@ def account_candidates(plan, generator, max_length: int) -> None:
         PROCESS.graphs_accounted += len(new)
         expected.accounted += len(new)
         expected.new_shapes.extend(new)
-    plan.run.recompile_limit = recompile_limit()
 
 
 def graph_variant(returned_outputs: tuple[str, ...] = ()) -> GraphVariant:

@@ -159,7 +159,10 @@ def _prepare_cache_for_generation(plan, step):
         plan.run.query_window_tokens = prefill  # the first forward fills the empty cache: it reads its own slots
     if plan.run.compiled:
         embeds = model_kwargs.get("inputs_embeds") is not None
-        account_call(plan, rows, prefill, generation_config.prefill_chunk_size, step["max_cache_length"], embeds)
+        plan.run.prefill_tokens = prefill
+        plan.run.expected_graphs = account_call(
+            plan, rows, prefill, generation_config.prefill_chunk_size, step["max_cache_length"], embeds
+        )
     plan.run.recompile_limit = torch_api.recompile_limit()
     return result
 

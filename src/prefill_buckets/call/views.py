@@ -22,7 +22,7 @@ from transformers.generation.streamers import BaseStreamer
 from transformers.utils import ModelOutput
 
 from ..kvcache.attention_keys import layouts_for, place_keys, upstream_keys
-from ..upstream import candidates
+from ..upstream import candidates, torch_api
 from ..upstream.transformers_api import CACHE_KWARGS, parameters_of
 from .budget import account_candidates
 from .hook_registry import hook
@@ -219,6 +219,7 @@ def get_stopping_criteria(plan, step):
 def get_candidate_generator(plan, step):
     generator = step.call()
     account_candidates(plan, generator, step["generation_config"].max_length)  # the graphs its counts compile
+    plan.run.recompile_limit = torch_api.recompile_limit()
     if plan.added_positions and candidates.drafts_from_padding(generator):
         raise RuntimeError(
             f"prefill_buckets padded this call, but upstream drafts its candidates with {type(generator).__name__}, "
