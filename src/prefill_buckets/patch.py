@@ -18,7 +18,7 @@ import functools
 from transformers import GenerationConfig
 from transformers.generation.utils import GenerationMixin
 
-from .call import generation, support
+from .call import generation, hooks
 from .config import FIELD_DOCS, FIELDS, validate_fields
 from .state import PATCH_LOCK, PROCESS
 from .upstream import torch_api
@@ -47,7 +47,7 @@ def enable() -> None:
     >>> prefill_buckets.disable()
     ```
     """
-    support.check_upstream(generate=generation.generate)
+    hooks.check_upstream(generate=generation.generate)
     with PATCH_LOCK:
         originals = PROCESS.patched  # (owner, attribute) -> what transformers had
         if originals:

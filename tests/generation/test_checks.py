@@ -1,5 +1,5 @@
 # The coupling to private upstream API (`upstream/checks.py`, asked by the version gate, `upstream/gate.py`, through
-# `call/support.py`): a missing or reshaped hook target, or private torch name, raises a clear error instead of being
+# `call/hooks.py`): a missing or reshaped hook target, or private torch name, raises a clear error instead of being
 # skipped. The self-test outside the tested range: test_selftest.py; the transformers names: test_transformers_api.py.
 
 import ast
@@ -18,7 +18,7 @@ from transformers.utils import logging
 
 import prefill_buckets
 from prefill_buckets import upstream
-from prefill_buckets.call import support
+from prefill_buckets.call import hooks
 from prefill_buckets.state import PROCESS
 from prefill_buckets.testing_utils import as_new_process
 from prefill_buckets.upstream import checks, gate, versions
@@ -129,12 +129,12 @@ class CheckUpstreamTest(unittest.TestCase):
                     RuntimeError,
                     r"`StepWithoutMask\.prepare_inputs_for_generation` takes no parameter `attention_mask`",
                 ):
-                    support.check_upstream(model_class, generate=prefill_buckets.generate)
+                    hooks.check_upstream(model_class, generate=prefill_buckets.generate)
 
     def test_keyword_target_through_kwargs_is_exact(self):
         # Upstream passes `_prepare_generated_length` its arguments by keyword, and the hook passes them on as it got
         # them: an override that takes them through `**kwargs` works, as it does upstream.
-        support.check_upstream(KeywordTargetThroughKwargs, generate=prefill_buckets.generate)
+        hooks.check_upstream(KeywordTargetThroughKwargs, generate=prefill_buckets.generate)
         torch.manual_seed(0)
         model = KeywordTargetThroughKwargs(tiny_llama_config()).eval()
         kwargs = {"max_new_tokens": 4, "do_sample": False}
@@ -145,8 +145,8 @@ class CheckUpstreamTest(unittest.TestCase):
         self.assertEqual(actual.tolist(), expected.tolist())
 
     def test_tested_version_passes(self):
-        support.check_upstream(generate=prefill_buckets.generate)
-        support.check_upstream(LlamaForCausalLM, generate=prefill_buckets.generate)
+        hooks.check_upstream(generate=prefill_buckets.generate)
+        hooks.check_upstream(LlamaForCausalLM, generate=prefill_buckets.generate)
 
     def test_missing_hook_target_raises(self):
         torch.manual_seed(0)
@@ -168,7 +168,7 @@ class CheckUpstreamTest(unittest.TestCase):
         # and so does every call while the self-test runs.
         self.enterContext(as_new_process())
         kwargs = {"max_new_tokens": 2, "do_sample": False, "prefill_buckets": [8]}
-        with mock.patch.object(support, "check_upstream", wraps=support.check_upstream) as asked:
+        with mock.patch.object(hooks, "check_upstream", wraps=hooks.check_upstream) as asked:
             model = tiny_llama()
             for _ in range(3):
                 prefill_buckets.generate(model, random_ids(5), **kwargs)
@@ -182,7 +182,7 @@ class CheckUpstreamTest(unittest.TestCase):
             self.assertNotIn(ReshapedHookTarget, PROCESS.upstream_passed)
         PROCESS.upstream_passed.clear()
         PROCESS.self_test_verdict = SELF_TEST_RUNNING  # as the self-test's own calls see it: passing, not for good
-        support.check_upstream(LlamaForCausalLM, generate=prefill_buckets.generate)
+        hooks.check_upstream(LlamaForCausalLM, generate=prefill_buckets.generate)
         self.assertNotIn(LlamaForCausalLM, PROCESS.upstream_passed)
 
 

@@ -11,7 +11,7 @@ import torch
 from transformers import GenerationConfig, LlamaForCausalLM, StaticCache
 
 import prefill_buckets
-from prefill_buckets.call import hook_registry, hooks, support
+from prefill_buckets.call import hook_registry, hooks
 from prefill_buckets.call.hook_registry import _ACTIVE_PLAN, hook, hook_table, make_hooked
 from prefill_buckets.call.hooks import HOOKS, hook_targets
 from prefill_buckets.state import state_of
@@ -59,13 +59,13 @@ class HookRegistryTest(unittest.TestCase):
             with self.subTest(name):
                 missing = type(f"Without{name}", (LlamaForCausalLM,), {name: None})
                 with self.assertRaisesRegex(RuntimeError, rf"`Without{name}\.{name}` does not exist"):
-                    support.check_upstream(missing, generate=prefill_buckets.generate)
+                    hooks.check_upstream(missing, generate=prefill_buckets.generate)
                 if reads:
                     bare = type(f"Bare{name}", (LlamaForCausalLM,), {name: lambda self: None})
                     with self.assertRaisesRegex(
                         RuntimeError, rf"`Bare{name}\.{name}` takes no parameter `{reads[0]}`"
                     ):
-                        support.check_upstream(bare, generate=prefill_buckets.generate)
+                        hooks.check_upstream(bare, generate=prefill_buckets.generate)
 
     def test_keywords_the_hook_does_not_know_reach_the_method(self):
         # As if upstream passed `_prepare_generated_length` a new keyword: the hook changes what it reads and passes

@@ -2,7 +2,7 @@
 
 1. Resolve: `resolved.py` (the call's inputs and its bucket fields, read once into a frozen `ResolvedCall`, and its
    `CallSettings`, read off the generation config upstream's own preparation step makes, once a call), with `kvcache.record.PassedCache` (the cache the call passes).
-2. Check support: `support.check_upstream` (the version gate, `upstream/gate.py`, given this subpackage's hooks).
+2. Check support: `hooks.check_upstream` (the version gate, `upstream/gate.py`, given this subpackage's hooks).
 3. Decide: `decision.py`, the one decision of how the call is padded (left, right, or unpadded with its reason), one
    table of rows over the call's facts (`padding_side.py`) and what a model's code assumes (`side_assumptions.py`).
 4. Plan: `plan.plan_call` makes the frozen `Plan` (`plan.py`): the prompt padded in front, or on the right by the

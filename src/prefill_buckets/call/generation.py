@@ -37,7 +37,7 @@ from ..kvcache.sizing import allocated_as_early, keep_cache
 from ..state import PROCESS, state_of
 from ..upstream import torch_api, transformers_api
 from ..upstream.transformers_api import cache_seq_length, tensor_parallel_group
-from . import support
+from . import hooks
 from .budget import budget_of, check_compiled, room_for_upstream_call
 from .decision import choose_side
 from .hook_registry import active_plan
@@ -161,7 +161,7 @@ def _prepare(call: ResolvedCall) -> PreparedCall:
         return PreparedCall(call.arguments, call.model_kwargs, after=_warn_unbucketed(call))
     # 2. Check support: the hooked steps of upstream `generate` (once per class that passes: the gate keeps it).
     if type(call.model) not in PROCESS.upstream_passed:
-        support.check_upstream(type(call.model), generate=generate)
+        hooks.check_upstream(type(call.model), generate=generate)
     # 3. Decide: left, right or unpadded (every reason the call runs unpadded, or raises, is decided there).
     side = choose_side(call)
     if side.side == "unpadded":

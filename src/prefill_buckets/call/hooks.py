@@ -32,6 +32,7 @@ one model or several, don't see each other's plans.
 
 import contextlib
 import contextvars
+import functools
 
 import torch
 from transformers.utils import logging
@@ -51,7 +52,7 @@ from ..kvcache.record import passed_cache, sequence_length
 from ..kvcache.sizing import early_initialize, reuse_cache, static_cache_length
 from ..kvcache.windows import close_windows, has_windows, mask_to_window, open_windows, set_window
 from ..state import LOCK, PROCESS, state_of
-from ..upstream import torch_api, transformers_api, versions
+from ..upstream import gate, torch_api, transformers_api, versions
 from . import prefill_right, views
 from .budget import account_call, restore_recompile_limit, restore_user_recompile_limits, window_of
 from .hook_registry import _ACTIVE_PLAN, hook, hook_table, hooked_method, wraps
@@ -373,6 +374,11 @@ HOOKS = hook_table(
 def hook_targets() -> dict[str, tuple[tuple[str, ...], bool]]:
     """`{target: (reads, positional)}` of every hook in `HOOKS`: what `check_upstream` verifies."""
     return {name: (entry.reads, entry.positional) for name, entry in HOOKS.items()}
+
+
+# Step 2 of a call, check support: the version gate (`upstream/gate.py`), given these hooks and the verdicts the
+# process keeps. `check_upstream(model_class=..., *, generate)`.
+check_upstream = functools.partial(gate.check_upstream, hook_targets=hook_targets, verdicts=PROCESS)
 
 
 def _install(model, state) -> None:

@@ -5,7 +5,7 @@ process.
 and, on a transformers outside the tested range (`versions.TESTED_TRANSFORMERS`) or a torch outside its own
 (`versions.TESTED_TORCH`), when `selftest.self_test` fails: a release that changed what a hooked step means fails
 loudly at the first bucketed call instead of running wrong.
-`enable()` and every bucketed call run it (`call/support.py`); the verdicts are kept (`state.PROCESS`), so after a
+`enable()` and every bucketed call run it (`call.hooks.check_upstream`); the verdicts are kept (`state.PROCESS`), so after a
 failure every bucketed call of the process raises it.
 
 setup.py sets no upper bound on transformers or torch, so pip never downgrades a newer release (for torch, a multi-GB
