@@ -117,15 +117,12 @@ class RuleFacts:
 
     @cached_property
     def ragged_reason(self) -> str | None:
-        return _ragged_reason(
-            self.model, self.settings, self.model_kwargs, self.prompt, self.past_length, self.cache, self.slots
-        )
+        return _ragged_reason(self.model, self.call.rows_mask, self.prompt, self.past_length, self.cache, self.slots)
 
     @cached_property
     def ragged(self) -> bool:
         """Whether the rows are of different lengths: zeros in the attention mask, passed or inferred from pad tokens."""
-        mask = _rows_mask(self.settings, self.model_kwargs, self.prompt)
-        return isinstance(mask, torch.Tensor) and not bool(mask.all())
+        return self.call.ragged
 
     @cached_property
     def not_right(self) -> str | None:
@@ -378,23 +375,12 @@ def warn_long_prompt(settings: CallSettings, prompt_length: int, padded_length: 
         )
 
 
-def _rows_mask(settings: CallSettings, model_kwargs: dict, prompt):
-    """The attention mask of the rows: passed, or inferred from pad tokens as upstream infers it; else `None`."""
-    mask = model_kwargs.get("attention_mask")
-    if mask is None and isinstance(prompt, torch.Tensor) and prompt.dtype in (torch.long, torch.int):
-        if settings.pad_token_is_inferable and bool((prompt == settings.pad_token_id).any()):
-            mask = prompt.ne(settings.pad_token_id)  # upstream's inferred mask
-    return mask
-
-
-def _ragged_reason(
-    model, settings: CallSettings, model_kwargs: dict, prompt, past_length: int, cache, slots: int
-) -> str | None:
+def _ragged_reason(model, mask, prompt, past_length: int, cache, slots: int) -> str | None:
     """
-    Why rows of different lengths (zeros in the attention mask, passed or inferred from pad tokens as upstream infers
-    it) can't be right-padded each after its own end, or `None` when they can (or the rows are all one length).
+    Why rows of different lengths (zeros in `mask`, the call's `rows_mask`: passed, or inferred from pad tokens as
+    upstream infers it) can't be right-padded each after its own end, or `None` when they can (or the rows are all one
+    length).
     """
-    mask = _rows_mask(settings, model_kwargs, prompt)
     if not isinstance(mask, torch.Tensor) or bool(mask.all()):
         return None
     if mask.ndim != 2 or prompt is None or mask.shape != prompt.shape[:2]:

@@ -19,7 +19,7 @@ from transformers.generation.stopping_criteria import StoppingCriteriaList
 from transformers.utils import logging
 
 from ..config import PREFILL_BUCKETS
-from .resolved import CallSettings, ResolvedCall, bos_prompt
+from .resolved import CallSettings, ResolvedCall, bos_prompt, inferred_mask
 from .views import DummyRowsFinished, PromptStrippingStreamer
 
 
@@ -153,13 +153,9 @@ def plan_call(call: ResolvedCall, side: PaddingSide) -> tuple[Plan, dict, dict]:
 
 
 def _default_attention_mask(settings: CallSettings, input_ids: torch.Tensor) -> torch.Tensor:
-    """
-    The mask upstream infers when none is passed: pad tokens are masked, unless the pad token is also eos (without a
-    pad token in the ids, all ones either way).
-    """
-    if settings.pad_token_is_inferable:
-        return input_ids.ne(settings.pad_token_id).long()
-    return torch.ones(input_ids.shape[:2], dtype=torch.long, device=input_ids.device)
+    """The mask upstream infers when none is passed (`resolved.inferred_mask`), or all ones where it infers none."""
+    mask = inferred_mask(settings, input_ids)
+    return mask if mask is not None else torch.ones(input_ids.shape[:2], dtype=torch.long, device=input_ids.device)
 
 
 def _pad_prompt(call: ResolvedCall, padded_length: int):
@@ -254,11 +250,9 @@ def _plan_right(call: ResolvedCall, side: PaddingSide) -> tuple:
         input_ids = model_kwargs["input_ids"] = bos_prompt(call.model, settings, model_kwargs)
     prompt = inputs_embeds if inputs_embeds is not None else input_ids
     prompt_length = prompt.shape[1]
-    mask = model_kwargs.get("attention_mask")
-    if mask is None and inputs_embeds is None and settings.pad_token_is_inferable:
-        if bool((input_ids == settings.pad_token_id).any()):
-            mask = model_kwargs["attention_mask"] = _default_attention_mask(settings, input_ids)  # as upstream infers
-    right = RightPadding(bucket=side.bucket, ragged=isinstance(mask, torch.Tensor) and not bool(mask.all()))
+    if call.rows_mask is not None:  # passed, or inferred from pad tokens as upstream infers it
+        model_kwargs["attention_mask"] = call.rows_mask
+    right = RightPadding(bucket=side.bucket, ragged=call.ragged)
     return _plan_of(call, prompt_length, prompt_length, 0, right), arguments, model_kwargs
 
 

@@ -185,6 +185,17 @@ class ResolvedCall:
             return transformers_api.is_static_cache(self.cache)
         return self.settings.cache_implementation in transformers_api.ALL_STATIC_CACHE_IMPLEMENTATIONS
 
+    @functools.cached_property
+    def rows_mask(self) -> torch.Tensor | None:
+        """The prompt's attention mask: the one the call passes, else the one upstream infers (`inferred_mask`)."""
+        mask = self.model_kwargs.get("attention_mask")
+        return mask if mask is not None else inferred_mask(self.settings, self.prompt)
+
+    @functools.cached_property
+    def ragged(self) -> bool:
+        """Whether the prompt's rows are of different lengths: zeros in `rows_mask`."""
+        return isinstance(self.rows_mask, torch.Tensor) and not bool(self.rows_mask.all())
+
     @property
     def makes_static_cache(self) -> bool:
         """Whether `generate` makes the call a static cache (it passes none)."""
@@ -408,6 +419,18 @@ def resolve_settings(
     """The settings of a call made with these arguments (`settings_of`). Raises `ValueError` for an invalid field."""
     bucketing = bucketing_of(resolve_fields(model, generation_config, field_kwargs))
     return settings_of(model, *prepare_generation_config(model, generation_config, model_kwargs), bucketing)
+
+
+def inferred_mask(settings: CallSettings, prompt) -> torch.Tensor | None:
+    """
+    The attention mask upstream infers for integer ids `prompt` passed without one, `[batch, length]`: its pad tokens
+    masked, where the ids hold a pad token that is not eos; else `None` (every token attended).
+    """
+    if not (isinstance(prompt, torch.Tensor) and prompt.dtype in (torch.long, torch.int)):
+        return None
+    if not settings.pad_token_is_inferable or not bool((prompt == settings.pad_token_id).any()):
+        return None
+    return prompt.ne(settings.pad_token_id).long()
 
 
 def prompt_rows(model_kwargs: dict) -> int:
