@@ -99,21 +99,44 @@ class CallRun:
 class Plan:
     """What one bucketed `generate` call does to its inputs, read by the hooks while the call runs."""
 
-    model: Any
-    settings: CallSettings
+    call: ResolvedCall  # the call, as step 1 resolved it: its model, settings, rows and cache are read there
     prompt_length: int  # tokens in the prompt as the user passed it (their own padding included)
     # Tokens in the prompt upstream `generate` sees: the bucket on the left; on the right the prompt as passed (the
     # `_prefill` hook pads it to `right.bucket`).
     padded_length: int
     added_id_columns: int  # columns added to `input_ids` (0 when the prompt is only `inputs_embeds`, or on the right)
-    batch_size: int = 1  # prompts the user passed
     padded_batch: int = 1  # prompts generated from, dummy rows of `prefill_batch_buckets` included
-    rows: int = 1  # output rows the user gets: batch * max(num_beams, num_return_sequences)
     padded_rows: int = 1  # output rows generated, dummy rows of `prefill_batch_buckets` included
-    cached_tokens: int = 0  # the tokens the cache passed in holds before the call (0: a cache `generate` makes)
-    makes_static_cache: bool = False  # whether `generate` makes the call a static cache (it passes none)
     right: RightPadding | None = None  # `None`: padded on the left (columns in front, masked)
     run: CallRun = field(default_factory=CallRun)  # what the call learns as it runs
+
+    @property
+    def model(self):
+        return self.call.model
+
+    @property
+    def settings(self) -> CallSettings:
+        return self.call.settings
+
+    @property
+    def batch_size(self) -> int:
+        """The prompts the user passed."""
+        return self.call.rows
+
+    @property
+    def rows(self) -> int:
+        """The output rows the user gets: batch * max(num_beams, num_return_sequences)."""
+        return self.call.output_rows
+
+    @property
+    def cached_tokens(self) -> int:
+        """The tokens the cache passed in holds before the call (0: a cache `generate` makes)."""
+        return self.call.past_length
+
+    @property
+    def makes_static_cache(self) -> bool:
+        """Whether `generate` makes the call a static cache (it passes none)."""
+        return self.call.makes_static_cache
 
     @property
     def side(self) -> str:
@@ -259,17 +282,12 @@ def _plan_right(call: ResolvedCall, side: PaddingSide) -> tuple:
 def _plan_of(call: ResolvedCall, prompt_length: int, padded_length: int, added_id_columns: int, right=None) -> Plan:
     """The plan of `call`, its prompt padded as given, its batch as passed (`_pad_rows` adds dummy rows)."""
     return Plan(
-        call.model,
-        call.settings,
+        call,
         prompt_length=prompt_length,
         padded_length=padded_length,
         added_id_columns=added_id_columns,
-        batch_size=call.rows,
         padded_batch=call.rows,
-        rows=call.output_rows,
         padded_rows=call.output_rows,
-        cached_tokens=call.past_length,
-        makes_static_cache=call.makes_static_cache,
         right=right,
     )
 
