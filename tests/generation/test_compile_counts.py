@@ -255,7 +255,7 @@ class StaticCacheBucketTest(CompileCountTestBase):
 
         def bucketed(input_ids, **kwargs):
             # Left padding throughout: rows of different lengths take it anyway, and so the all-ones (16, 16) batch
-            # shares their graphs (on the right it would take its own: `test_right_padding.py`, mixed workload).
+            # shares their graphs (on the right it would take its own: `test_prefill_right.py`, mixed workload).
             return prefill_buckets.generate(
                 model, input_ids, generation_config=config, prefill_buckets=[16], prefill_padding_side="left", **kwargs
             )

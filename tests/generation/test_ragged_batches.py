@@ -18,7 +18,7 @@ from prefill_buckets import GraphCounter
 
 from .test_all_outputs import assert_same
 from .test_equivalence import MODEL_SPECS, PAD, get_model, left_padded_batch, random_ids
-from .test_right_padding import (
+from .test_prefill_right import (
     CompiledLlamaTestCase,
     SideSpy,
     config,
