@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 from transformers.utils import ModelOutput, logging
 
-from ..compile.compiled_calls import compiled_forward, compiled_wrapper_forward
+from ..compile.compiled_calls import compiled_wrapper_forward
 from ..config import BUCKET_FIELDS, PREFILL_BUCKETS, PREFILL_PAD_TO_MULTIPLE_OF
 from ..distributed import generate_call, ranks_agree
 from ..kvcache.record import passed_cache, record_call
@@ -188,15 +188,14 @@ def _warn_unbucketed(call: ResolvedCall):
     The advice for a call without buckets: upstream runs unchanged, this only says what it will cost. Returns a
     function to call after the call (it records the shapes the call compiled for), or `None`.
     """
-    model = call.model
-    if call.wrapper is not None and compiled_forward(model) is None:
+    model, compiled = call.model, call.compiled_forward
+    if call.wrapper is not None and compiled is None:
         logger.warning_once(
             "`generate` was called on the `torch.compile(model)` wrapper (an `OptimizedModule`), which hands "
             "`generate` to the module it wraps: every forward of this call runs eagerly, and no compiled graph is "
             f"used. Set `{PREFILL_BUCKETS}` (the call then runs through the wrapper's compiled forward, with one graph "
             "per bucket), or compile in place with `model.compile(...)`."
         )
-    compiled = compiled_forward(model)
     if compiled is None:
         return None
     prompt = call.prompt

@@ -14,7 +14,7 @@ from functools import cached_property
 import torch
 from transformers.utils import logging
 
-from ..compile.compiled_calls import compiled_forward, is_aot_forward
+from ..compile.compiled_calls import is_aot_forward
 from ..config import PREFILL_BATCH_BUCKETS, PREFILL_BUCKETS, PREFILL_PAD_TO_MULTIPLE_OF
 from ..kvcache.sizing import room_reason
 from ..upstream import candidates, transformers_api
@@ -140,7 +140,7 @@ class RuleFacts:
             return "the `torch.compile(model)` wrapper"
         if is_aot_forward(self.model):
             return "`aot_forward`"
-        compiled = compiled_forward(self.model)
+        compiled = self.call.compiled_forward
         return f"`{compiled}`" if compiled is not None else None
 
     @cached_property

@@ -25,6 +25,7 @@ import torch
 from transformers import GenerationConfig
 
 from ..buckets import BucketPolicy
+from ..compile.compiled_calls import compiled_forward
 from ..config import FIELDS, batch_policy_from_fields, padding_side_from_fields, policy_from_fields
 from ..kvcache.record import CachePadding, PassedCache
 from ..upstream import transformers_api
@@ -177,6 +178,11 @@ class ResolvedCall:
         generation_config = self.arguments.get("generation_config")
         prepared = prepare_generation_config(self.model, generation_config, self.model_kwargs)
         return settings_of(self.model, *prepared, bucketing=self.bucketing)
+
+    @functools.cached_property
+    def compiled_forward(self) -> str | None:
+        """How the user compiled the model's forward in place (`compiled_calls.compiled_forward`), before the call."""
+        return compiled_forward(self.model)
 
     @functools.cached_property
     def static_cache(self) -> bool:
