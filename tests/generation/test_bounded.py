@@ -12,12 +12,10 @@ import unittest
 import torch
 from parameterized import parameterized
 from transformers import GenerationConfig
-from transformers.generation.candidate_generator import AssistedCandidateGenerator, PromptLookupCandidateGenerator
 
 import prefill_buckets
 from prefill_buckets import GraphCounter
 from prefill_buckets.kvcache.windows import window_length
-from prefill_buckets.upstream import candidates
 
 from .tiny_models import tiny_llama
 
@@ -159,16 +157,3 @@ class CandidateDecodingTest(unittest.TestCase):
                 expected = reference.generate(ids, max_cache_len=256, **fields)
                 self.assertEqual(out.tolist(), expected.tolist())
         self.assertGreater(counter.graphs, 8, "the premise: more graphs than torch's default limit")
-
-    def test_most_drafted_per_generator(self):
-        # The most candidates a check holds, as each of upstream's generators drafts them, never past what remains.
-        lookup = PromptLookupCandidateGenerator(num_output_tokens=4, max_length=64)
-        self.assertEqual(candidates.most_drafted(lookup, 10), 4)
-        self.assertEqual(candidates.most_drafted(lookup, 2), 2)
-        assistant = tiny_llama()
-        assistant.generation_config.num_assistant_tokens = 6
-        for schedule, expected in (("constant", 6), ("heuristic", 10), ("heuristic_transient", 10)):
-            assistant.generation_config.num_assistant_tokens_schedule = schedule
-            ids = torch.ones(1, 3, dtype=torch.long)
-            generator = AssistedCandidateGenerator(ids, assistant, GenerationConfig(), {"attention_mask": ids})
-            self.assertEqual(candidates.most_drafted(generator, 10), expected, schedule)

@@ -1,4 +1,5 @@
-"""`call/resolved.py`: a call's generation values are those of upstream's own preparation step, made once a call."""
+"""`call/resolved.py`: a call's generation values are those of upstream's own preparation step, made once a call; and
+the BOS prompt upstream starts from without one (`bos_prompt`)."""
 
 import unittest
 from unittest import mock
@@ -7,7 +8,7 @@ import torch
 from transformers import GenerationConfig, LlamaForCausalLM
 
 import prefill_buckets
-from prefill_buckets.call.resolved import bind_call, resolve_call
+from prefill_buckets.call.resolved import bind_call, bos_prompt, prompt_rows, resolve_call, resolve_settings
 
 from .tiny_models import assert_same_generation, single_thread_module, static_config, tiny_llama, tiny_llama_config
 
@@ -85,6 +86,25 @@ class PreparedConfigTest(unittest.TestCase):
         with mock.patch.object(LlamaForCausalLM, "_prepare_generation_config", autospec=True, side_effect=step) as spy:
             prefill_buckets.generate(model, input_ids=torch.ones(1, 4, dtype=torch.long), max_new_tokens=2)
         self.assertEqual(spy.call_count, 1)  # upstream's own
+
+
+class BosPromptTest(unittest.TestCase):
+    def test_one_bos_token_per_row(self):
+        model = tiny_llama()
+        settings = resolve_settings(model, model.generation_config, {}, {})
+        mask = torch.ones(3, 5, dtype=torch.long)
+        self.assertEqual(prompt_rows({"attention_mask": mask}), 3)
+        self.assertEqual(prompt_rows({}), 1)
+        prompt = bos_prompt(model, settings, {"attention_mask": mask})
+        self.assertTrue(torch.equal(prompt, torch.full((3, 1), settings.bos_token_id, dtype=torch.long)))
+
+    def test_without_bos_token_id(self):
+        model = tiny_llama()
+        model.generation_config.bos_token_id = None
+        model.config.bos_token_id = None
+        settings = resolve_settings(model, model.generation_config, {}, {})
+        with self.assertRaisesRegex(ValueError, "`bos_token_id` has to be defined when no `input_ids` are provided"):
+            bos_prompt(model, settings, {})
 
 
 if __name__ == "__main__":
