@@ -190,12 +190,19 @@ def decode_graphs(counter: GraphCounter) -> int:
     return sum(1 for shapes in counter.shapes if shapes[0][1] == 1)
 
 
+# torch's default `recompile_limit`, which the counting tests' bounds are written against.
+TORCH_DEFAULT_RECOMPILE_LIMIT = 8
+
+
 class CompilationTestCase(unittest.TestCase):
     def setUp(self):
         torch._dynamo.reset()
         self.addCleanup(torch._dynamo.reset)
         recompile_limit = torch._dynamo.config.recompile_limit
         self.addCleanup(setattr, torch._dynamo.config, "recompile_limit", recompile_limit)
+        # Each test starts at torch's default limit, whatever an earlier test in the process left: upstream's chunked
+        # prefill sets 64 process-wide on transformers < 5.23 (`budget.restore_recompile_limit`).
+        torch._dynamo.config.recompile_limit = TORCH_DEFAULT_RECOMPILE_LIMIT
         # `warning_once` is one `functools.lru_cache` shared by every logger (keyed on logger and message): clear it
         # so a warning an earlier test logged can be seen again here.
         logger.warning_once.cache_clear()
