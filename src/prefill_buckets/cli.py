@@ -1,16 +1,8 @@
 """`python -m prefill_buckets ...` (also the `prefill-buckets` console script).
 
-`demo`: a tiny randomly initialised Llama, a dozen prompt lengths, compiled three ways; prints graphs compiled,
-compiled calls, eager fallbacks and whether the tokens equal an eager run. About a minute on a 2-core CPU
-(it traces graphs and generates no code), no download.
-
-`bench`: compile strategies side by side on a real model (SmolLM2-135M-Instruct by default), each in a fresh process;
-prints a table and writes a JSON file and a plot. See `prefill-buckets bench --help` and the `benchmark` subpackage.
-
-`env`: the versions, device and tested range a bug report needs (`env.py`).
-
-`serve`: transformers' own OpenAI-compatible server (`transformers serve`) with bucketed, precompiled generate
-(`serving.py`); needs `pip install "transformers-prefill-buckets[serving]"`.
+`demo` (graph counts on a tiny config-built Llama, no download), `bench` (compile strategies side by side on a real
+model, `benchmark/`), `env` (what a bug report needs, `env.py`) and `serve` (transformers serve with bucketed,
+precompiled generate, `serving.py`); see `prefill-buckets COMMAND --help`.
 """
 
 import argparse
@@ -57,7 +49,7 @@ def demo_rows(lengths=DEMO_LENGTHS, new_tokens: int = 4, backend: str = "eager")
     }
     rows = []
     for name, fields in strategies.items():
-        torch_api.reset_compiled()  # each strategy from no graphs (bucketed calls put torch's limit back when they end)
+        torch.compiler.reset()  # each strategy from no graphs (bucketed calls put torch's limit back when they end)
         model = tiny_llama()
         counter = GraphCounter(backend)
         model.compile(backend=counter, dynamic=False)

@@ -143,7 +143,7 @@ def start_process(spec: dict) -> None:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
-    torch_api.reset_compiled()
+    torch.compiler.reset()
     torch_api.compile_counters().clear()
 
 

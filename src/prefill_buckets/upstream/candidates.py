@@ -1,8 +1,5 @@
 """What the package reads of upstream's candidate generators (assisted, prompt-lookup and other speculative decoding):
 which one a call gets, which drafters padding would change, and the assistant's processor merge.
-
-Candidates come from `_get_candidate_generator`, called inside `_assisted_decoding`; the call step hooks it
-(`call/views.py`), and the decision reads `drafter_padding_changes` before anything is padded.
 """
 
 import contextlib
@@ -21,9 +18,8 @@ def is_assistant_model(candidate_generator) -> bool:
 
 def most_drafted(candidate_generator, remaining: int) -> int:
     """
-    The most candidates one check of `candidate_generator` may hold (a check is a forward of that many tokens plus
-    one), at most `remaining`: a prompt lookup's `num_output_tokens`; an assistant's `num_assistant_tokens` under the
-    `"constant"` schedule; under a heuristic one it grows by 2 after every check it wins, so `remaining`.
+    The most candidates one check of `candidate_generator` may hold, at most `remaining`: a prompt lookup's
+    `num_output_tokens`, an assistant's `num_assistant_tokens` under the `"constant"` schedule (a heuristic one grows).
     """
     drafted = remaining  # any generator that says less of itself
     if is_prompt_lookup(candidate_generator):
@@ -55,8 +51,7 @@ def processors_merged_by(model, wrap):
 def drafter_padding_changes(settings, assistant_model, tokenizers: bool) -> str | None:
     """
     What upstream's `_get_candidate_generator` picks (in its order) that padding would change, in words, or `None`:
-    drafters that read the target's outputs at every position, unmasked (`requires_model_outputs`), and an assistant
-    with another tokenizer (`tokenizers`: `tokenizer` and `assistant_tokenizer` passed), handed the padded mask.
+    drafters that read the target's outputs at every position, and an assistant with another tokenizer (`tokenizers`).
     """
     every_position = "at every position, unmasked"
     if settings.use_mtp:

@@ -1,11 +1,6 @@
 """What the package needs of the installed transformers and torch, checked: `upstream_problems` lists what is missing
-or reshaped, for the version gate (`gate.check_upstream`) to raise.
-
-Bucketing works by hooking a few private steps of upstream `generate` for the duration of a call. A transformers
-release that renames or reshapes one of them must fail loudly, never run with a hook silently skipped (a missed
-`_prepare_generated_length` hook, for instance, would shift `max_length` by the padding). Every private torch name
-(`torch_api.py`) is listed in `PRIVATE_TORCH_NAMES` (or probed by `_torch_object_problems`) and checked the same way,
-and the ones only `aot_forward` reads by `aot_compile_problem`.
+or reshaped, for the version gate (`gate.check_upstream`) to raise, so that a release that renamed a hooked step fails
+loudly instead of running with a hook silently skipped.
 """
 
 import functools
@@ -24,9 +19,8 @@ CALLED_METHODS = ("_valid_auto_compile_criteria", "_merge_criteria_processor_lis
 
 def upstream_problems(model_class: type, hook_targets: dict[str, tuple[tuple[str, ...], bool]]) -> str | None:
     """
-    What `gate.check_upstream` raises for `model_class`: the hook targets (`{method: (parameters the hook reads,
-    whether upstream passes them by position)}`, `call/hook_registry.py`) and other private names the package
-    relies on that are missing, or no longer take the parameters the hooks read. `None` when every one is in place.
+    What `gate.check_upstream` raises for `model_class`, or `None`: the hook targets (`{method: (parameters the hook
+    reads, whether upstream passes them by position)}`) and other private names that are missing or reshaped.
     """
     problems = [
         problem
@@ -55,13 +49,11 @@ def upstream_problems(model_class: type, hook_targets: dict[str, tuple[tuple[str
     )
 
 
-# Every private torch name the package reads, as a dotted path from `torch` (module, then attributes): a torch release
-# that renamed one fails `upstream_problems` with its name, instead of an AttributeError in the middle of a call.
+# Every private torch name the package reads, as a dotted path from `torch`: `upstream_problems` names a missing one.
 PRIVATE_TORCH_NAMES = (
     "torch._dynamo.config.recompile_limit",
     "torch._dynamo.eval_frame.OptimizedModule",
     "torch._dynamo.exc.BackendCompilerFailed",
-    "torch._dynamo.reset",
     "torch._dynamo.lookup_backend",
     "torch._dynamo.maybe_mark_dynamic",
     "torch._dynamo.mark_static",
@@ -111,11 +103,7 @@ def _probe_function(x):
 
 
 def _torch_object_problems() -> list[str]:
-    """
-    The private attributes of the objects `torch.compile` makes that the package reads, probed on a tiny module and
-    function compiled with the `eager` backend (nothing is traced): `torch.compile(module)._orig_mod` and `.dynamo_ctx`,
-    `torch.compile(function)._torchdynamo_orig_callable`, and the `_compiled_call_impl` that `module.compile()` sets.
-    """
+    """The private attributes of what `torch.compile` makes that the package reads, probed with the `eager` backend."""
     problems = []
     try:
         module = torch.nn.Identity()
@@ -142,9 +130,7 @@ def _torch_object_problems() -> list[str]:
 def aot_compile_problem() -> str | None:
     """
     Why `aot_forward` can't compile ahead of time on this torch, or `None`: torch is older than
-    `versions.AOT_FORWARD_TORCH`, a name it reads is missing, or `torch.compile(function)` has no `aot_compile` (which
-    torch gives it only under `torch._dynamo.config.enable_aot_compile`, on by default from 2.13;
-    `torch_api.compile_for_aot` sets it).
+    `versions.AOT_FORWARD_TORCH`, a name it reads is missing, or `torch.compile(function)` has no `aot_compile`.
     """
     if versions.TORCH_VERSION.release[:2] < versions.AOT_FORWARD_TORCH:
         problems = [f"it needs torch {'.'.join(map(str, versions.AOT_FORWARD_TORCH))} or newer"]
@@ -164,9 +150,8 @@ def aot_compile_problem() -> str | None:
 
 def _hook_target_problem(model_class: type, name: str, parameters: tuple[str, ...], positional: bool) -> str | None:
     """
-    What is wrong with `model_class`'s hook target `name` for a hook that reads `parameters`, or `None`. Each
-    definition along the MRO is checked from the model's own override down: a parameter it doesn't name but passes on
-    (`**kwargs`, or `*args` for a positional target) must be named by the definition it extends (`super()`'s).
+    What is wrong with `model_class`'s hook target `name` for a hook that reads `parameters`, or `None`. Checked along
+    the MRO: a parameter a definition passes on (`**kwargs`, `*args`) must be named by the one it extends.
     """
     for owner in model_class.__mro__:
         if name not in owner.__dict__:
@@ -193,10 +178,7 @@ def _hook_target_problem(model_class: type, name: str, parameters: tuple[str, ..
 
 
 def _static_layer_problems() -> list[str]:
-    """
-    What attention windows (`kvcache/windows.py`) rely on: `StaticLayer.update(key_states, value_states)` returns the keys
-    and values of every slot, and `get_mask_sizes(query_length)` says the mask spans `max_cache_len` slots from 0.
-    """
+    """What attention windows rely on: `StaticLayer.update` returns every slot, and its mask spans them all from 0."""
     problems = []
     for name, parameters in (("update", ("key_states", "value_states")), ("get_mask_sizes", ("query_length",))):
         method = getattr(StaticLayer, name, None)
@@ -214,10 +196,9 @@ def _static_layer_problems() -> list[str]:
 @functools.cache
 def sliding_layer_problem() -> str | None:
     """
-    What the sliding-window rings (`kvcache/ring.py`) rely on and this transformers version does not do, or `None`: a
-    `StaticSlidingWindowLayer` counts its tokens in `cumulative_length_int` (a tensor `cumulative_length` beside it),
-    and keeps the last `max_cache_len` of them in order, slot `j` the position `max(0, held - max_cache_len) + j`.
-    Checked once per process, on a 4-slot layer fed 3, 2 and 1 tokens.
+    What the sliding-window rings (`kvcache/ring.py`) rely on and this transformers does not do, or `None`: a
+    `StaticSlidingWindowLayer` keeps its last `max_cache_len` tokens in order, counted in `cumulative_length_int`
+    (and a tensor `cumulative_length`). Checked on a 4-slot layer fed 3, 2 and 1 tokens.
     """
     try:
         layer = StaticSlidingWindowLayer(max_cache_len=16, sliding_window=4)
@@ -239,6 +220,5 @@ def sliding_layer_problem() -> str | None:
     return None
 
 
-# The checks above of the installed torch and transformers that are made once per process (`functools.cache`): what
-# `testing_utils.as_new_process` clears.
+# The checks made once per process: what `testing_utils.as_new_process` clears.
 CACHED_CHECKS = (torch_problems, aot_compile_problem, sliding_layer_problem)

@@ -1,20 +1,6 @@
 """The version gate: whether this transformers and torch can be bucketed on, decided once per model class and per
-process.
-
-`check_upstream` raises when a private name the hooks rely on is missing or reshaped (`checks.upstream_problems`),
-and, on a transformers outside the tested range (`versions.TESTED_TRANSFORMERS`) or a torch outside its own
-(`versions.TESTED_TORCH`), when `selftest.self_test` fails: a release that changed what a hooked step means fails
-loudly at the first bucketed call instead of running wrong.
-`enable()` and every bucketed call run it (`call.hooks.check_upstream`); the verdicts are kept (`state.PROCESS`), so after a
-failure every bucketed call of the process raises it.
-
-setup.py sets no upper bound on transformers or torch, so pip never downgrades a newer release (for torch, a multi-GB
-download): on a version outside the range the check still runs, and the first bucketed call also runs the self-test
-and logs which version it is.
-
-What the gate needs of the package above `upstream/` comes in as arguments, so it imports none of it: the hook targets
-the call path declares, the package's `generate` (the self-test compares it with upstream's, and `generate` checks
-upstream through this module), and the object that keeps the verdicts.
+process (`check_upstream`). setup.py sets no upper bound on either, so outside the tested ranges the first bucketed
+call also runs the self-test. What the gate needs of the package above `upstream/` comes in as arguments.
 """
 
 import functools
@@ -52,24 +38,19 @@ def check_upstream(
     verdicts,
 ) -> None:
     """
-    Raises `RuntimeError` naming the transformers version and the missing piece when a hook target or another private
-    name the package relies on is missing, or no longer takes the parameters the hook reads, and, outside the tested
-    range, when the self-test of `generate` fails. The verdict is kept per class (and for the self-test, per
+    Raises `RuntimeError` when a private name the package relies on is missing or reshaped (`checks.upstream_problems`)
+    and, outside the tested range, when the self-test fails. The verdict is kept per class (the self-test's, per
     process): a class that failed keeps raising.
 
     Args:
         model_class (`type`, *optional*):
-            The class of the model a bucketed call runs on; by default the upstream classes every generative model
-            inherits (what `enable()` checks).
+            The model's class; by default the upstream classes every generative model inherits (what `enable()` checks).
         generate (`Callable`):
-            The package's bucketed `generate` (`prefill_buckets.generate`), which the self-test compares with
-            upstream's.
+            The package's bucketed `generate`, which the self-test compares with upstream's.
         hook_targets (`Callable`):
-            Returns the hook targets to check, `{method: (parameters the hook reads, whether upstream passes them by
-            position)}` (`call/hook_registry.py`); called once per class.
+            Returns the hook targets to check (`checks.upstream_problems`); called once per class.
         verdicts:
-            Where the verdicts are kept: `upstream_verdicts` (a dict, by class), `self_test_verdict`, and
-            `upstream_passed`, the classes that passed both (`state.PROCESS`).
+            Where the verdicts are kept (`state.PROCESS`): `upstream_verdicts`, `self_test_verdict`, `upstream_passed`.
     """
     with VERDICT_LOCK:
         kept = verdicts.upstream_verdicts
@@ -106,11 +87,7 @@ def _within(installed: version.Version, tested: tuple[str, ...]) -> bool:
 
 
 def _self_test_failure(generate, verdicts) -> str | None:
-    """
-    The self-test's verdict on this transformers version, run on first use (under `VERDICT_LOCK`) and kept in
-    `verdicts.self_test_verdict`: `None` when it passed, or its error message. While it runs, its own bucketed calls
-    pass.
-    """
+    """The self-test's verdict (`None`: passed, or its message), run once and kept; its own bucketed calls pass."""
     verdict = verdicts.self_test_verdict
     if verdict is SELF_TEST_RUNNING:
         return None

@@ -1,9 +1,7 @@
 """`self_test`: bucketed `generate` against upstream's unpadded `generate` on the installed transformers, in a second.
 
-The version gate (`gate.check_upstream`) runs it once per process on a transformers or torch version outside the
-tested range, so that a release which changed what a hooked step means fails loudly at the first bucketed call instead
-of running wrong. The verdict is kept: after a failure every bucketed call of the process raises it. Run it yourself
-with `prefill_buckets.upstream.selftest.self_test(prefill_buckets.generate)`.
+The version gate runs it once per process outside the tested ranges. Run it yourself with
+`prefill_buckets.upstream.selftest.self_test(prefill_buckets.generate)`.
 """
 
 import torch
@@ -21,16 +19,12 @@ _NEW_TOKENS = 3
 
 def self_test(generate) -> None:
     """
-    Raises `RuntimeError` when bucketed `generate` does not return upstream's tokens on this transformers version.
-
-    A tiny random Llama (fp32, CPU) generates greedily from prompts of one and two rows, with a dynamic and a static
-    cache, unpadded through upstream `generate` and bucketed to `[8, 16]`; the sequences must be equal, and as long as
-    upstream's (so `max_new_tokens` means the same). Runs in about a second.
+    Raises `RuntimeError` when bucketed `generate` does not return upstream's tokens on this transformers version: a
+    tiny random Llama generates greedily from prompts of one and two rows, with a dynamic and a static cache.
 
     Args:
         generate (`Callable`):
-            The bucketed `generate` to test: [`generate`] (`prefill_buckets.generate`). Passed in, because the
-            version gate that runs the self-test (`gate.check_upstream`) is called from it.
+            The bucketed `generate` to test (`prefill_buckets.generate`; passed in, as the gate is called from it).
     """
     config = LlamaConfig(
         vocab_size=64,

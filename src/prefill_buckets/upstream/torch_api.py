@@ -1,10 +1,7 @@
-"""Every private torch name the package reads, behind an accessor each: dynamo's configuration and caches, the objects
-`torch.compile` makes, inductor, and the ahead-of-time compile `aot_forward` uses (experimental in torch 2.11 to 2.14).
-
-Every name here is listed in `checks.PRIVATE_TORCH_NAMES` (or probed by `checks.torch_problems`, or for `aot_forward`
-listed in `checks.AOT_TORCH_NAMES`): a torch release that renamed one fails the version gate with its name, instead of
-an AttributeError in the middle of a call (`tests/generation/test_checks.py` checks that the lists hold every name
-read here).
+"""Every private torch name the package reads, behind an accessor each (the package's rule: no module outside
+`upstream/` names one): dynamo's configuration and caches, the objects `torch.compile` makes, inductor, and the
+ahead-of-time compile `aot_forward` uses. Each is listed in `checks.py`, so a torch that renamed one fails the version
+gate naming it (`tests/generation/test_checks.py` checks the lists hold every name read here).
 """
 
 import contextlib
@@ -58,11 +55,7 @@ def set_recompile_limit(limit: int) -> None:
 
 
 def global_state() -> str:
-    """
-    torch's global state that dynamo guards every graph on (autocast, default dtype, deterministic algorithms, matmul
-    precision, threads, grad mode), as its guard reads it: another value compiles other graphs. `""` where torch
-    can't say.
-    """
+    """The global state dynamo guards every graph on (autocast, dtype, threads, ...), or `""` where torch can't say."""
     guard_class = getattr(torch._C._dynamo.guards, "GlobalStateGuard", None)
     if guard_class is None:
         return ""
@@ -78,8 +71,7 @@ def global_state() -> str:
     return state
 
 
-# The guard of the last global state read (which tells whether the state is still that one), and that state: a memo
-# of a read, as `functools.cache` keeps one (no call depends on what it holds).
+# The guard of the last state read (which tells whether the state is still that one), and that state: a memo.
 _LAST_GLOBAL_STATE: tuple = (None, "")
 
 
@@ -99,17 +91,12 @@ def autocast_enabled() -> bool:
     return False
 
 
-def _dynamo_config_is_per_thread() -> bool:
-    """
-    Whether dynamo's config keeps what a user sets per thread: from torch 2.13 in a `ContextVar`, so a limit set in one
-    thread is not another's, which starts from torch's default. Read from the config's entry (`False` where torch keeps
-    one value for the process, or the entry can't tell).
-    """
-    entry = getattr(torch._dynamo.config, "_config", {}).get("recompile_limit")
-    return isinstance(getattr(entry, "user_override", None), contextvars.ContextVar)
-
-
-DYNAMO_CONFIG_PER_THREAD = _dynamo_config_is_per_thread()
+# Whether dynamo's config keeps what a user sets per thread (from torch 2.13, in a `ContextVar`: another thread starts
+# from torch's default).
+DYNAMO_CONFIG_PER_THREAD = isinstance(
+    getattr(getattr(torch._dynamo.config, "_config", {}).get("recompile_limit"), "user_override", None),
+    contextvars.ContextVar,
+)
 
 
 def accumulated_recompile_limit() -> int | None:
@@ -119,11 +106,6 @@ def accumulated_recompile_limit() -> int | None:
 
 def set_accumulated_recompile_limit(limit: int) -> None:
     torch._dynamo.config.accumulated_recompile_limit = limit
-
-
-def reset_compiled() -> None:
-    """`torch._dynamo.reset()`: forgets every compiled graph of the process (the next call compiles again)."""
-    torch._dynamo.reset()
 
 
 def lookup_backend(name: str):
@@ -163,11 +145,7 @@ def submodule(module, name: str):
 
 
 def forward_pre_hook_keywords(model, names) -> set[str]:
-    """
-    Those of `names` that a forward pre-hook of one of `model`'s modules passes in as a keyword argument: hooks
-    registered `with_kwargs`, as `functools.partial` objects that bind the argument (PEFT's way). A walk over every
-    module.
-    """
+    """Those of `names` that a `with_kwargs` forward pre-hook of `model`'s modules binds as a `functools.partial` (PEFT)."""
     found = set()
     for module in model.modules():
         hooks = module._forward_pre_hooks
@@ -206,9 +184,8 @@ def set_compiled_call_impl(module, function) -> None:
 
 def forward_graphs(model) -> int:
     """
-    The graphs dynamo holds for `model`'s forward, as its recompile limit counts them: the cache entries on the code
-    objects a compiled forward starts in (the forward, and the decorators' wrappers around it), the largest count. They
-    are shared by every model whose forward is the same code. 0 where torch can't tell.
+    The graphs dynamo holds for `model`'s forward, as its recompile limit counts them: the most cache entries on a code
+    object a compiled forward starts in (the forward or a decorator's wrapper), shared by every model with that code.
     """
     entries = getattr(torch._dynamo.eval_frame, "_debug_get_cache_entry_list", None)
     if entries is None:
@@ -217,10 +194,7 @@ def forward_graphs(model) -> int:
 
 
 def forward_graph_codes(model) -> dict:
-    """
-    By code object a compiled forward starts in (as `forward_graphs` counts them), the graphs dynamo holds there: the
-    code it compiled for each, alive (and weakly referable) while dynamo holds that graph. Empty where torch can't tell.
-    """
+    """By code object a compiled forward starts in (as `forward_graphs`), the code dynamo compiled for each graph."""
     entries = getattr(torch._dynamo.eval_frame, "_debug_get_cache_entry_list", None)
     if entries is None:
         return {}
@@ -228,27 +202,20 @@ def forward_graph_codes(model) -> dict:
 
 
 def _forward_codes(model) -> frozenset:
-    codes = _wrapped_codes(getattr(type(model), "forward", None))
+    forward = getattr(type(model), "forward", None)
+    try:  # a class's forward is looked up once: a bucketed call counts its graphs twice
+        codes = _class_forward_codes(forward)
+    except TypeError:  # not hashable
+        codes = _wrapped_codes(forward)
     instance_forward = model.__dict__.get("forward")
     if instance_forward is not None:  # `torch.compile(model.forward)`, or a forward set on the instance
-        codes = codes | _wrapped_codes(eager_callable(instance_forward), cached=False)
-        codes = codes | _wrapped_codes(instance_forward, cached=False)
+        codes = codes | _wrapped_codes(eager_callable(instance_forward)) | _wrapped_codes(instance_forward)
     return codes
 
 
-def _wrapped_codes(function, cached: bool = True) -> frozenset:
-    """
-    The code objects of `function` and of the functions it wraps (`__wrapped__`, at most 64). A class's forward is
-    looked up once (`cached`: a bucketed call counts its graphs twice); a function set on an instance is not kept.
-    """
+def _wrapped_codes(function) -> frozenset:
+    """The code objects of `function` and of the functions it wraps (`__wrapped__`, at most 64)."""
     function = getattr(function, "__func__", function)
-    if function is None:
-        return frozenset()
-    if cached:
-        try:
-            return _class_function_codes(function)
-        except TypeError:  # not hashable
-            pass
     codes = set()
     while function is not None and len(codes) < 64:
         code = getattr(function, "__code__", None)
@@ -258,9 +225,7 @@ def _wrapped_codes(function, cached: bool = True) -> frozenset:
     return frozenset(codes)
 
 
-@functools.lru_cache(maxsize=256)
-def _class_function_codes(function) -> frozenset:
-    return _wrapped_codes(function, cached=False)
+_class_forward_codes = functools.lru_cache(maxsize=256)(_wrapped_codes)
 
 
 def _dynamo_context(compiled):
@@ -278,34 +243,24 @@ def _dynamo_context(compiled):
 
 
 def compiled_with_fullgraph(compiled) -> bool:
-    """
-    Whether `compiled`, a `torch.compile`d function (or a wrapper whose `__wrapped__` leads to one), was compiled with
-    `fullgraph=True`: then its forwards never break their graph, and compile no frame but the one they start in.
-    `False` where torch can't tell (read from the dynamo context its wrapper closes over).
-    """
+    """Whether `compiled` (a `torch.compile`d function, or a wrapper of one) was compiled with `fullgraph=True`."""
     context = _dynamo_context(compiled)
     return context is not None and bool(context.fullgraph)
 
 
 def compiled_dynamic(compiled) -> bool | None:
-    """
-    The `dynamic` argument `compiled` (as `compiled_with_fullgraph` takes it) was compiled with: `False` (static
-    shapes), `None` (torch's default, automatic dynamic shapes) or `True`. `False` where torch can't tell.
-    """
+    """The `dynamic` argument `compiled` (as `compiled_with_fullgraph` takes it) was compiled with; `False` if unknown."""
     context = _dynamo_context(compiled)
     return getattr(context, "_dynamic", False) if context is not None else False
 
 
 def mark_dynamic(tensor: torch.Tensor, dim: int) -> None:
-    """
-    Compiles `tensor`'s dimension `dim` symbolic on its first graph (`torch._dynamo.maybe_mark_dynamic`): one graph
-    for every size. Where the model's code needs the size fixed, the graph specializes on it, without an error.
-    """
+    """`torch._dynamo.maybe_mark_dynamic`: one graph for every size, unless the model's code needs it fixed."""
     torch._dynamo.maybe_mark_dynamic(tensor, dim)
 
 
 def mark_static(tensor: torch.Tensor) -> None:
-    """Compiles every dimension of `tensor` static (`torch._dynamo.mark_static`), whatever torch's `dynamic` says."""
+    """Compiles every dimension of `tensor` static, whatever torch's `dynamic` says."""
     torch._dynamo.mark_static(tensor)
 
 
@@ -327,14 +282,11 @@ def eager_callable(compiled):
 # ---- torch's ahead-of-time compile (`compile/aot_forward.py`), experimental in torch 2.11 to 2.14 -------------------
 
 
-@contextlib.contextmanager
 def _aot_compile_enabled():
     """Sets `torch._dynamo.config.enable_aot_compile` where torch has it (off by default before 2.13, on from 2.13)."""
-    if getattr(torch._dynamo.config, "enable_aot_compile", True):
-        yield
-    else:
-        with torch._dynamo.config.patch(enable_aot_compile=True):
-            yield
+    config = torch._dynamo.config
+    enabled = getattr(config, "enable_aot_compile", True)
+    return contextlib.nullcontext() if enabled else config.patch(enable_aot_compile=True)
 
 
 def compile_for_aot(function, **kwargs):
@@ -370,10 +322,8 @@ _TYPE_GUARDS = ("TYPE_MATCH", "BUILTIN_MATCH", "FAKE_SCRIPT_TYPE_MATCH")
 
 def guard_can_be_saved(entry, unserializable: set[str]) -> bool:
     """
-    Whether torch can save a guard (an entry of a `guard_filter_fn`) with an ahead-of-time compiled function: none of
-    the `unserializable` kinds (`unserializable_guard_types`), nor a check of the type of an object whose type is
-    defined in a function or a class (transformers from 5.25, with `kernels`, gives each attention module such wrappers,
-    `_kernel_funcs`).
+    Whether torch can save a guard (an entry of a `guard_filter_fn`): none of the `unserializable` kinds, nor a type
+    check of an object whose type is local (transformers from 5.25, with `kernels`, has such `_kernel_funcs`).
     """
     if entry.guard_type in unserializable or unserializable.intersection(entry.derived_guard_types):
         return False

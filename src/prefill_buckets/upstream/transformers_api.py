@@ -1,10 +1,6 @@
 """Every private transformers name the package reads or changes, behind an accessor each, and the public ones it relies
-on in ways upstream does not promise: the `generate` it wraps, its static caches and their layers, masking, tensor
-parallelism and the output-capture registry; and what a model says of itself (its forward's parameters, its
-vocabulary, its positions), read where each call needs it. `transformers serve`'s are in `transformers_serve.py`.
-
-`checks.upstream_problems` checks, for each model class before its first bucketed call, that the hook targets and the
-other private names read here exist and still take what the package passes.
+on in ways upstream does not promise: the `generate` it wraps, static caches and their layers, masking, tensor
+parallelism, the output-capture registry, and what a model says of itself. `checks.upstream_problems` checks them.
 """
 
 import contextlib
@@ -93,27 +89,17 @@ def set_previous_max_cache_length(model, length: int) -> None:
     model._previous_max_cache_length = length
 
 
-def tensor_parallel_size(model) -> int:
-    """The number of ranks `model` is sharded over with transformers' tensor parallelism (1 when it is not)."""
-    return getattr(model, "_tp_size", None) or 1
-
-
-def device_mesh(model):
-    """The device mesh of a tensor-parallel `model`, or `None`."""
-    return getattr(model, "_device_mesh", None)
-
-
 def tensor_parallel_group(model) -> "dist.ProcessGroup | None":
     """
     The process group of `model`'s tensor-parallel ranks, or `None` when `model` is not sharded with tensor parallelism
     (`tp_size` of 1 or unset) or no process group is initialized.
     """
     module = torch_api.unwrap(model)  # the `torch.compile(model)` wrapper
-    if tensor_parallel_size(module) <= 1:
+    if (getattr(module, "_tp_size", None) or 1) <= 1:
         return None
     if not dist.is_available() or not dist.is_initialized():
         return None
-    mesh = device_mesh(module)
+    mesh = getattr(module, "_device_mesh", None)
     if mesh is None:
         return dist.group.WORLD
     names = mesh.mesh_dim_names or ()
@@ -128,10 +114,7 @@ CACHE_KWARGS = ("cache", "past_key_values", "cache_params")
 
 
 def cache_argument(kwargs: dict) -> tuple[str | None, object]:
-    """
-    `(name, value)` of the cache a call's keyword arguments pass (to `generate` or a forward, or in what `generate`
-    returns): the first of `CACHE_KWARGS` that is set, whatever it holds. `(None, None)` when none is.
-    """
+    """`(name, value)` of the first of `CACHE_KWARGS` set in a call's keyword arguments, or `(None, None)`."""
     return next(((key, kwargs[key]) for key in CACHE_KWARGS if kwargs.get(key) is not None), (None, None))
 
 
@@ -154,9 +137,8 @@ def cache_rows(cache) -> int | None:
 
 def holds_only_recurrent_layers(cache) -> bool:
     """
-    Whether every layer of `cache` is recurrent (linear attention: Mamba's cache), holding a state and no keys. Read
-    from the layers as transformers 5.24 reads `is_linear`: 5.17's also counts a layer that holds a static attention
-    layer's keys beside its state (`LinearAttentionAndStaticFullAttentionLayer`: Falcon-H1, Zamba2, Inkling).
+    Whether every layer of `cache` is recurrent (Mamba's cache), holding a state and no keys. Read from the layers too:
+    5.17's `is_linear` also counts a layer with attention keys beside its state (Falcon-H1, Zamba2, Inkling).
     """
     is_linear = getattr(cache, "is_linear", None)
     if not (bool(is_linear) and all(is_linear)):
@@ -166,8 +148,8 @@ def holds_only_recurrent_layers(cache) -> bool:
 
 def uncount_recurrent_tokens(cache, tokens: int) -> None:
     """
-    Takes `tokens` off the count of a cache of only recurrent layers (transformers 5.25's `cumulative_length_linear`;
-    before, such layers count none): the count upstream slices a later turn's ids by. Their state holds no positions.
+    Takes `tokens` off the count of a cache of only recurrent layers (5.25's `cumulative_length_linear`; before, they
+    count none): the count upstream slices a later turn's ids by.
     """
     if tokens and holds_only_recurrent_layers(cache):
         for layer in cache.layers:
@@ -177,10 +159,7 @@ def uncount_recurrent_tokens(cache, tokens: int) -> None:
 
 
 def reports_its_length(cache) -> bool:
-    """
-    Whether `cache.get_seq_length()` answers, as upstream's chunked prefill asks it: a cache of only recurrent layers
-    raises before transformers 5.25 (its layers count no tokens), and `None` is no cache.
-    """
+    """Whether `cache.get_seq_length()` answers (a cache of only recurrent layers raises before transformers 5.25)."""
     return cache is not None and (not holds_only_recurrent_layers(cache) or cache_seq_length(cache) is not None)
 
 
@@ -204,10 +183,8 @@ def lazy_static_cache(model, max_cache_len: int):
 
 def counts_by_a_recurrent_layer(model) -> bool:
     """
-    Whether the static cache `generate` makes for `model` says how many tokens it holds (`get_seq_length`) by its
-    first layer, a recurrent one (transformers 5.25; 5.24 reads its first attention layer instead): that layer counts
-    only what the model writes to it through the cache. Asked of a throwaway lazy cache, whose first layer's count is
-    set to 1.
+    Whether the static cache `generate` makes for `model` counts its tokens (`get_seq_length`) by its first layer, a
+    recurrent one (transformers 5.25), which counts only what the model writes to it. Asked of a throwaway lazy cache.
     """
     try:
         cache = lazy_static_cache(model, 1)
@@ -222,8 +199,7 @@ def counts_by_a_recurrent_layer(model) -> bool:
 
 
 def slot_layers(cache) -> list:
-    """A static cache's layers that hold tokens in slots: not a hybrid model's linear-attention layers (Qwen3-Next,
-    Jamba, RecurrentGemma, ...), which keep a state of fixed size."""
+    """A static cache's layers that hold tokens in slots (not linear-attention layers, whose state has a fixed size)."""
     return [layer for layer in cache.layers if hasattr(layer, "max_cache_len")]
 
 
@@ -239,18 +215,16 @@ def sliding_window_slots(layer) -> int | None:
 
 def holds_static_storage(layer) -> bool:
     """
-    Whether `layer` keeps its tokens in the `keys` and `values` tensors `StaticLayer.lazy_initialization` allocates
-    (`[rows, heads, max_cache_len, head_dim]`): a full-attention or sliding-window static layer, windowed or a ring
-    while a call runs, and not a layer with state of another shape (linear attention).
+    Whether `layer` keeps its tokens in the `[rows, heads, max_cache_len, head_dim]` keys and values that
+    `StaticLayer.lazy_initialization` allocates (full-attention or sliding-window static layers, not linear attention).
     """
     return getattr(type(layer), "lazy_initialization", None) is StaticLayer.lazy_initialization
 
 
 def reset_slots(cache, slots: int) -> None:
     """
-    Upstream's reset of a static cache it reuses (each layer's `reset`: its keys and values zeroed, its length counters
-    back to 0), on the first `slots` slots of each layer's keys and values only: the slots after them hold zeros
-    already. The tensors stay where they are (static addresses, which CUDA graphs read where they were recorded).
+    Upstream's reset of a static cache it reuses (each layer's `reset`), on the first `slots` slots only: the others
+    hold zeros already. The tensors stay where they are (CUDA graphs read static addresses).
     """
     for layer in cache.layers:
         keys, values = layer.keys, layer.values
@@ -263,10 +237,7 @@ def reset_slots(cache, slots: int) -> None:
 
 
 def set_static_cache_length(cache, length: int) -> None:
-    """
-    Every layer of a static cache now holds `length` tokens (the slots written after them are pads that the next
-    tokens overwrite before any query sees them). In place: the compiled graphs read the length's static address.
-    """
+    """Every layer of a static cache now holds `length` tokens (the pad slots after them are overwritten), in place."""
     for layer in cache.layers:
         if not hasattr(layer, "cumulative_length"):
             raise RuntimeError(
@@ -285,10 +256,9 @@ def _empty_query_offset(layer_idx: int = 0) -> int:
 @contextlib.contextmanager
 def reports_empty(cache):
     """
-    While an empty, early-initialized static cache is prefilled, it reports its query offset as the int 0, as a lazily
-    initialized cache does. It reports a 0-d tensor otherwise, which a compiled mask function can't read as 0: it then
-    builds a 4D mask in the graph, where upstream's unpadded prefill runs SDPA with `is_causal` and no mask. One
-    module-level function, so dynamo sees the same object on every call (no recompile).
+    While an empty, early-initialized static cache is prefilled, it reports its query offset as the int 0, as a lazy one
+    does: a 0-d tensor would make a compiled mask function build a 4D mask where upstream runs SDPA with `is_causal`.
+    One module-level function, so dynamo sees the same object on every call.
     """
     cache.__dict__["get_query_offset"] = _empty_query_offset
     try:
@@ -299,13 +269,9 @@ def reports_empty(cache):
 
 def line_up_output_capture_registry(model) -> None:
     """
-    Puts the entries of `model`'s classes first, sorted, in transformers' registry of what each model class can record
-    (`output_capturing._CAN_RECORD_REGISTRY`, keyed by class name, in the order classes were first built). A traced
-    forward reads its class's entry by its position among the registry's keys, and torch rebuilds that position when
-    it loads an ahead-of-time compiled graph: a graph traced in a process that had built other model classes first
-    indexed past the end of a replica's registry, and could not be loaded. Lined up in both processes, the position
-    is the same. Changes nothing where the entries are first already (a process with one model), or on a transformers
-    without the registry. Reordering a dict keyed by name changes no lookup.
+    Puts the entries of `model`'s classes first, sorted, in `output_capturing._CAN_RECORD_REGISTRY`. A traced forward
+    reads its class's entry by its position among the keys, so an ahead-of-time compiled graph loads in a replica only
+    where the position is the same. Reordering a dict keyed by name changes no lookup.
     """
     registry = getattr(_output_capturing, "_CAN_RECORD_REGISTRY", None)
     if not isinstance(registry, dict):
@@ -322,9 +288,8 @@ def line_up_output_capture_registry(model) -> None:
 
 # What a model says of itself: its forward's parameters, its vocabulary, its positions.
 
-# The parameters of each function a call asks about (a forward, a logits processor's `__call__`), read once: bound
-# methods by their function (a bound method is new on every lookup, its function is not; its signature has no `self`),
-# other callables by themselves.
+# The parameters of each function asked about, read once: bound methods by their function (a bound method is new on
+# every lookup; its signature has no `self`), other callables by themselves.
 _BOUND_PARAMETERS: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
 _PARAMETERS: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
 
@@ -362,9 +327,8 @@ _GENERATION_TOKEN_FIELDS = ("pad_token_id", "bos_token_id", "eos_token_id")
 
 def reserved_token_ids(config) -> frozenset[int]:
     """
-    The ids a model's config, and the configs nested in it, give another job than padding: every `*_token_id`,
-    `*_token_index` and `*_token_ids` but pad, bos and eos (multimodal placeholders such as `image_token_id`, whose
-    count in the ids the forward checks against its image features, and their start and end markers).
+    The ids a model's config and its nested configs give another job than padding: every `*_token_id`,
+    `*_token_index` and `*_token_ids` but pad, bos and eos (multimodal placeholders such as `image_token_id`).
     """
     reserved, configs = set(), [config]
     while configs:
@@ -393,10 +357,8 @@ _TEXT_CONFIG_NAMES = ("text_encoder", "decoder", "generator", "text_config")
 
 def _may_nest_a_text_config(config) -> bool:
     """
-    Whether `config.get_text_config()` may return another config than `config`: a composite config (`sub_configs`),
-    one that has, sets or aliases an attribute it looks under, or a class with a `get_text_config` of its own. Asked of
-    the class and the instance's own attributes, a tenth of asking `get_text_config` (which looks each name up through
-    the config's attribute hooks).
+    Whether `config.get_text_config()` may return another config than `config` (a composite config, one with an
+    attribute it looks under, or its own `get_text_config`): a tenth of the cost of asking it.
     """
     config_class = type(config)
     if getattr(config_class, "sub_configs", None):

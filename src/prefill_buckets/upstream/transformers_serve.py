@@ -1,9 +1,5 @@
-"""`transformers serve`'s private places, which `prefill-buckets serve` (`serving.py`, `serving_loads.py`) hooks: its
-`Serve` command, and where it loads the models it serves (the server's process through transformers 5.24, a process
-of each model's own from 5.25) and what that process does once a model is loaded.
-
-The others import `transformers.cli` when called, which needs the `serving` extra: `serve_unavailable` says whether it
-is installed.
+"""`transformers serve`'s private places, which `prefill-buckets serve` (`serving.py`, `serving_loads.py`) hooks. All
+but `serve_unavailable` import `transformers.cli`, which needs the `serving` extra.
 """
 
 
@@ -30,10 +26,7 @@ def serve_command():
 
 
 def serve_model_manager():
-    """
-    The class whose `load_model_and_processor` loads the models `transformers serve` serves, in the server's process
-    (transformers 5.17 to 5.24), or `None`.
-    """
+    """The class whose `load_model_and_processor` loads served models in the server's process (5.17 to 5.24), or `None`."""
     from transformers.cli.serving.model_manager import ModelManager
 
     return ModelManager if hasattr(ModelManager, "load_model_and_processor") else None
@@ -41,9 +34,8 @@ def serve_model_manager():
 
 def serve_model_process():
     """
-    The class whose static `start_process(model, loader, ...)` starts a served model's process of its own and hands it
-    `loader`, which loads the model there with `loader.load_model_and_processor(model_id, on_progress=...)`
-    (transformers 5.25: `EngineClient`, the process spawned), or `None`.
+    The class whose static `start_process(model, loader, ...)` spawns a served model's own process, where `loader`
+    loads it (transformers 5.25: `EngineClient`), or `None`.
     """
     from transformers.cli.serving import model_manager
 
@@ -53,9 +45,8 @@ def serve_model_process():
 
 def serve_threads_rule():
     """
-    What a served model's process does to torch's threads once its model is loaded, called with the model's device
-    (transformers 5.25: `set_torch_threads_for_serving`, one thread for a model on an accelerator), or `None`. Dynamo
-    guards every graph on the thread count, so a warm-up must run after it.
+    What a served model's process does to torch's threads once it is loaded, called with the model's device
+    (transformers 5.25: `set_torch_threads_for_serving`), or `None`. Dynamo guards graphs on the thread count.
     """
     from transformers.cli.serving import utils
 
