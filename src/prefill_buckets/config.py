@@ -1,8 +1,4 @@
-"""The `GenerationConfig` fields this project adds: names, defaults, documentation and validation.
-
-Kept free of any patching: `patch.py` installs these into transformers' `GenerationConfig`, and the functional
-`generate` reads them from any config or keyword arguments.
-"""
+"""The `GenerationConfig` fields this project adds: names, documentation and validation (`patch.py` installs them)."""
 
 from typing import Any
 
@@ -56,23 +52,6 @@ FIELD_DOCS = """
 """
 
 
-def validate_prefill_buckets(value: Any, field: str = PREFILL_BUCKETS) -> None:
-    """Raises `ValueError` unless `value` is `None`, a known policy name, or a strictly increasing list of positive ints."""
-    validate_buckets(value, field, example="[1, 2, 4, 8]" if field == PREFILL_BATCH_BUCKETS else "[64, 256, 1024]")
-
-
-def validate_prefill_padding_side(value: Any) -> None:
-    """Raises `ValueError` unless `value` is `None` or one of `PADDING_SIDES`."""
-    if value is not None and value not in PADDING_SIDES:
-        raise ValueError(f"`{PREFILL_PADDING_SIDE}` must be one of {PADDING_SIDES} or None, but is {value!r}.")
-
-
-def padding_side_from_fields(prefill_padding_side: Any = None, **_) -> str:
-    """The validated padding side: `"auto"`, `"left"` or `"right"` (`None` is `"auto"`)."""
-    validate_prefill_padding_side(prefill_padding_side)
-    return prefill_padding_side or "auto"
-
-
 def validate_fields(
     prefill_pad_to_multiple_of: Any = None,
     prefill_buckets: Any = None,
@@ -80,10 +59,13 @@ def validate_fields(
     prefill_padding_side: Any = None,
 ) -> None:
     """Validates the fields; raises `ValueError` naming the field, the value and what is valid."""
-    validate_prefill_padding_side(prefill_padding_side)
+    if prefill_padding_side is not None and prefill_padding_side not in PADDING_SIDES:
+        raise ValueError(
+            f"`{PREFILL_PADDING_SIDE}` must be one of {PADDING_SIDES} or None, but is {prefill_padding_side!r}."
+        )
     validate_pad_to_multiple_of(prefill_pad_to_multiple_of, PREFILL_PAD_TO_MULTIPLE_OF)
-    validate_prefill_buckets(prefill_buckets)
-    validate_prefill_buckets(prefill_batch_buckets, field=PREFILL_BATCH_BUCKETS)
+    validate_buckets(prefill_buckets, PREFILL_BUCKETS)
+    validate_buckets(prefill_batch_buckets, PREFILL_BATCH_BUCKETS, example="[1, 2, 4, 8]")
 
 
 def policy_from_fields(
@@ -93,8 +75,8 @@ def policy_from_fields(
     prefill_padding_side: Any = None,
 ) -> BucketPolicy | None:
     """
-    The validated `BucketPolicy` for the prompt length, or `None` when no field is set (plain upstream generate).
-    With only `prefill_batch_buckets` set, prompt lengths are kept (an alignment of 1).
+    Validates every field, and returns the `BucketPolicy` for the prompt length, or `None` when no field is set (plain
+    upstream generate). With only `prefill_batch_buckets` set, prompt lengths are kept (an alignment of 1).
     """
     validate_fields(prefill_pad_to_multiple_of, prefill_buckets, prefill_batch_buckets, prefill_padding_side)
     if prefill_pad_to_multiple_of is None and prefill_buckets is None:
@@ -103,6 +85,10 @@ def policy_from_fields(
 
 
 def batch_policy_from_fields(prefill_batch_buckets: Any = None, **_) -> BucketPolicy | None:
-    """The validated `BucketPolicy` for the batch size, or `None` when `prefill_batch_buckets` is not set."""
-    validate_prefill_buckets(prefill_batch_buckets, field=PREFILL_BATCH_BUCKETS)
+    """The `BucketPolicy` for the batch size, or `None`; the fields are validated by `policy_from_fields`."""
     return None if prefill_batch_buckets is None else BucketPolicy(buckets=prefill_batch_buckets)
+
+
+def padding_side_from_fields(prefill_padding_side: Any = None, **_) -> str:
+    """The padding side, `None` being `"auto"`; the fields are validated by `policy_from_fields`."""
+    return prefill_padding_side or "auto"
