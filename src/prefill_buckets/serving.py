@@ -1,18 +1,9 @@
 """`prefill-buckets serve MODEL ...`: transformers' own OpenAI-compatible server, with bucketed, precompiled generate.
 
-The server is upstream's `transformers serve` (its `Serve` command, FastAPI and uvicorn, every route and option of
-its own), started on a model this module prepares before the first request:
-
-1. `enable()`, so every request's `generate` is the bucketed one;
-2. the bucket fields and a static cache on the model's generation config, which each request's settings go on top of
-   (a request that sends its own `generation_config` with bucket fields keeps them; one without takes the model's, as
-   a bucketed `generate` does);
-3. the forward compiled (`aot_forward` by default, whose graphs a compile cache file carries whole);
-4. with `--precompile`, every bucket's graphs compiled before the server answers (`precompile`), and with
-   `--compile-cache FILE`, the graphs loaded from the file, or saved to it after precompiling.
-
-The model is prepared where upstream loads it (`serving_loads.py`), so the server is ready only once the warm-up is
-done. Requests then run upstream's path: one `model.generate` at a time, on upstream's inference thread.
+The server is upstream's `transformers serve`, started on a model this module prepares where upstream loads it
+(`serving_loads.py`), before the first request: `enable()`, the bucket fields and a static cache on its generation
+config, the forward compiled, and with `--precompile` every bucket's graphs compiled (or loaded from
+`--compile-cache`). See the usage reference's "Serving".
 """
 
 import argparse
@@ -195,15 +186,7 @@ def served_buckets(model, options: ServeOptions) -> "str | list[int]":
     if options.max_prompt is None:
         return options.buckets
     policy = BucketPolicy(buckets=options.buckets)
-    lengths = sorted(set(bucket_lengths(policy, options.max_prompt, max_positions(model))))
-    return lengths
-
-
-def request_config(model, options: ServeOptions):
-    """What a request that sends no `generation_config` gets, with `max_tokens` at the served maximum."""
-    config = copy.deepcopy(model.generation_config)
-    config.max_new_tokens = options.max_new_tokens
-    return config
+    return sorted(set(bucket_lengths(policy, options.max_prompt, max_positions(model))))
 
 
 def prepare_model(model, options: ServeOptions, processor=None) -> WarmUp:
@@ -226,16 +209,18 @@ def prepare_model(model, options: ServeOptions, processor=None) -> WarmUp:
         warm.cache_loaded = load_compile_cache(path)  # before the first compile; a bad file logs why, loads nothing
     if options.compile_with == "aot":
         model.forward = aot_forward(model, backend=options.backend)
-    elif options.compile_with == "model":
-        model.compile(
-            backend=options.backend
-        )  # dynamic=None: the prefill's length symbolic, one graph for every bucket
+    elif options.compile_with == "model":  # dynamic=None: the prefill's length symbolic, one graph for every bucket
+        model.compile(backend=options.backend)
     elif options.compile_with == "static":
         model.compile(backend=options.backend, dynamic=False)
     if options.precompile:
+        request = copy.deepcopy(
+            model.generation_config
+        )  # what a request without `generation_config` gets, at the served maximum
+        request.max_new_tokens = options.max_new_tokens
         precompile(
             model,
-            request_config(model, options),
+            request,
             max_prompt_length=options.max_prompt,
             progress=options.progress,
             generate_kwargs={"tokenizer": processor} if processor is not None else None,
@@ -273,9 +258,8 @@ def refused_serve_args(serve_args) -> str | None:
 
 def serve_problem(serve_args) -> "tuple[type[Exception], str] | None":
     """
-    Why this command can't serve here, bucketed, with `serve_args` passed on, as the error `serve` raises and its
-    message (the CLI's usage error): no `serving` extra (`ImportError`), a server it can't prepare (`RuntimeError`), an
-    option it can't serve bucketed (`ValueError`); `None` when it can.
+    Why this command can't serve here with `serve_args`, as `(error class, message)`: no `serving` extra
+    (`ImportError`), a server it can't prepare (`RuntimeError`), an option it can't serve bucketed (`ValueError`).
     """
     for error_class, why in (  # in this order: the server's module can't be read without the extra
         (ImportError, transformers_serve.serve_unavailable),
@@ -292,11 +276,9 @@ def serve(model: str, options: ServeOptions, serve_args: list[str] = (), report=
     """
     Runs `transformers serve MODEL serve_args...` with `model` prepared by `prepare_model`, then `report(model, warm)`
     called (by default, it prints the ready line). Blocks until the server stops, unless `serve_args` hold
-    `--non-blocking` (upstream's option for tests, through transformers 5.24): then it returns upstream's `Serve`,
-    running (stop it with `kill_server()`). From transformers 5.25 the model is prepared and `report` called in the
-    model's own process, so `report` and a callable `options.backend` must pickle. Raises `ImportError` without the
-    `serving` extra, `RuntimeError` on a server this command can't prepare, and `ValueError` for an option it can't serve
-    bucketed (all three: `serve_problem`) or what can't be pickled.
+    `--non-blocking` (through transformers 5.24: then it returns upstream's running `Serve`). From transformers 5.25 the
+    model is prepared in its own process, so `report` and a callable `options.backend` must pickle. Raises what
+    `serve_problem` says, and `ValueError` for what can't be pickled.
     """
     problem = serve_problem(serve_args)
     if problem is not None:

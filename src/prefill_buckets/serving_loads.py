@@ -1,13 +1,6 @@
-"""Where `transformers serve` loads the models it serves, and the hooks that prepare each one there, before it serves.
-
-- transformers 5.17 to 5.24 load them in the server's process, with `ModelManager.load_model_and_processor`:
-  `prepared_loads` wraps that method while the server is built.
-- transformers 5.25 loads each in a process of its own, which `EngineClient.start_process` spawns and hands the
-  server's loader: `wrapped_process_loaders` hands it a `PreparingLoader` around that loader instead, pickled into the
-  process with what prepares the model, so the warm-up runs there, before the process says the model is loaded.
-
-`prepared(prepare, report)` picks the one this transformers needs; `unsupported_server` says why neither applies.
-`prepare(model, processor=processor)` prepares a loaded model and returns what to `report(model, ...)`.
+"""Where `transformers serve` loads the models it serves, and the hooks that prepare each one there, before it serves:
+in the server's process through transformers 5.24 (`prepared_loads`), in a process of each model's own from 5.25
+(`wrapped_process_loaders`, with a pickled `PreparingLoader`). `prepared(prepare, report)` picks the one that applies.
 """
 
 import contextlib
@@ -37,8 +30,8 @@ def unsupported_server() -> str | None:
 
 def prepared(prepare: Callable, report: Callable):
     """
-    The context in which the models this transformers' server loads are prepared and reported. Raises `ValueError`
-    where they load in a process of their own and `prepare` or `report` can't be pickled to go there.
+    The context in which the models the server loads are prepared (`prepare(model, processor=...)`) and reported.
+    Raises `ValueError` where they load in a process of their own and `prepare` or `report` can't be pickled.
     """
     if transformers_serve.serve_model_manager() is not None:
         return prepared_loads(prepare, report)
@@ -56,11 +49,7 @@ def prepared(prepare: Callable, report: Callable):
 
 @contextlib.contextmanager
 def prepared_loads(prepare: Callable, report: Callable):
-    """
-    While open, every model upstream's server loads is prepared before it serves: the first time
-    `ModelManager.load_model_and_processor` returns it (for the served MODEL, while upstream's `Serve` is built, before
-    the server listens).
-    """
+    """While open, every model `ModelManager.load_model_and_processor` returns is prepared, once, before it serves."""
     manager = transformers_serve.serve_model_manager()
     load = manager.load_model_and_processor
     done = weakref.WeakSet()
@@ -84,10 +73,7 @@ def prepared_loads(prepare: Callable, report: Callable):
 
 @dataclass
 class PreparingLoader:
-    """
-    Upstream's model loader (transformers 5.25: `ModelLoader`), whose every model is prepared once loaded, and then
-    reported: in the model's own process, which gets this loader pickled, `prepare` and `report` with it.
-    """
+    """Upstream's model loader (5.25: `ModelLoader`), whose models are prepared and reported in their own process."""
 
     loader: object
     prepare: Callable
@@ -106,11 +92,7 @@ class PreparingLoader:
 
 @contextlib.contextmanager
 def wrapped_process_loaders(wrap: Callable):
-    """
-    While open, `EngineClient.start_process` (transformers 5.25) hands each model's process `wrap(loader)` in place
-    of the server's `loader`: an object with the loader's `load_model_and_processor(model_id, on_progress=None)`,
-    pickled into that process, where it runs.
-    """
+    """While open, `EngineClient.start_process` (5.25) hands each model's process `wrap(loader)` instead of `loader`."""
     engine_client = transformers_serve.serve_model_process()
     start_process = vars(engine_client)["start_process"]  # the staticmethod itself, put back as it was
 
