@@ -1,19 +1,11 @@
 """Bucketed prefill for 🤗 Transformers `generate`: a bounded number of compiled graphs for any prompt length.
 
-Where things are, from the bottom floor up: a module imports from its own floor and those below
-(`tests/generation/test_imports.py` checks it for `upstream/`).
-
-- the coupling to upstream: `upstream/` (every private torch and transformers name, the version gate, the self-test;
-  its `__init__` lists its modules), which imports nothing of the package above it;
-- what the call path stands on: `config.py` (the `GenerationConfig` fields), `buckets.py` (bucketing as data),
-  `state.py` (what is kept between calls), `distributed.py` (tensor parallelism), `forgotten_enable.py`, and
-  `compile/compiled_calls.py` (the user's compiled forward as a call runs it, and `GraphCounter`);
-- the call path, a module per step of one bucketed `generate` call: `call/` (its `__init__` lists them in order);
-- the compile tooling, which runs or reads the call path: `compile/` (`precompile`, `aot_forward`, the compile cache;
-  its `__init__` lists its modules);
-- the user's API and the command line: `patch.py` (`enable()`), `custom_generate.py`, `cli.py`
-  (`python -m prefill_buckets`), `benchmark/`, `env.py`, `serving.py` (`serve`: transformers serve with bucketed
-  generate; `serving_loads.py`: where upstream's server loads each model), `testing_utils.py`.
+The package's floors, from the bottom up (a module imports from its own floor and those below; `test_imports.py`
+checks it): `upstream/` (every private torch and transformers name, the version gate, the self-test); what the call
+path stands on (`config.py`, `buckets.py`, `state.py`, `distributed.py`, `forgotten_enable.py`,
+`compile/compiled_calls.py`); the call path, a module per step of one bucketed `generate` call (`call/`); the compile
+tooling (`compile/`); and the user's API and command line (`patch.py`, `custom_generate.py`, `cli.py`, `benchmark/`,
+`env.py`, `serving.py` with `serving_loads.py`, `testing_utils.py`).
 """
 
 from .buckets import BucketPolicy, WasteReport, padding_waste, suggest_buckets

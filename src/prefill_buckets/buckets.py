@@ -1,22 +1,9 @@
-"""Bucket policies: the padded length a prompt of a given length gets.
+"""Bucket policies: the padded length a prompt of a given length gets. Pure integer arithmetic, no torch.
 
-Pure integer arithmetic, no torch and no transformers: every rule about *which* length a prompt is padded to lives
-here, so it can be read (and tested) on its own.
-
-The rule, in one place:
-
-1. `pad_to_multiple_of` aligns the buckets: each is rounded up to a multiple of it (a named set, `NAMED_BUCKETS`:
-   each of its lengths).
-2. A prompt is padded to the smallest aligned bucket that holds it.
-3. A prompt longer than every aligned bucket of a list is padded to the next multiple of `pad_to_multiple_of` when it
-   is set, else of the largest bucket. With `pad_to_multiple_of` alone, a prompt is padded to its next multiple.
-
-So `buckets="pow2", pad_to_multiple_of=64` gives 64, 64, ..., 64, 128, 256, ...: powers of two with a floor of 64,
-and `buckets=[5, 10], pad_to_multiple_of=4` gives 8 for prompts of 1 to 8 tokens and 12 for 9 to 12. A padded length
-is its own bucket (`bucket(bucket(n)) == bucket(n)`), so a prompt that already fits one is not padded further.
-
-`BucketPolicy.cache_length` is the geometric size (the next power of two, aligned) that `kvcache/sizing.py`'s cache-length
-rule falls back to for a model that states no maximum length; the rule itself lives there.
+The rule, in one place: `pad_to_multiple_of` aligns the buckets (each rounded up to a multiple of it); a prompt is
+padded to the smallest aligned bucket that holds it; a prompt longer than every aligned bucket of a list is padded to
+the next multiple of `pad_to_multiple_of` when it is set, else of the largest bucket. So `buckets="pow2",
+pad_to_multiple_of=64` gives 64, 64, ..., 64, 128, 256, ... A padded length is its own bucket.
 """
 
 import numbers
@@ -26,10 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 
-# The named bucket sets, as data: the lengths of each doubling. `"pow2"`: every power of two (pads up to 2x).
-# `"pow2-quarters"`: every power of two and, from `FINE_FROM` on, the three lengths evenly between it and the next,
-# 4 per doubling like vLLM's capture sizes and the attention windows (`kvcache/windows.py`): 1, 2, 4, 8, 10, 12, 14, 16, 20,
-# 24, ..., 128, 160, 192, 224, 256, 320, ... (pads at most 25% past 8 tokens).
+# The named bucket sets, as the lengths per doubling. `"pow2"`: every power of two (pads up to 2x). `"pow2-quarters"`:
+# from `FINE_FROM` on, 4 per doubling: 1, 2, 4, 8, 10, 12, 14, 16, 20, 24, ... (pads at most 25% past 8 tokens).
 STEPS_PER_DOUBLING = {"pow2": 1, "pow2-quarters": 4}
 NAMED_BUCKETS = tuple(STEPS_PER_DOUBLING)
 FINE_FROM = 8  # below it a finer step would be under 2 tokens: powers of two only
@@ -46,10 +31,7 @@ def next_power_of_two(length: int) -> int:
 
 
 def is_positive_int(value: Any, *, integral: bool = False) -> bool:
-    """
-    Whether `value` is an `int` of at least 1; with `integral`, any `numbers.Integral` (numpy's ints: a sample of
-    lengths). Never a `bool`: it is an `int` subclass, and `True` is not a length.
-    """
+    """Whether `value` is an `int` (with `integral`, any `numbers.Integral`) of at least 1, and not a `bool`."""
     return isinstance(value, numbers.Integral if integral else int) and not isinstance(value, bool) and value > 0
 
 
@@ -79,9 +61,8 @@ def validate_pad_to_multiple_of(value: Any, field: str) -> None:
 
 def validate_buckets(value: Any, field: str, example: str = "[64, 256, 1024]") -> None:
     """
-    Raises `ValueError` naming `field` unless `value` is `None`, a policy name of `NAMED_BUCKETS`, or a strictly
-    increasing list (or tuple) of positive ints. The one check of bucket lengths: `BucketPolicy` and the
-    `GenerationConfig` fields (`config.py`) both run it. `example`: a valid list for this field, said in the error.
+    Raises `ValueError` naming `field` unless `value` is `None`, a name of `NAMED_BUCKETS`, or a strictly increasing
+    list (or tuple) of positive ints; `example` is a valid list, said in the error.
     """
     if value is None:
         return
@@ -201,16 +182,9 @@ def suggest_buckets(lengths: Iterable[int], max_buckets: int = 8, pad_to_multipl
     """
     The bucket lengths that minimise the total number of pad tokens for an observed sample of prompt lengths.
 
-    Every prompt is padded to the smallest bucket that holds it, so the cost of a set of buckets is
-    `sum(bucket(length) - length for length in lengths)`. The answer is exact, not a heuristic: in an optimal set
-    every bucket is an observed length (rounded up to `pad_to_multiple_of` when it is set), and the largest bucket is
-    the longest one, so the distinct values are sorted and split into at most `max_buckets` consecutive groups by
-    dynamic programming, each group padded to its largest value.
-
-    The cost of a group satisfies the quadrangle (Monge) inequality, so the best split point is monotone and each of
-    the `max_buckets` layers of the dynamic program is filled by divide and conquer: `O(n + max_buckets * d log d)`
-    time and `O(max_buckets * d)` memory for `n` lengths with `d` distinct (rounded) values. 100,000 lengths with
-    2,000 distinct values and 8 buckets take about 0.1 s.
+    The answer is exact: in an optimal set every bucket is an observed length (rounded up to `pad_to_multiple_of`),
+    so the distinct values are split into at most `max_buckets` consecutive groups by dynamic programming (divide and
+    conquer on each layer, the cost being Monge): 100,000 lengths with 2,000 distinct values take about 0.1 s.
 
     Args:
         lengths (`Iterable[int]`):

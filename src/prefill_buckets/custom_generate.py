@@ -1,10 +1,5 @@
-"""Bucketing without patching transformers: a model folder whose `generate` is bucketed, through `custom_generate`.
-
-transformers' own extension point: a folder (or Hub repo) holding `custom_generate/generate.py` replaces `generate`.
-`model.generate(..., custom_generate=folder, trust_remote_code=True)` hands every argument to that file's `generate`,
-and a model folder that carries one gets it as its `generate` on `from_pretrained(folder, trust_remote_code=True)`.
-`save_custom_generate` writes such a file, which calls `prefill_buckets.generate`: with the bucket fields saved in
-the folder's `generation_config.json`, the loaded model buckets its prompts with no `enable()` and no code change.
+"""Bucketing without patching transformers: a model folder whose `generate` is bucketed, through transformers' own
+extension point, `custom_generate/generate.py` (`save_custom_generate` writes one that calls `prefill_buckets.generate`).
 """
 
 import json
@@ -45,11 +40,8 @@ def save_custom_generate(save_directory: str | os.PathLike) -> Path:
 
     Either load a model saved there with `from_pretrained(save_directory, trust_remote_code=True)`: its `generate` is
     then bucketed; or pass `custom_generate=save_directory, trust_remote_code=True` to any model's `generate`. Set the
-    bucket fields on the generation config (saved with the model, they apply to every call) or pass them to the call.
-    A generation config that transformers derived from the model config (`_from_model_config` in its JSON) loses
-    fields it does not know when loaded: save a `GenerationConfig` of your own, as in the example.
-    Loading runs the file's code, which is why transformers asks for `trust_remote_code=True`: it only calls this
-    package.
+    bucket fields on a `GenerationConfig` of your own (one derived from the model config loses them when loaded), or
+    pass them to the call.
 
     Args:
         save_directory (`str` or `os.PathLike`):

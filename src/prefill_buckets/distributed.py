@@ -1,24 +1,9 @@
 """Tensor parallelism: the ranks of a sharded model must run `generate` on the same inputs and settings, agree before
-any of them raises, and keep their own compile caches.
+any of them raises, and keep their own compile caches (see the usage reference's "Several devices").
 
-Under transformers' tensor parallelism (`from_pretrained(..., distributed_config=DistributedConfig(tp_plan="auto"))`,
-launched with `torchrun`) every rank holds a shard of each weight and runs the whole of `generate`; the sharded layers
-all-reduce their partial outputs at every forward. Every rank must therefore pass the same call:
-
-- prompts padded to different buckets send all-reduces of different sizes: gloo aborts the process that receives
-  the larger message (`SIGABRT`, "Received data size doesn't match expected size") and its peers fail on the
-  broken connection; NCCL (not tried here) has no such size check: expect a hang until the process group's timeout;
-- different prompts padded to the same bucket (or the same shape with other tokens, or other `inputs_embeds`)
-  all-reduce partial activations of different prompts: no error, and every rank returns the same wrong tokens;
-- other settings (`max_new_tokens`, ...) run a different number of forwards: a rank waits for all-reduces its peers
-  never send;
-- a bad input on one rank (an empty prompt, an id outside the vocabulary) raises there, and its peers wait in the
-  next collective until the process group's timeout.
-
-`ranks_agree` turns all of these into one clear error, the same on every rank, for one all-gather at the start of each
-bucketed call (`generation.generate`): each rank sends a summary of its call (the shape and a fingerprint of the bits
-of every tensor input, the settings) and the error its checks raised, if any. `check_same_inputs_across_ranks` is the
-same check for the inputs alone.
+Ranks that pass different calls break or hang the collectives, or all return the same wrong tokens; a bad input on
+one rank raises there while its peers wait. `ranks_agree` turns all of these into one clear error, the same on every
+rank, for one all-gather at the start of each bucketed call.
 """
 
 import contextlib
@@ -52,10 +37,9 @@ _SAME_CALL_ADVICE = (
 def ranks_agree(model, inputs: dict, settings: dict):
     r"""
     Runs the checks of a call (the body of the `with`) so that the tensor-parallel ranks of `model` agree before any
-    raises: at the end of the block each rank all-gathers its `inputs` and `settings` and the error the block raised,
-    if any. If a rank raised, every rank raises that error (the first rank's, by rank); else if the ranks' calls
-    differ, every rank raises the same `ValueError`, which names what differs. Does nothing more than the block when
-    `model` is not tensor-parallel. Every rank must enter it at the same point.
+    raises: at the end of the block the ranks all-gather their `inputs`, `settings` and errors. If a rank raised, every
+    rank raises the first rank's error; else if the calls differ, every rank raises the same `ValueError`, naming what
+    differs. Does nothing more when `model` is not tensor-parallel. Every rank must enter it at the same point.
 
     Args:
         model ([`PreTrainedModel`]):
@@ -86,8 +70,7 @@ def ranks_agree(model, inputs: dict, settings: dict):
 def generate_call(model, arguments: dict, model_kwargs: dict, field_kwargs: dict) -> tuple[dict, dict]:
     """
     The `inputs` and `settings` of a `generate` call for `ranks_agree`: every tensor argument (the prompt as
-    `input_ids`), and everything else that shapes the call: the generation config (the model's when none is passed),
-    the other arguments and keyword arguments (a streamer excepted), the bucket fields.
+    `input_ids`), and everything else that shapes the call (the generation config, the model's when none is passed).
     """
     inputs = {"input_ids": None, "inputs_embeds": None, "attention_mask": None}
     settings = {}
@@ -109,10 +92,8 @@ def check_same_inputs_across_ranks(model, **inputs: torch.Tensor | None) -> None
     Raises the same `ValueError` on every tensor-parallel rank of `model` when the ranks were not given the same
     `inputs`; does nothing when `model` is not tensor-parallel (see `transformers_api.tensor_parallel_group`).
 
-    Every rank must call it at the same point, with the same input names (the shapes and values are what is checked):
-    it runs one all-gather of a summary per input over the tensor-parallel group: its shape, and a position-weighted
-    sum of its values' bits (integer and floating-point tensors alike, so `inputs_embeds` are compared too). A bucketed
-    `generate` runs this check itself, with its settings (`ranks_agree`).
+    Every rank must call it at the same point, with the same input names: one all-gather of each input's shape and a
+    fingerprint of its values' bits. A bucketed `generate` runs this check itself, with its settings (`ranks_agree`).
 
     Args:
         model ([`PreTrainedModel`]):
@@ -231,12 +212,8 @@ def _describe(names: list[str], inputs: dict) -> str:
 
 def rank_path(path: str | os.PathLike) -> str:
     r"""
-    The compile cache file of this process: `path` with `{rank}` replaced by its rank in the default process group.
-
-    Each rank compiles (and so saves and loads) its own graphs, so give each its own file:
-    `save_compile_cache(rank_path("cache-{rank}.zip"))`, and in a later launch with the same number of ranks
-    `load_compile_cache(rank_path("cache-{rank}.zip"))`. Without an initialized process group of more than one
-    process, `{rank}` becomes 0.
+    The compile cache file of this process: `path` with `{rank}` replaced by its rank in the default process group (0
+    without one of more than one process). Each rank compiles, saves and loads its own graphs.
 
     Args:
         path (`str` or `os.PathLike`):

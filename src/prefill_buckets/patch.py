@@ -1,16 +1,9 @@
 """`enable()` / `disable()`: install the fields and the bucketed `generate` into transformers, reversibly.
 
-What `enable()` changes, and `disable()` puts back exactly:
-
-- `GenerationConfig.__init__` also takes the fields of `config.FIELDS`: `prefill_pad_to_multiple_of`,
-  `prefill_buckets`, `prefill_batch_buckets` and `prefill_padding_side` (default `None`);
-- `GenerationConfig.validate` also checks them, so a bad value raises at construction, in `update()`, and when it is
-  passed as a `generate` kwarg;
-- `GenerationConfig.__doc__` documents them;
-- `GenerationMixin.generate` is `prefill_buckets.generate`, which is upstream `generate` when no field is set;
-- `OptimizedModule.generate` (the wrapper `torch.compile(model)` returns) is `prefill_buckets.generate` on the
-  wrapper, so that a bucketed call runs the wrapper's compiled forward. Without it the wrapper forwards `generate` to
-  the module it wraps, which runs eagerly; only modules that have a `generate` get one.
+`enable()` makes `GenerationConfig` take, validate and document the fields (`prefill_pad_to_multiple_of`,
+`prefill_buckets`, `prefill_batch_buckets`, `prefill_padding_side`), `GenerationMixin.generate` the bucketed
+`generate`, and `OptimizedModule.generate` the bucketed `generate` on the `torch.compile(model)` wrapper (so a call
+runs the wrapper's compiled forward, not the wrapped module's eager one). `disable()` puts back exactly what it had.
 """
 
 import functools

