@@ -35,9 +35,11 @@ def is_positive_int(value: Any, *, integral: bool = False) -> bool:
     return isinstance(value, numbers.Integral if integral else int) and not isinstance(value, bool) and value > 0
 
 
-def check_positive_int(value: Any, name: str) -> None:
-    """Raises `ValueError` naming the argument `name` unless `value` is a positive `int`."""
-    if not is_positive_int(value):
+def check_positive_int(value: Any, name: str, optional: bool = False) -> None:
+    """Raises `ValueError` naming the argument `name` unless `value` is a positive `int` (or, if `optional`, `None`)."""
+    if optional and value is not None and not is_positive_int(value):
+        raise ValueError(f"`{name}` must be a positive integer (such as 64) or None, but is {value!r}.")
+    if not optional and not is_positive_int(value):
         raise ValueError(f"`{name}` must be a positive integer, but is {value!r}.")
 
 
@@ -51,12 +53,6 @@ def named_bucket_lengths(name: str) -> Iterator[int]:
         for k in range(1, count + 1):
             yield power + k * power // count
         power *= 2
-
-
-def validate_pad_to_multiple_of(value: Any, field: str) -> None:
-    """Raises `ValueError` naming `field` unless `value` is `None` or a positive `int`."""
-    if value is not None and not is_positive_int(value):
-        raise ValueError(f"`{field}` must be a positive integer (such as 64) or None, but is {value!r}.")
 
 
 def validate_buckets(value: Any, field: str, example: str = "[64, 256, 1024]") -> None:
@@ -106,7 +102,7 @@ class BucketPolicy:
         if self.buckets is None and self.pad_to_multiple_of is None:
             raise ValueError("A `BucketPolicy` needs `buckets`, `pad_to_multiple_of`, or both.")
         validate_buckets(self.buckets, "buckets")
-        validate_pad_to_multiple_of(self.pad_to_multiple_of, "pad_to_multiple_of")
+        check_positive_int(self.pad_to_multiple_of, "pad_to_multiple_of", optional=True)
         if isinstance(self.buckets, Sequence) and not isinstance(self.buckets, str):
             object.__setattr__(self, "buckets", tuple(self.buckets))
 

@@ -2,7 +2,7 @@
 
 from typing import Any
 
-from .buckets import BucketPolicy, validate_buckets, validate_pad_to_multiple_of
+from .buckets import BucketPolicy, check_positive_int, validate_buckets
 
 
 PREFILL_PAD_TO_MULTIPLE_OF = "prefill_pad_to_multiple_of"
@@ -63,7 +63,7 @@ def validate_fields(
         raise ValueError(
             f"`{PREFILL_PADDING_SIDE}` must be one of {PADDING_SIDES} or None, but is {prefill_padding_side!r}."
         )
-    validate_pad_to_multiple_of(prefill_pad_to_multiple_of, PREFILL_PAD_TO_MULTIPLE_OF)
+    check_positive_int(prefill_pad_to_multiple_of, PREFILL_PAD_TO_MULTIPLE_OF, optional=True)
     validate_buckets(prefill_buckets, PREFILL_BUCKETS)
     validate_buckets(prefill_batch_buckets, PREFILL_BATCH_BUCKETS, example="[1, 2, 4, 8]")
 

@@ -214,9 +214,8 @@ def prepare_model(model, options: ServeOptions, processor=None) -> WarmUp:
     elif options.compile_with == "static":
         model.compile(backend=options.backend, dynamic=False)
     if options.precompile:
-        request = copy.deepcopy(
-            model.generation_config
-        )  # what a request without `generation_config` gets, at the served maximum
+        # What a request without `generation_config` gets, at the served maximum.
+        request = copy.deepcopy(model.generation_config)
         request.max_new_tokens = options.max_new_tokens
         precompile(
             model,
