@@ -284,9 +284,9 @@ def eager_callable(compiled):
 
 def _aot_compile_enabled():
     """Sets `torch._dynamo.config.enable_aot_compile` where torch has it (off by default before 2.13, on from 2.13)."""
-    config = torch._dynamo.config
-    enabled = getattr(config, "enable_aot_compile", True)
-    return contextlib.nullcontext() if enabled else config.patch(enable_aot_compile=True)
+    if getattr(torch._dynamo.config, "enable_aot_compile", True):
+        return contextlib.nullcontext()
+    return torch._dynamo.config.patch(enable_aot_compile=True)
 
 
 def compile_for_aot(function, **kwargs):

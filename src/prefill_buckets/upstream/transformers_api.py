@@ -20,13 +20,8 @@ from transformers.utils import output_capturing as _output_capturing
 from . import torch_api
 
 
-__all__ = [
-    "ALL_STATIC_CACHE_IMPLEMENTATIONS",
-    "StaticLayer",
-    "StaticSlidingWindowLayer",
-    "UPSTREAM_GENERATE",
-    "UPSTREAM_GENERATE_SIGNATURE",
-]
+# Re-exported for the package's other modules.
+__all__ = ["ALL_STATIC_CACHE_IMPLEMENTATIONS", "StaticLayer", "StaticSlidingWindowLayer"]
 
 # Captured at import, before `enable()` can replace it.
 UPSTREAM_GENERATE = GenerationMixin.generate
