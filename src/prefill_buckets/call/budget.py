@@ -170,15 +170,15 @@ class GraphBudget:
         self.add(rows, ((prompt_length, None),), cache_length, variant=graph_variant())
 
 
-def account_call(plan, rows: int, prefill: int, chunk: int | None, max_cache_length: int, embeds: bool) -> CallGraphs:
+def account_call(plan, chunk: int | None, max_cache_length: int, embeds: bool) -> CallGraphs:
     """
     A bucketed call's graphs, accounted for in its model's budget (`GraphBudget.account`) once its cache is made: one
     per prefill forward's (length, window), the chunks and a shorter last chunk, and one per window the decode steps
     reach. A prompt given as `inputs_embeds` (`embeds`) is another input of the prefill forwards than ids: other
     graphs. Returns what the call expects to compile, for `check_compiled`.
     """
+    rows, prefill, cached = plan.padded_rows, plan.prefill_tokens, plan.call.past_length
     cache_length = plan.run.static_cache_length
-    cached = plan.prompt_slots - prefill
     chunks = [prefill] if chunk is None else [min(chunk, prefill - start) for start in range(0, prefill, chunk)]
     # A shape-generic prefill is one graph for every length (`None`), unless the model's code fixed it.
     generic = plan.run.generic_prefill and not budget_of(plan.model).prefill_specializes
@@ -190,7 +190,7 @@ def account_call(plan, rows: int, prefill: int, chunk: int | None, max_cache_len
         shapes.add((None if generic and length == prefill > 1 else length, window))
     decode_windows = {None}
     if plan.run.reads_windows:  # from the first decode step (at least) to the last
-        first = (plan.prompt_slots if plan.right is None else plan.cached_tokens) + 1
+        first = (plan.prompt_slots if plan.right is None else cached) + 1
         decode_windows = windows_between(first, max(first, max_cache_length), cache_length)
     # On the right, a prefill onto an empty cache reads its query offset as 0 (`prefill_right`): a graph of its own.
     side = "right, onto cached tokens" if plan.right is not None and cached else plan.side
@@ -210,7 +210,7 @@ def account_candidates(plan, generator, max_length: int) -> None:
     if expected is None or drafted < 1:
         return
     windows = windows_between(filled + 2, max(filled + 2, max_length), slots) if plan.run.reads_windows else {None}
-    shapes = {(plan.run.prefill_tokens + k, window_of(plan, filled + k, slots)) for k in range(1, drafted + 1)}
+    shapes = {(plan.prefill_tokens + k, window_of(plan, filled + k, slots)) for k in range(1, drafted + 1)}
     shapes |= {(k + 1, window) for k in range(1, drafted + 1) for window in windows}
     new = [f"[{expected.rows}, {n}] with candidates{_read(w)}" for n, w in sorted(shapes, key=str)]
     with _LIMIT_LOCK:  # `graphs_in_flight` holds this call's own new graphs too

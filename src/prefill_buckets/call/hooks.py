@@ -117,7 +117,7 @@ def _prepare_generated_length(plan, step):
 )
 def _prepare_cache_for_generation(plan, step):
     generation_config, model_kwargs = step["generation_config"], step["model_kwargs"]
-    creates_static = plan.makes_static_cache
+    creates_static = plan.call.makes_static_cache
     if not (creates_static or getattr(passed_cache(model_kwargs), "is_compileable", False)):
         # No static cache: nothing to size or window. Whether the forwards are compiled (by the user, or by upstream for
         # a compileable cache it makes) is known once the cache is.
@@ -151,18 +151,17 @@ def _prepare_cache_for_generation(plan, step):
     )
     if creates_static and plan.run.compiled and cache is not None:
         plan.run.allocated_early = early_initialize(plan.model, cache, rows)
-    # What prefill runs on: the padded prompt, or, continuing from a cache, the tokens it lacks.
-    prefill = plan.right.bucket if plan.right is not None else plan.padded_length - plan.cached_tokens
     # The user's chunks have one length already: a chunked prefill stays static (`generic_prefill` off).
     plan.run.generic_prefill &= generation_config.prefill_chunk_size is None
-    _prefill_through_compiled_call(plan, generation_config, prefill, cache)
-    if plan.run.generic_prefill and plan.cached_tokens == 0:
-        plan.run.query_window_tokens = prefill  # the first forward fills the empty cache: it reads its own slots
+    _prefill_through_compiled_call(plan, generation_config, cache)
+    if plan.run.generic_prefill and plan.call.past_length == 0:
+        # The first forward fills the empty cache: it reads its own slots.
+        plan.run.query_window_tokens = plan.prefill_tokens
     if plan.run.compiled:
         embeds = model_kwargs.get("inputs_embeds") is not None
-        plan.run.prefill_tokens = prefill
+        plan.run.prefill_tokens = plan.prefill_tokens
         plan.run.expected_graphs = account_call(
-            plan, rows, prefill, generation_config.prefill_chunk_size, step["max_cache_length"], embeds
+            plan, generation_config.prefill_chunk_size, step["max_cache_length"], embeds
         )
     plan.run.recompile_limit = torch_api.recompile_limit()
     return result
@@ -178,12 +177,13 @@ def _learn_cache(plan, cache) -> None:
         plan.run.key_layouts = key_layouts(cache)  # read now: the layers' classes change while the call runs
 
 
-def _prefill_through_compiled_call(plan, generation_config, prefill: int, cache) -> None:
+def _prefill_through_compiled_call(plan, generation_config, cache) -> None:
     """
     Upstream compiles decode only and runs prefill eagerly, since prefill shapes are unbounded. Here they are the
-    buckets: one chunk of the padded prompt (`prefill` tokens) sends prefill through the same compiled call, as
+    buckets: one chunk of the padded prompt (`plan.prefill_tokens`) sends prefill through the same compiled call, as
     upstream's chunked prefill (which reads `cache`'s length). Warns when a chunk size set does not divide it.
     """
+    prefill = plan.prefill_tokens
     if (
         plan.run.auto_compile
         and plan.right is None

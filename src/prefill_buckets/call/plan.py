@@ -57,7 +57,8 @@ class CallRun:
 
     recompile_limit: int | None = None  # torch's limit once the call's graphs are accounted for
     expected_graphs: Any = None  # with a compiled forward: what the call expects to compile (`budget.CallGraphs`)
-    prefill_tokens: int = 0  # the tokens its first forward runs: the padded prompt, less those a passed cache holds
+    # The tokens of the prefill it expects to compile (`Plan.prefill_tokens`), once its static cache is made; else 0.
+    prefill_tokens: int = 0
     static_cache_length: int | None = None  # slots of the call's static cache, once it is made
     # Whether upstream compiles the forward itself (`transformers_api.valid_auto_compile`), and whether the call's forwards are
     # compiled at all (that, or the user's compiled forward): decided in the cache step (`None` until then); eager forwards
@@ -100,7 +101,6 @@ class Plan:
     """What one bucketed `generate` call does to its inputs, read by the hooks while the call runs."""
 
     call: ResolvedCall  # the call, as step 1 resolved it: its model, settings, rows and cache are read there
-    prompt_length: int  # tokens in the prompt as the user passed it (their own padding included)
     # Tokens in the prompt upstream `generate` sees: the bucket on the left; on the right the prompt as passed (the
     # `_prefill` hook pads it to `right.bucket`).
     padded_length: int
@@ -119,24 +119,9 @@ class Plan:
         return self.call.settings
 
     @property
-    def batch_size(self) -> int:
-        """The prompts the user passed."""
-        return self.call.rows
-
-    @property
-    def rows(self) -> int:
-        """The output rows the user gets: batch * max(num_beams, num_return_sequences)."""
-        return self.call.output_rows
-
-    @property
-    def cached_tokens(self) -> int:
-        """The tokens the cache passed in holds before the call (0: a cache `generate` makes)."""
-        return self.call.past_length
-
-    @property
-    def makes_static_cache(self) -> bool:
-        """Whether `generate` makes the call a static cache (it passes none)."""
-        return self.call.makes_static_cache
+    def prompt_length(self) -> int:
+        """Tokens in the prompt as the user passed it (their own padding included)."""
+        return self.call.prompt_length
 
     @property
     def side(self) -> str:
@@ -146,7 +131,12 @@ class Plan:
     @property
     def prompt_slots(self) -> int:
         """The cache slots prefill fills: the padded prompt, or on the right the cached tokens plus the bucket."""
-        return self.padded_length if self.right is None else self.cached_tokens + self.right.bucket
+        return self.padded_length if self.right is None else self.call.past_length + self.right.bucket
+
+    @property
+    def prefill_tokens(self) -> int:
+        """The tokens prefill runs: the slots it fills, less those the cache passed in holds."""
+        return self.prompt_slots - self.call.past_length
 
     @property
     def added_positions(self) -> int:
@@ -167,7 +157,7 @@ def plan_call(call: ResolvedCall, side: PaddingSide) -> tuple[Plan, dict, dict]:
         plan, arguments, model_kwargs = _plan_right(call, side)
     else:
         plan, arguments, model_kwargs = _pad_prompt(call, side.padded_length)
-    if side.padded_batch is not None and side.padded_batch > plan.batch_size:
+    if side.padded_batch is not None and side.padded_batch > call.rows:
         plan, arguments, model_kwargs = _pad_rows(plan, arguments, model_kwargs, side.padded_batch)
     if side.finished_rows_pad_id is not None:
         # Dummy rows are finished: fed an id in the vocabulary. The config is the call's own (`hooks.py` hands it on).
@@ -239,7 +229,7 @@ def _pad_prompt(call: ResolvedCall, padded_length: int):
     if streamer is not None and added_id_columns > 0:
         arguments["streamer"] = PromptStrippingStreamer(streamer, added_id_columns)
 
-    return _plan_of(call, prompt_length, padded_length, added_id_columns), arguments, model_kwargs
+    return _plan_of(call, padded_length, added_id_columns), arguments, model_kwargs
 
 
 def _line_up_with_ragged_rows(attention_mask: torch.Tensor, ragged: torch.Tensor) -> torch.Tensor:
@@ -266,24 +256,19 @@ def _plan_right(call: ResolvedCall, side: PaddingSide) -> tuple:
     The plan of a right-padded call: the prompt goes to upstream unpadded, and the `_prefill` hook pads it to
     `side.bucket`. Returns the plan and the call arguments.
     """
-    settings = call.settings
     arguments, model_kwargs = call.arguments, dict(call.model_kwargs)
-    input_ids, inputs_embeds = call.input_ids, call.inputs_embeds
-    if input_ids is None and inputs_embeds is None:  # upstream would start from a lone BOS token: made here, as left
-        input_ids = model_kwargs["input_ids"] = bos_prompt(call.model, settings, model_kwargs)
-    prompt = inputs_embeds if inputs_embeds is not None else input_ids
-    prompt_length = prompt.shape[1]
+    if call.input_ids is None and call.inputs_embeds is None:  # upstream would start from a lone BOS token: as left
+        model_kwargs["input_ids"] = bos_prompt(call.model, call.settings, model_kwargs)
     if call.rows_mask is not None:  # passed, or inferred from pad tokens as upstream infers it
         model_kwargs["attention_mask"] = call.rows_mask
     right = RightPadding(bucket=side.bucket, ragged=call.ragged)
-    return _plan_of(call, prompt_length, prompt_length, 0, right), arguments, model_kwargs
+    return _plan_of(call, call.prompt_length, 0, right), arguments, model_kwargs
 
 
-def _plan_of(call: ResolvedCall, prompt_length: int, padded_length: int, added_id_columns: int, right=None) -> Plan:
+def _plan_of(call: ResolvedCall, padded_length: int, added_id_columns: int, right=None) -> Plan:
     """The plan of `call`, its prompt padded as given, its batch as passed (`_pad_rows` adds dummy rows)."""
     return Plan(
         call,
-        prompt_length=prompt_length,
         padded_length=padded_length,
         added_id_columns=added_id_columns,
         padded_batch=call.rows,
@@ -305,8 +290,7 @@ def _pad_rows(plan: Plan, arguments: dict, model_kwargs: dict, padded_batch: int
         model_kwargs = dict(model_kwargs, input_ids=arguments.pop("inputs"))
     input_ids = model_kwargs.get("input_ids")
     prompt = model_kwargs["inputs_embeds"] if model_kwargs.get("inputs_embeds") is not None else input_ids
-    batch_size = prompt.shape[0]
-    expand = settings.rows_per_prompt
+    batch_size, user_rows = plan.call.rows, plan.call.output_rows  # the user's prompts, and the rows made of them
 
     extra = padded_batch - batch_size
     fill_token_id = settings.fill_token_id
@@ -340,13 +324,13 @@ def _pad_rows(plan: Plan, arguments: dict, model_kwargs: dict, padded_batch: int
             model_kwargs[key] = torch.cat([value, value.new_zeros(shape)], dim=row_dim)
 
     criteria = StoppingCriteriaList(arguments.get("stopping_criteria") or [])
-    criteria.append(DummyRowsFinished(first_dummy_row=batch_size * expand))
+    criteria.append(DummyRowsFinished(first_dummy_row=user_rows))
     arguments = dict(arguments, stopping_criteria=criteria)
-    plan = replace(plan, padded_rows=padded_batch * expand, padded_batch=padded_batch)
+    plan = replace(plan, padded_rows=padded_batch * settings.rows_per_prompt, padded_batch=padded_batch)
     if isinstance(arguments.get("streamer"), PromptStrippingStreamer):
-        arguments["streamer"].rows = batch_size * expand
+        arguments["streamer"].rows = user_rows
     elif arguments.get("streamer") is not None:
-        arguments["streamer"] = PromptStrippingStreamer(arguments["streamer"], 0, rows=batch_size * expand)
+        arguments["streamer"] = PromptStrippingStreamer(arguments["streamer"], 0, rows=user_rows)
     return plan, arguments, model_kwargs
 
 

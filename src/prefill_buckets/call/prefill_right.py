@@ -52,7 +52,7 @@ def prefill_right(plan: Plan, step):
     compiled = plan.run.compiled is not False or is_aot_forward(model)
     if compiled and not all(getattr(layer, "is_initialized", True) for layer in cache.layers):
         plan.run.allocated_early = early_initialize(model, cache, rows)
-    past = plan.cached_tokens  # what a continued conversation holds; 0 for a fresh cache
+    past = plan.call.past_length  # what a continued conversation holds; 0 for a fresh cache
     inputs_embeds = model_kwargs.get("inputs_embeds")
     if past == 0:
         new_tokens = (inputs_embeds if inputs_embeds is not None else input_ids).shape[1]

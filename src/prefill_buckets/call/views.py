@@ -244,8 +244,8 @@ def strip_left(tensor: torch.Tensor, pad: int, dim: int = -1) -> torch.Tensor:
 
 def strip_output(output, plan):
     """Removes the added columns and dummy rows from what `generate` returns (a tensor, or a `ModelOutput`)."""
-    if plan.padded_rows > plan.rows:
-        output = _take_rows(output, plan.rows)
+    if plan.padded_rows > plan.call.output_rows:
+        output = _take_rows(output, plan.call.output_rows)
     if isinstance(output, torch.Tensor):
         return strip_left(output, plan.added_id_columns)
     if not isinstance(output, ModelOutput):
