@@ -129,15 +129,15 @@ def generate(model, *args, **kwargs):
 
     # 7. Mark the cache, passed in or returned, for a call that continues from it; keep one the call made and did not
     # return, for the next call's.
-    returned = _returned_cache(output)
-    passed = passed_cache(prepared.model_kwargs)
-    for cache in (passed, returned if returned is not passed else None):  # often one cache: recorded once
+    returned = passed_cache(output) if isinstance(output, ModelOutput) else None
+    for cache in (call.cache, returned if returned is not call.cache else None):  # often one cache: recorded once
         if cache is not None:
             record_call(cache, plan, prepared.model_kwargs.get("attention_mask"), continues=call.continued is not None)
     made = plan.run.made_cache
     # Allocated before its first forward, or by an eager call's as it would have been: not inside a compiled first
     # forward (the next call's would find it allocated: a graph of its own), nor of a shape upstream did not predict.
-    if made is not None and made is not returned and (plan.run.allocated_early or _eager_as_early(plan, made)):
+    kept = made is not None and made is not returned
+    if kept and (plan.run.allocated_early or (not plan.run.compiled and allocated_as_early(model, made))):
         written = max(plan.run.slots_written, plan.prompt_slots, cache_seq_length(made) or 0)
         keep_cache(model, made, plan.run.made_cache_slots, written)
 
@@ -175,14 +175,6 @@ def _prepare(call: ResolvedCall) -> PreparedCall:
     return PreparedCall(arguments, model_kwargs, plan=plan)
 
 
-def _eager_as_early(plan: Plan, cache) -> bool:
-    return not plan.run.compiled and allocated_as_early(plan.model, cache)
-
-
-def _returned_cache(output):
-    return passed_cache(output) if isinstance(output, ModelOutput) else None
-
-
 def _warn_unbucketed(call: ResolvedCall):
     """
     The advice for a call without buckets: upstream runs unchanged, this only says what it will cost. Returns a
@@ -202,7 +194,7 @@ def _warn_unbucketed(call: ResolvedCall):
     if not isinstance(prompt, torch.Tensor) or prompt.ndim < 2 or not call.static_cache:
         return None
     state = state_of(model)
-    state.unbucketed_prompt_lengths.add(prompt.shape[1])
+    state.unbucketed_prompt_lengths.add(call.prompt_length)
     if len(state.unbucketed_prompt_lengths) == 2:
         logger.warning_once(
             f"The model's forward is compiled ({compiled}) and generates with a static cache, so each new prompt "
@@ -211,11 +203,9 @@ def _warn_unbucketed(call: ResolvedCall):
             f"or `{PREFILL_PAD_TO_MULTIPLE_OF}`, or pad with the tokenizer's `pad_to_multiple_of` and "
             "`padding_side='left'`."
         )
-    rows = call.output_rows
+    rows, length = call.output_rows, call.prompt_length
 
     def record():
-        budget_of(model).account_unbucketed(
-            model, rows, prompt.shape[1], transformers_api.previous_max_cache_length(model)
-        )
+        budget_of(model).account_unbucketed(model, rows, length, transformers_api.previous_max_cache_length(model))
 
     return record

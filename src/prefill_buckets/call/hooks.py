@@ -238,7 +238,7 @@ def prepare_inputs_for_generation(plan, step):
         model_inputs = step.call()
         if plan.right is None:
             _check_mask_passed_on(plan, step["attention_mask"], model_inputs)
-        _before_forward(plan, model_inputs, tokens)
+        _before_forward(plan, model_inputs, tokens, _new_tokens(model_inputs))
         return model_inputs
     attention_mask = step["attention_mask"]
     if attention_mask is None:
@@ -254,15 +254,15 @@ def prepare_inputs_for_generation(plan, step):
     finally:
         _MATERIALIZE_SDPA_MASK.reset(token)
     _check_mask_passed_on(plan, attention_mask, model_inputs)
-    _materialize_recurrent_masks(model_inputs, attention_mask)
-    _before_forward(plan, model_inputs, tokens)
+    new = _new_tokens(model_inputs)
+    _materialize_recurrent_masks(model_inputs, attention_mask, new)
+    _before_forward(plan, model_inputs, tokens, new)
     # Chunked prefill slices per-token inputs out of the whole prompt's: views whose strides depend on the prompt
     # length, which a compiled forward guards on. Fresh copies give every chunk of every prompt one signature.
     for key in PER_TOKEN_KWARGS:
         value = model_inputs.get(key)
         if isinstance(value, torch.Tensor) and value.ndim >= 2 and key != "attention_mask":
             model_inputs[key] = value.clone(memory_format=torch.contiguous_format)
-    new = _new_tokens(model_inputs)
     if plan.run.generic_prefill and new == plan.run.prefill_tokens and new > 1:
         # The forward of the whole prefill: one graph for every bucket (chunks have one length already).
         mark_prefill_dynamic(model_inputs, new, tokens if tokens is not None else new)
@@ -287,9 +287,9 @@ def _check_mask_passed_on(plan, attention_mask, model_inputs: dict) -> None:
         )
 
 
-def _before_forward(plan, model_inputs: dict, tokens: int | None) -> None:
+def _before_forward(plan, model_inputs: dict, tokens: int | None, new: int | None) -> None:
     """
-    Before each forward upstream prepared (`model_inputs`), after which the cache holds `tokens` tokens (`None` for a
+    Before each forward of `new` tokens upstream prepared, after which the cache holds `tokens` tokens (`None` for a
     cache without windows): a 2D mask cut to the window (`mask_to_window`); then, if compiled, torch's recompile limit
     put back to the call's before every prompt forward and the first decode step (upstream lowers it before a chunked
     prefill, on transformers < 5.23), and the window a decode step reads, for the budget (`check_compiled`).
@@ -298,7 +298,7 @@ def _before_forward(plan, model_inputs: dict, tokens: int | None) -> None:
         mask_to_window(plan.run.windowed_cache, model_inputs)
     if plan.run.compiled is False:
         return
-    decode = _new_tokens(model_inputs) == 1
+    decode = new == 1
     if not (decode and plan.run.decoding):
         restore_recompile_limit(plan.run.recompile_limit)
     plan.run.decoding = decode
@@ -308,7 +308,7 @@ def _before_forward(plan, model_inputs: dict, tokens: int | None) -> None:
             mark_decode_static(model_inputs)
 
 
-def _materialize_recurrent_masks(model_inputs: dict, attention_mask) -> None:
+def _materialize_recurrent_masks(model_inputs: dict, attention_mask, new: int | None) -> None:
     """
     A hybrid model's recurrent layers get `None` for an all-ones 2D mask (an exact fit), else the padding mask: two
     graphs per bucket. The all-ones mask gives exact fits their bucket's signature; multiplying by ones changes nothing.
@@ -316,14 +316,11 @@ def _materialize_recurrent_masks(model_inputs: dict, attention_mask) -> None:
     masks = model_inputs.get("attention_mask")
     if not isinstance(masks, dict) or not isinstance(attention_mask, torch.Tensor) or attention_mask.ndim != 2:
         return
-    tokens = model_inputs.get("input_ids")
-    if tokens is None:
-        tokens = model_inputs.get("inputs_embeds")
-    if tokens is None or tokens.shape[1] <= 1:  # decode steps never get a recurrent mask
+    if new is None or new <= 1:  # decode steps never get a recurrent mask
         return
     for key in transformers_api.recurrent_mask_keys():
         if key in masks and masks[key] is None:
-            masks[key] = attention_mask[:, -tokens.shape[1] :].contiguous()
+            masks[key] = attention_mask[:, -new:].contiguous()
 
 
 def _sdpa_mask_skip(original):

@@ -252,8 +252,7 @@ class RuleFacts:
         Why the rows that finish early can't be fed `pad_token_id` (`pad_id_outside_vocabulary`), or `None`: an
         error where a user's row can finish early, one of several, by an eos id in the vocabulary, `stop_strings` or
         stopping criteria."""
-        settings = self.settings
-        rows = self.rows * settings.rows_per_prompt
+        settings, rows = self.settings, self.call.output_rows
         if not self.pad_id_outside_vocabulary or rows <= 1:
             return None
         can_finish_early = [
@@ -296,7 +295,7 @@ def _error_of(check, *args) -> str | None:
     return None
 
 
-def _continued_rows(call: "RuleFacts") -> int | str:
+def _continued_rows(facts: "RuleFacts") -> int | str:
     """
     The rows a call that continues a bucketed call's cache runs with: the cache's. Where the cache holds the rows the
     call that filled it left (its rows, then the dummy rows of `prefill_batch_buckets`), the call passes the rows it
@@ -304,20 +303,17 @@ def _continued_rows(call: "RuleFacts") -> int | str:
     those. Any other count is an error, returned as its message: the rows would not line up (a dummy row's tokens are
     nobody's).
     """
-    continued, expand = call.continued, call.settings.rows_per_prompt  # upstream runs each prompt as `expand` rows
-    held = call.passed.rows if call.passed.rows is not None else continued.padded_rows
-    if held % expand == 0:
-        if held == continued.padded_rows:
-            if call.rows * expand == continued.rows:
-                return held // expand
-        elif call.rows * expand == held:
-            return held // expand
-    dummy_rows = continued.padded_rows - continued.rows if held == continued.padded_rows else 0
+    continued, expand = facts.continued, facts.settings.rows_per_prompt  # upstream runs each prompt as `expand` rows
+    held = facts.passed.rows if facts.passed.rows is not None else continued.padded_rows
+    as_filled = held == continued.padded_rows  # else a selection of them
+    if held % expand == 0 and facts.call.output_rows == (continued.rows if as_filled else held):
+        return held // expand
+    dummy_rows = continued.padded_rows - continued.rows if as_filled else 0
     dummies = f", then {count(dummy_rows, 'dummy row')} of `{PREFILL_BATCH_BUCKETS}`" if dummy_rows else ""
     each = f" of {expand} rows each" if expand > 1 else ""
     return (
         f"The cache passed in holds {held} rows (the {count(held - dummy_rows, 'row')} of the call that filled it"
-        f"{dummies}), but this call has {count(call.rows, 'prompt')}{each}. Continue a cache with the rows that "
+        f"{dummies}), but this call has {count(facts.rows, 'prompt')}{each}. Continue a cache with the rows that "
         "filled it, one prompt each (a returned `sequences`, with your new tokens)."
     )
 

@@ -165,9 +165,12 @@ def plan_call(call: ResolvedCall, side: PaddingSide) -> tuple[Plan, dict, dict]:
     return plan, arguments, model_kwargs
 
 
-def _default_attention_mask(settings: CallSettings, input_ids: torch.Tensor) -> torch.Tensor:
-    """The mask upstream infers when none is passed (`resolved.inferred_mask`), or all ones where it infers none."""
-    mask = inferred_mask(settings, input_ids)
+def _default_attention_mask(call: ResolvedCall, input_ids: torch.Tensor) -> torch.Tensor:
+    """
+    The mask upstream infers for `input_ids` passed without one (`resolved.inferred_mask`; for the prompt the call
+    passes, its `rows_mask`), or all ones where it infers none.
+    """
+    mask = call.rows_mask if input_ids is call.prompt else inferred_mask(call.settings, input_ids)
     return mask if mask is not None else torch.ones(input_ids.shape[:2], dtype=torch.long, device=input_ids.device)
 
 
@@ -188,7 +191,7 @@ def _pad_prompt(call: ResolvedCall, padded_length: int):
     if model_kwargs.get("attention_mask") is None:
         mask_source = input_ids if input_ids is not None and input_ids.shape[1] == prompt_length else None
         if mask_source is not None:
-            model_kwargs["attention_mask"] = _default_attention_mask(settings, mask_source)
+            model_kwargs["attention_mask"] = _default_attention_mask(call, mask_source)
             if mask_source.shape[0] > 1 and not settings.pad_token_is_inferable:
                 # Upstream warns about this itself, but only when no mask is passed: this call passes one.
                 logger.warning_once(

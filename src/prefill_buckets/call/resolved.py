@@ -221,12 +221,32 @@ class ResolvedCall:
         return self.passed.tokens or 0
 
 
+# `generate`'s parameters after `self`, in order, and those that may come by position.
+_SIGNATURE = transformers_api.UPSTREAM_GENERATE_SIGNATURE
+_PARAMETERS = tuple(p for p in _SIGNATURE.parameters.values() if p.kind != p.VAR_KEYWORD)[1:]
+_NAMED = tuple(p.name for p in _PARAMETERS)
+_POSITIONAL = tuple(p.name for p in _PARAMETERS if p.kind == p.POSITIONAL_OR_KEYWORD)
+
+
 def bind_call(model, args: tuple, kwargs: dict) -> tuple[dict, dict, dict]:
     """
     The call's arguments as upstream's `generate` binds them: `(its named parameters that were passed, in their order;
     the rest of the keyword arguments; the bucket fields among them, taken out)`.
     """
-    arguments, model_kwargs = _bind(model, args, kwargs)
+    if len(args) > len(_POSITIONAL) or "self" in kwargs or any(name in kwargs for name in _POSITIONAL[: len(args)]):
+        # What only `inspect` can bind, or must reject, goes through it.
+        arguments = dict(_SIGNATURE.bind(model, *args, **kwargs).arguments)
+        arguments.pop("self")
+        model_kwargs = arguments.pop("kwargs", {})
+    else:
+        passed = dict(zip(_POSITIONAL, args))
+        model_kwargs = {}
+        for name, value in kwargs.items():
+            if name in _NAMED:
+                passed[name] = value
+            else:
+                model_kwargs[name] = value
+        arguments = {name: passed[name] for name in _NAMED if name in passed}
     field_kwargs = {field: model_kwargs.pop(field) for field in FIELDS if field in model_kwargs}
     return arguments, model_kwargs, field_kwargs
 
@@ -264,32 +284,6 @@ def resolve_call(model, wrapper, arguments: dict, model_kwargs: dict, field_kwar
         cache=passed.cache,
         continued=passed.continued,
     )
-
-
-# `generate`'s parameters after `self`, in order, and those that may come by position.
-_SIGNATURE = transformers_api.UPSTREAM_GENERATE_SIGNATURE
-_PARAMETERS = tuple(p for p in _SIGNATURE.parameters.values() if p.kind != p.VAR_KEYWORD)[1:]
-_NAMED = tuple(p.name for p in _PARAMETERS)
-_POSITIONAL = tuple(p.name for p in _PARAMETERS if p.kind == p.POSITIONAL_OR_KEYWORD)
-
-
-def _bind(model, args: tuple, kwargs: dict) -> tuple[dict, dict]:
-    """
-    The call's arguments as upstream's `generate` signature binds them: `(its named parameters that were passed, in
-    their order; the rest of the keyword arguments)`. What only `inspect` can bind, or must reject, goes through it.
-    """
-    if len(args) > len(_POSITIONAL) or "self" in kwargs or any(name in kwargs for name in _POSITIONAL[: len(args)]):
-        arguments = dict(_SIGNATURE.bind(model, *args, **kwargs).arguments)
-        arguments.pop("self")
-        return arguments, arguments.pop("kwargs", {})
-    passed = dict(zip(_POSITIONAL, args))
-    model_kwargs = {}
-    for name, value in kwargs.items():
-        if name in _NAMED:
-            passed[name] = value
-        else:
-            model_kwargs[name] = value
-    return {name: passed[name] for name in _NAMED if name in passed}, model_kwargs
 
 
 def resolve_fields(model, generation_config: GenerationConfig | None, field_kwargs: dict) -> dict[str, Any]:
