@@ -1,25 +1,11 @@
 """`generate` with bucketed prefill: upstream `generate`, on the padded prompt, with the padding stripped again.
 
-Upstream `generate` does all the real work. One bucketed call, in the steps `generate` numbers:
-
-1. Resolve: the call bound as upstream's `generate` binds it, its settings and the cache it passes, read once into a
-   `ResolvedCall` that every later step reads (`resolved.py`).
-2. Check support: the hooked upstream steps exist (`check_upstream`, the version gate).
-3. Decide: the one decision of how the call is padded, left, right or unpadded (with the reason the log names), or a
-   `ValueError` for inputs padding can't serve (`decision.choose_side`, one table of rows, `decision.DECISION`).
-4. Plan: the prompt padded to its bucket and the batch to its batch bucket; a frozen `Plan` says what was added
-   (`plan.plan_call`).
-5. Agree across ranks: steps 1 to 4 run inside `distributed.ranks_agree`, so under tensor parallelism no rank raises
-   alone while the others wait in a collective.
-6. Run upstream `generate`, with the steps that must see through the padding hooked (`hooks.bucketed_call`); what the
-   call learns as it runs goes to `plan.run`.
-7. Mark the cache: a later call that continues from it pads its prompt the same way (`kvcache.record.record_call`);
-   a cache the call made and did not return is kept for the next call's (`kvcache.sizing.keep_cache`), compiled or
-   eager.
-8. Strip: the added columns and rows come off what the user gets back (`views.strip_output`).
-
-A call without bucket fields is upstream `generate`, unchanged; this module only warns when it will recompile. A call
-that can't be bucketed runs as the user made it, after a warning that says why.
+The steps of one bucketed call, as `generate` numbers them: 1. resolve (`resolved.py`); 2. check support
+(`hooks.check_upstream`); 3. decide the padding, or why the call runs unpadded or raises (`decision.choose_side`);
+4. plan it (`plan.plan_call`); 5. agree across ranks (steps 1 to 4 inside `distributed.ranks_agree`); 6. run upstream
+`generate`, hooked (`hooks.bucketed_call`); 7. mark the cache for a call that continues it (`kvcache.record`), and keep
+one the call made (`kvcache.sizing.keep_cache`); 8. strip the padding (`views.strip_output`). A call without bucket
+fields is upstream `generate`, unchanged: this module only warns when it will recompile.
 """
 
 import contextlib

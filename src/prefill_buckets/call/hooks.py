@@ -1,33 +1,20 @@
 """The hooks of a bucketed call on the model instance, and their installation: the steps of upstream `generate` that
-must see through the padding. Each is declared with `@hook` (`hook_registry.py`) where it is written, and listed in
-`HOOKS`, the one table of them, made here:
+must see through the padding, each declared with `@hook` (`hook_registry.py`) and listed in `HOOKS`:
 
-- `_prepare_generation_config`: upstream's own step ran once already, on the call as the user made it
-  (`resolved.ResolvedCall.settings`): its config goes on to upstream `generate`, which does not make it again.
-- `_prepare_generated_length`: `max_length` / `min_length` are resolved against the *unpadded* prompt, then shifted
-  by the padding, so they keep their meaning.
-- `_prepare_cache_for_generation`: a static cache without `max_cache_len` gets a bucketed length (`kvcache/sizing.py`), so
-  calls with different prompt lengths share one cache shape, and so one decode graph; its layers read windows
+- `_prepare_generation_config`: hands upstream the config `resolved.ResolvedCall.settings` prepared once already.
+- `_prepare_generated_length`: `max_length` / `min_length` resolved against the unpadded prompt, then shifted.
+- `_prepare_cache_for_generation`: a static cache gets a bucketed length (`kvcache/sizing.py`) and windows
   (`kvcache/windows.py`), and the call's graphs are accounted for (`budget.account_call`).
-- `_prepare_static_cache`: the cache the last call made and did not hand back, reset, in place of a new one of the
-  same shape (`kvcache.sizing.reuse_cache`): a workload makes its cache once.
-- `prepare_inputs_for_generation`: upstream skips the mask of a prompt that exactly fits its bucket (it drops an
-  all-ones 2D mask before prefill, and with SDPA builds no 4D mask: `is_causal`), a graph apart from every padded
-  prompt in the bucket. The hook puts the all-ones mask back and, while upstream builds the 4D mask, turns off the
-  SDPA skip (`masking_utils._ignore_causal_mask_sdpa`), so every prompt in a bucket reaches a compiled model with one
-  signature (an eager forward gets upstream's inputs as they are).
-- `get_compiled_call`: upstream's own compiled forward falls back to eager for a shape its backend fails on; a forward
-  of `aot_forward` is not compiled again.
-- `_valid_auto_compile_criteria`: whether upstream compiles the forward, decided once a call, for upstream too.
+- `_prepare_static_cache`: the cache the last call made, reset, in place of a new one (`kvcache.sizing.reuse_cache`).
+- `prepare_inputs_for_generation`: an exact fit keeps its all-ones mask and a 4D SDPA mask, so every prompt in a
+  bucket reaches a compiled model with one signature.
+- `get_compiled_call`: upstream's compiled forward falls back to eager for a shape its backend fails on.
+- `_valid_auto_compile_criteria`: whether upstream compiles the forward, decided once a call.
 - `_get_logits_processor`, `_get_stopping_criteria`, `_get_candidate_generator` (`views.py`): what reads token
-  content sees the ids without padding; the candidate counts the generator drafts are accounted for
-  (`budget.account_candidates`).
-- `_prefill` (`prefill_right.py`), on a right-padded call only: one forward of the prompt padded after its end to the
-  bucket, with no mask, then the cache's length set to the prompt's. Upstream, which sees the unpadded prompt, does
-  everything else; the hooks above have nothing to undo (`added_id_columns == 0`).
+  content sees the ids without padding.
+- `_prefill` (`prefill_right.py`), on a right-padded call only: the prompt padded after its end, in one forward.
 
-Every hook acts only for the model and the context whose plan is active (`bucketed_call`), so concurrent calls, on
-one model or several, don't see each other's plans.
+Every hook acts only for the model and the context whose plan is active (`bucketed_call`).
 """
 
 import contextlib
@@ -179,9 +166,9 @@ def _learn_cache(plan, cache) -> None:
 
 def _prefill_through_compiled_call(plan, generation_config, cache) -> None:
     """
-    Upstream compiles decode only and runs prefill eagerly, since prefill shapes are unbounded. Here they are the
-    buckets: one chunk of the padded prompt (`plan.prefill_tokens`) sends prefill through the same compiled call, as
-    upstream's chunked prefill (which reads `cache`'s length). Warns when a chunk size set does not divide it.
+    Sends an auto-compiled call's prefill through the compiled forward as one chunk of upstream's chunked prefill
+    (upstream runs prefill eagerly: its shapes are unbounded, here they are the buckets). Warns when a chunk size set
+    does not divide the prefill.
     """
     prefill = plan.prefill_tokens
     if (
@@ -289,10 +276,9 @@ def _check_mask_passed_on(plan, attention_mask, model_inputs: dict) -> None:
 
 def _before_forward(plan, model_inputs: dict, tokens: int | None, new: int | None) -> None:
     """
-    Before each forward of `new` tokens upstream prepared, after which the cache holds `tokens` tokens (`None` for a
-    cache without windows): a 2D mask cut to the window (`mask_to_window`); then, if compiled, torch's recompile limit
-    put back to the call's before every prompt forward and the first decode step (upstream lowers it before a chunked
-    prefill, on transformers < 5.23), and the window a decode step reads, for the budget (`check_compiled`).
+    Before each forward of `new` tokens, after which the cache holds `tokens` (`None`: no windows): the mask cut to the
+    window; if compiled, the call's recompile limit put back (transformers < 5.23's chunked prefill lowers it) before
+    every prompt forward and the first decode step, and the window a decode step reads recorded for the budget.
     """
     if tokens is not None:
         mask_to_window(plan.run.windowed_cache, model_inputs)
@@ -310,8 +296,8 @@ def _before_forward(plan, model_inputs: dict, tokens: int | None, new: int | Non
 
 def _materialize_recurrent_masks(model_inputs: dict, attention_mask, new: int | None) -> None:
     """
-    A hybrid model's recurrent layers get `None` for an all-ones 2D mask (an exact fit), else the padding mask: two
-    graphs per bucket. The all-ones mask gives exact fits their bucket's signature; multiplying by ones changes nothing.
+    A hybrid model's recurrent layers get `None` for an exact fit's all-ones mask, else the padding mask: two graphs
+    per bucket. The all-ones mask gives exact fits their bucket's signature (multiplying by ones changes nothing).
     """
     masks = model_inputs.get("attention_mask")
     if not isinstance(masks, dict) or not isinstance(attention_mask, torch.Tensor) or attention_mask.ndim != 2:
@@ -414,10 +400,7 @@ def _uninstall(model, state) -> None:
 
 @contextlib.contextmanager
 def bucketed_call(plan):
-    """
-    Makes `plan` the active plan of this thread (and task) and installs the hooks on the model instance while any
-    bucketed call on it runs; the last call to return removes them.
-    """
+    """Makes `plan` this context's active plan, with the hooks installed on its model while any bucketed call runs."""
     model = plan.model
     state = state_of(model)
     installed, token = False, None

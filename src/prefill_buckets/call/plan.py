@@ -1,14 +1,9 @@
-"""The plan of one bucketed call: what it adds to the inputs (`Plan`, frozen), which the hooks and
-`views.strip_output` read, made by `plan_call` from the call's decision; and what the call learns as it runs
-(`CallRun`, the hooks write it).
+"""Step 4 of a bucketed call: the frozen `Plan` of what it adds to the inputs (`plan_call`), which the hooks and
+`views.strip_output` read, and what the call learns as it runs (`CallRun`, the hooks write it).
 
-On the left the prompt gets columns in front (masked); a right-padded call passes the prompt on as it is, and the
-`_prefill` hook (`prefill_right.py`) pads it after its end. Dummy rows pad the batch to its batch bucket
-(`prefill_batch_buckets`): finished from the first step (`views.DummyRowsFinished`), so they never keep generation
-going, and `views.strip_output` drops them.
-
-Pure input rewriting, of a call whose padding is decided (`decision.choose_side`: the side, the padded length, the
-padded batch, every check made): the user's dicts and tensors are never modified, new ones are returned with the plan.
+On the left the prompt gets masked columns in front; on the right it goes on as passed, and the `_prefill` hook
+(`prefill_right.py`) pads it after its end. Dummy rows pad the batch to its batch bucket, finished from the first step.
+The user's dicts and tensors are never modified.
 """
 
 from dataclasses import dataclass, field, replace
@@ -60,38 +55,27 @@ class CallRun:
     # The tokens of the prefill it expects to compile (`Plan.prefill_tokens`), once its static cache is made; else 0.
     prefill_tokens: int = 0
     static_cache_length: int | None = None  # slots of the call's static cache, once it is made
-    # Whether upstream compiles the forward itself (`transformers_api.valid_auto_compile`), and whether the call's forwards are
-    # compiled at all (that, or the user's compiled forward): decided in the cache step (`None` until then); eager forwards
-    # get upstream's inputs as they are (`hooks.prepare_inputs_for_generation`).
+    # Whether upstream compiles the forward itself, and whether the forwards are compiled at all (by upstream or the
+    # user): decided in the cache step (`None` until then). Eager forwards get upstream's inputs as they are.
     auto_compile: bool | None = None
     compiled: bool | None = None
-    # Upstream's verdict on auto-compiling, and the generation config and cache it was asked of (`hooks.py`).
-    auto_compile_asked: tuple = ()
-    # Whether the compiled forward was compiled with `fullgraph=True`; without, a graph break starts frames that torch
-    # counts against the forward's recompile limit, which the budget leaves room for (`budget.make_room`).
-    fullgraph: bool = False
-    # Whether the call's prefill is shape-generic (`compiled_calls.call_compilation`): its token dimension marked
-    # symbolic, one graph for every bucket; and the tokens of a first forward that fills the empty cache, which then
-    # reads the slots of its own tokens (`windows.QUERY_WINDOW`; `None`: a cache holding tokens, or chunks).
+    auto_compile_asked: tuple = ()  # upstream's verdict on auto-compiling, and the config and cache it was asked of
+    fullgraph: bool = False  # without `fullgraph=True`, graph breaks start frames the budget leaves room for
+    # Whether the prefill is shape-generic (one graph, its length symbolic, for every bucket); and the tokens of a
+    # first forward into the empty cache, which reads its own tokens' slots (`windows.QUERY_WINDOW`).
     generic_prefill: bool = False
     query_window_tokens: int | None = None
     windowed_cache: Any = None  # the static cache whose full-attention layers read windows (`kvcache/windows.py`)
     reads_windows: bool = False  # whether its full-attention layers read windows (`windows.has_windows`)
     decoding: bool = False  # whether the last forward prepared was a decode step (`hooks._before_forward`)
-    # Whether upstream `generate` has been handed the call's prepared generation config (`hooks._prepare_generation_config`).
-    generation_config_handed: bool = False
-    # How each layer of the call's static cache lays out the keys it reads (`kvcache.attention_keys.key_layouts`), for the
-    # attentions `views.strip_output` returns; `None`: no static cache.
-    key_layouts: tuple | None = None
-    # The windows the call's decode steps (1-token forwards) read (`None`: a cache without windows), for the budget.
-    decode_windows_read: set = field(default_factory=set)
-    # The static cache made for the call (`None`: a cache passed in, or none): kept for the next call
-    # (`kvcache.sizing.keep_cache`), reset up to the tokens it holds once the call returns, or up to the slots a
-    # right-padded prefill wrote past the prompt (`slots_written`, its pads), when that is more.
+    generation_config_handed: bool = False  # whether upstream `generate` got the prepared config
+    key_layouts: tuple | None = None  # how the static cache's layers lay out the keys they read, for the attentions
+    decode_windows_read: set = field(default_factory=set)  # the windows the decode steps read, for the budget
+    # The static cache made for the call, kept for the next call (`kvcache.sizing.keep_cache`) and reset up to the
+    # slots it wrote (`slots_written` counts a right-padded prefill's pads); the length upstream made it for (0:
+    # another step made it), and whether it was allocated before the first forward (else it is not kept).
     made_cache: Any = None
     slots_written: int = 0
-    # The length upstream's `_prepare_static_cache` made it for (0: another step made it), and whether it was allocated
-    # before the first forward (`kvcache.sizing.early_initialize`): else it is not kept.
     made_cache_slots: int = 0
     allocated_early: bool = False
 
@@ -146,12 +130,9 @@ class Plan:
 
 def plan_call(call: ResolvedCall, side: PaddingSide) -> tuple[Plan, dict, dict]:
     """
-    The plan of a bucketed call padded as `side` says (`side.side`: `"left"` or `"right"`), and the arguments
-    upstream `generate` runs with. On the left the prompt and its per-token inputs are padded in front to
-    `side.padded_length`; on the right they go on as passed, and the `_prefill` hook pads them. Then the batch is
-    padded to `side.padded_batch`, and rows that finish early fed `side.finished_rows_pad_id`.
-
-    Raises `ValueError` for inputs padding can't serve.
+    The plan of a call padded as `side` says, and the arguments upstream `generate` runs with: the prompt padded in
+    front (left) or passed on as it is (right), then the batch padded with dummy rows. Raises `ValueError` for inputs
+    padding can't serve.
     """
     if side.side == "right":
         plan, arguments, model_kwargs = _plan_right(call, side)
@@ -282,10 +263,8 @@ def _plan_of(call: ResolvedCall, padded_length: int, added_id_columns: int, righ
 
 def _pad_rows(plan: Plan, arguments: dict, model_kwargs: dict, padded_batch: int):
     """
-    Appends dummy rows up to `padded_batch` (the batch bucket `decision.choose_side` chose): one unmasked pad token
-    each (a fully masked row would give NaNs), no other inputs; on the right, a row of unmasked pad tokens as long as
-    the prompt (all rows one length). A stopping criterion marks them finished from the first step, so they never keep
-    generation going, and `views.strip_output` drops them.
+    Appends dummy rows up to `padded_batch`: one unmasked pad token each on the left (a fully masked row gives NaNs),
+    all unmasked on the right; finished from the first step (`views.DummyRowsFinished`), dropped by `strip_output`.
     """
     model, settings = plan.model, plan.settings
     if plan.right is not None and arguments.get("inputs") is not None:

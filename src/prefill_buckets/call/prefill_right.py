@@ -1,17 +1,13 @@
 """
-The prefill of a right-padded call, in place of upstream's `_prefill` (installed as a hook by `hooks.py`): one forward
-of the prompt padded after its end to the bucket, with no attention mask (causal attention never lets a prompt token
-see the padding after it), logits for the prompt's last position only, then the cache's length set back to the
-prompt's, so decode writes its first token over the first pad slot. Upstream, which sees the unpadded prompt, does
-everything else.
+The prefill of a right-padded call, in place of upstream's `_prefill`: one forward of the prompt padded after its end
+to the bucket, with no attention mask (causal attention never lets a prompt token see the pads after it), logits for
+the prompt's last position only, then the cache's length set back to the prompt's, so decode writes over the first pad
+slot. Upstream, which sees the unpadded prompt, does everything else.
 
-Rows of different lengths (a batch the tokenizer padded on the left, with its mask; `decision.py` says when) are
-padded each after its own end: row i's `L_i` tokens go to positions and cache slots `0..L_i-1`, pads after them. Its
-first new token comes from the logits at `L_i - 1`, gathered per row from those of a fixed number of positions (an index
-tensor: one graph per bucket and batch size, whatever the lengths). Decode then runs as upstream's, on the prompt as
-the user passed it: every row writes step t at slot `S + t` (S the prompt's width), and the mask upstream carries is
-swapped for one of the cache's layout, which hides row i's slots `[L_i, S)`. Upstream's position ids, taken from the
-user's mask, continue at `L_i + t`.
+Rows of different lengths are padded each after its own end: row i's `L_i` tokens go to slots `0..L_i-1`, and its
+first new token comes from the logits at `L_i - 1`, gathered from a fixed number of positions (one graph per bucket and
+batch size). Decode then runs as upstream's on the prompt as passed: step t writes slot `S + t` (S the prompt's width),
+with a mask of the cache's layout that hides row i's slots `[L_i, S)`.
 """
 
 import contextlib
