@@ -146,10 +146,6 @@ class GraphBudget:
             held, new, rows, cache_length, variant, not fullgraph, in_flight, accounted, compiled, generic
         )
 
-    def account_unbucketed(self, model, rows: int, prompt_length: int, cache_length: int) -> None:
-        """An unbucketed compiled call's shapes: counted (they share the limit), the limit left alone."""
-        self.add(rows, ((prompt_length, None),), cache_length, variant=graph_variant())
-
 
 def account_call(plan, chunk: int | None, max_cache_length: int, embeds: bool) -> CallGraphs:
     """

@@ -24,7 +24,7 @@ from ..state import PROCESS, state_of
 from ..upstream import torch_api, transformers_api
 from ..upstream.transformers_api import cache_seq_length, tensor_parallel_group
 from . import hooks
-from .budget import budget_of, check_compiled, room_for_upstream_call
+from .budget import budget_of, check_compiled, graph_variant, room_for_upstream_call
 from .decision import choose_side
 from .hook_registry import active_plan
 from .hooks import bucketed_call
@@ -191,7 +191,8 @@ def _warn_unbucketed(call: ResolvedCall):
         )
     rows, length = call.output_rows, call.prompt_length
 
-    def record():
-        budget_of(model).account_unbucketed(model, rows, length, transformers_api.previous_max_cache_length(model))
+    def record():  # its shapes share the limit: counted, the limit left alone
+        cache_length = transformers_api.previous_max_cache_length(model)
+        budget_of(model).add(rows, ((length, None),), cache_length, variant=graph_variant())
 
     return record

@@ -104,7 +104,7 @@ def _prepare_generated_length(plan, step):
 )
 def _prepare_cache_for_generation(plan, step):
     generation_config, model_kwargs = step["generation_config"], step["model_kwargs"]
-    creates_static = plan.call.makes_static_cache
+    creates_static = plan.call.cache is None and plan.call.static_cache  # `generate` makes the call a static cache
     if not (creates_static or getattr(passed_cache(model_kwargs), "is_compileable", False)):
         # No static cache: nothing to size or window. Whether the forwards are compiled (by the user, or by upstream for
         # a compileable cache it makes) is known once the cache is.

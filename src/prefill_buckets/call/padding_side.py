@@ -164,7 +164,11 @@ class RuleFacts:
             self.not_right or (self.call.inputs_embeds is None and ids.dtype in (torch.long, torch.int))
         ):
             return None
-        return _error_of(self.settings.check_ids_in_vocabulary, ids)
+        try:
+            self.settings.check_ids_in_vocabulary(ids)
+        except ValueError as error:
+            return str(error)
+        return None
 
     @cached_property
     def padded_length(self) -> int:
@@ -267,15 +271,6 @@ class RuleFacts:
         if self.pad_id_outside_vocabulary and self.padded_batch > self.rows:
             return self.settings.fill_token_id
         return None
-
-
-def _error_of(check, *args) -> str | None:
-    """The message of the `ValueError` `check(*args)` raises, or `None`."""
-    try:
-        check(*args)
-    except ValueError as error:
-        return str(error)
-    return None
 
 
 def _continued_rows(facts: "RuleFacts") -> int | str:

@@ -58,7 +58,10 @@ def prefill_right(plan: Plan, step):
             keep, column = _last_positions(row_lengths, right.bucket)
         else:  # every row is the whole prompt: padded after it, each row's last token in the prompt's last column
             prompt, row_lengths = _padded_after(plan, input_ids, inputs_embeds), None
-            keep, column = _last_column(rows, new_tokens, right.bucket, _prompt_device(prompt)), None
+            # The prompt's last position, `min(rows, bucket)` times: the shape `_last_positions` gives ragged rows.
+            device = next(iter(prompt.values())).device
+            keep = torch.full((min(rows, right.bucket),), new_tokens - 1, dtype=torch.long, device=device)
+            column = None
     else:  # a continued conversation: the rows are one length (the rule), the new tokens follow the cached ones
         new_ids = input_ids[:, past:]  # [rows, S]
         new_tokens = new_ids.shape[1]
@@ -117,10 +120,6 @@ def prefill_right(plan: Plan, step):
     return outputs
 
 
-def _prompt_device(prompt: dict) -> torch.device:
-    return next(iter(prompt.values())).device
-
-
 def _padded_after(plan: Plan, input_ids, inputs_embeds) -> dict:
     """The prompt as prefill runs it when every row is the whole prompt: padded after its end to the bucket."""
     given = inputs_embeds if inputs_embeds is not None else input_ids
@@ -134,11 +133,6 @@ def _padded_after(plan: Plan, input_ids, inputs_embeds) -> dict:
         return {"inputs_embeds": torch.cat([inputs_embeds, padding], dim=1)}
     padding = input_ids.new_full((input_ids.shape[0], plan.right.bucket - input_ids.shape[1]), fill_id)
     return {"input_ids": torch.cat([input_ids, padding], dim=1)}  # [rows, bucket]
-
-
-def _last_column(rows: int, width: int, bucket: int, device) -> torch.Tensor:
-    """`_last_positions` for rows that all end in column `width - 1`: that position, `min(rows, bucket)` times."""
-    return torch.full((min(rows, bucket),), width - 1, dtype=torch.long, device=device)
 
 
 def _rows_from_the_start(plan: Plan, input_ids, inputs_embeds, attention_mask) -> tuple[dict, torch.Tensor]:

@@ -189,11 +189,6 @@ class ResolvedCall:
         return isinstance(self.rows_mask, torch.Tensor) and not bool(self.rows_mask.all())
 
     @property
-    def makes_static_cache(self) -> bool:
-        """Whether `generate` makes the call a static cache (it passes none)."""
-        return self.cache is None and self.static_cache
-
-    @property
     def output_rows(self) -> int:
         """The rows upstream generates for the user's prompts: `rows * max(num_beams, num_return_sequences)`."""
         return self.rows * self.settings.rows_per_prompt
@@ -239,8 +234,11 @@ def resolve_call(model, wrapper, arguments: dict, model_kwargs: dict, field_kwar
     passed = PassedCache(model_kwargs)  # read before the call writes the cache's record
     generation_config = arguments.get("generation_config")
     bucketing = bucketing_of(resolve_fields(model, generation_config, field_kwargs))
-    if passed.bucketing is not None and not call_sets_fields(generation_config, field_kwargs):
-        bucketing = passed.bucketing  # a later turn of a conversation: bucketed as the call that filled the cache was
+    # A later turn of a conversation that sets no bucket field itself (as an argument, even `None`, or on its config)
+    # is bucketed as the call that filled its cache was.
+    sets_fields = bool(field_kwargs) or any(getattr(generation_config, field, None) is not None for field in FIELDS)
+    if passed.bucketing is not None and not sets_fields:
+        bucketing = passed.bucketing
     if bucketing[0] is None and passed.continued is not None:
         # The cache holds a bucketed call's padding: the prompt must get it too, bucket fields or not.
         bucketing = (BucketPolicy(pad_to_multiple_of=1), *bucketing[1:])
@@ -317,11 +315,6 @@ def _bucketing_of_key(key: tuple):
 
 def _bucketing(fields: dict[str, Any]):
     return policy_from_fields(**fields), batch_policy_from_fields(**fields), padding_side_from_fields(**fields)
-
-
-def call_sets_fields(generation_config: GenerationConfig | None, field_kwargs: dict) -> bool:
-    """Whether the call itself sets a bucket field: as a keyword argument (even `None`) or on its `generation_config`."""
-    return bool(field_kwargs) or any(getattr(generation_config, field, None) is not None for field in FIELDS)
 
 
 def _token_ids(value) -> tuple[int, ...]:

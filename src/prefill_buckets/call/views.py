@@ -152,12 +152,6 @@ _PADDED_VIEW = tuple(
 ) + (MaxLengthCriteria,)
 
 
-def _skips_left_padding(processor, user_processors) -> bool:
-    """Whether upstream built `processor` to skip the left padding itself (5.23's repetition penalty: by the mask)."""
-    ignore_length = getattr(processor, "prompt_ignore_length", None)
-    return isinstance(ignore_length, torch.Tensor) and id(processor) not in user_processors
-
-
 @hook("_get_logits_processor", reads=("generation_config", "logits_processor"), side="left")
 def get_logits_processor(plan, step):
     processors = step.call()
@@ -168,7 +162,10 @@ def get_logits_processor(plan, step):
     user_processors = {id(p) for p in step["logits_processor"] or ()}
     wrapped = LogitsProcessorList()
     for processor in processors:
-        skips_left_padding = _skips_left_padding(processor, user_processors)
+        # Upstream built it to skip the left padding itself (5.23's repetition penalty: `prompt_ignore_length`, from
+        # the padded mask): it must see the ids that mask spans.
+        ignore_length = getattr(processor, "prompt_ignore_length", None)
+        skips_left_padding = isinstance(ignore_length, torch.Tensor) and id(processor) not in user_processors
         if skips_left_padding and missing_from_ids:
             processor = copy.copy(processor)  # it skips as many ids as the padded mask has leading zeros
             processor.prompt_ignore_length = (processor.prompt_ignore_length - missing_from_ids).clamp(min=0)
