@@ -132,12 +132,11 @@ def _prepare_cache_for_generation(plan, step):
     if creates_static:
         plan.run.made_cache = cache
     _learn_cache(plan, cache)
-    rows = plan.padded_rows
     plan.run.auto_compile, plan.run.compiled, plan.run.fullgraph, plan.run.generic_prefill = call_compilation(
         plan.model, model_kwargs, generation_config
     )
     if creates_static and plan.run.compiled and cache is not None:
-        plan.run.allocated_early = early_initialize(plan.model, cache, rows)
+        plan.run.allocated_early = early_initialize(plan.model, cache, plan.padded_rows)
     # The user's chunks have one length already: a chunked prefill stays static (`generic_prefill` off).
     plan.run.generic_prefill &= generation_config.prefill_chunk_size is None
     _prefill_through_compiled_call(plan, generation_config, cache)

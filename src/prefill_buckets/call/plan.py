@@ -181,9 +181,8 @@ def _pad_prompt(call: ResolvedCall, padded_length: int):
                     "upstream `generate` does). If the batch is padded, pass its `attention_mask`."
                 )
         else:
-            batch_size = inputs_embeds.shape[0]
             model_kwargs["attention_mask"] = torch.ones(
-                batch_size, prompt_length, dtype=torch.long, device=inputs_embeds.device
+                call.rows, prompt_length, dtype=torch.long, device=inputs_embeds.device
             )
 
     added_id_columns = 0
