@@ -153,7 +153,9 @@ class PlanCallTest(unittest.TestCase):
                 length = plan.padded_length
                 ids, mask = model_kwargs["input_ids"], model_kwargs["attention_mask"]
                 self.assertEqual((tuple(ids.shape), tuple(mask.shape)), ((4, length), (4, length)))
-                self.assertEqual((plan.batch_size, plan.padded_batch, plan.padded_rows, plan.rows), (2, 4, 4, 2))
+                self.assertEqual(
+                    (plan.call.rows, plan.padded_batch, plan.padded_rows, plan.call.output_rows), (2, 4, 4, 2)
+                )
                 # The user's rows first, as the call without dummy rows has them.
                 _, _, unbatched = plan_call(self.call(), PaddingSide(side.side, "t", padded_length=8, bucket=8))
                 unbatched_ids = unbatched.get("input_ids", self.ids)

@@ -1,19 +1,10 @@
 """`GraphBudget`: the graphs a compiled model has needed, and the only code that changes torch's recompile limit.
 
-Torch keeps at most `torch._dynamo.config.recompile_limit` graphs per compiled code object (8 by default) and runs
-the rest eagerly, without an error. Models share code objects (transformers' decorators wrap most `forward`s in one
-function), so two compiled models in one process share one limit. This module counts what torch counts (the graphs on
-the forward's code objects, `torch_api.forward_graphs`), adds what a call will compile, and, past the limit, raises
-it, with a warning, never below what the process needs; with no call that counts on it in flight the limits are the
-user's again (`restore_user_recompile_limits`). A call on upstream's path gets the user's limit above the graphs
-bucketed calls left (`room_for_upstream_call`). After a call, a code object at the limit with other graphs than the
-call should have made means torch refused some: that is said too.
-
-A forward compiled without `fullgraph=True` may break its graph (`output_hidden_states`), and the frames it resumes in
-that start in a decorated function (`create_causal_mask`, in the forward's `wrapped_func`) are entries on the
-forward's code object that no shape predicts. One frame past the limit and torch runs that code object's new shapes
-eagerly for good. So such a call runs with room above its graphs: the user's limit, or the most unpredicted entries one
-call of the model has added, if more.
+Torch keeps at most `torch._dynamo.config.recompile_limit` graphs per compiled code object and runs the rest eagerly,
+silently; models share code objects (transformers' decorators wrap most `forward`s in one function). So the budget
+counts what torch counts (`torch_api.forward_graphs`), adds what a call will compile and raises the limit past it, with
+a warning; once no call counts on it, the limits are the user's again. A forward compiled without `fullgraph=True` also
+gets room for the frames its graph breaks start, which no shape predicts.
 """
 
 import contextlib
@@ -63,16 +54,10 @@ class CallGraphs:
 
 class GraphBudget:
     """
-    The graphs a compiled model has needed so far, by shape, for one static-cache generation workload: a prefill graph
-    per `(rows, prompt length, cache length, side, window, variant)` (a right-padded prefill has no mask: another
-    graph, another again onto cached tokens; a prompt as embeddings: another) and a decode graph per `(rows, cache
-    length, window, variant)`. Rows are `batch * max(num_beams, num_return_sequences)`, the window the slots the
-    forward reads (`kvcache/windows.py`; `None`: no windowed layers), the variant what else dynamo compiles other
-    graphs for (`graph_variant`). A 1-token prefill is a decode step. Sliding-window layers add no shape (`ring.py`).
-
-    Prefill shapes are recorded when the call is accounted for: prefill runs. Decode windows are recorded once the call
-    has run, those its steps read (`reached`): a call predicts every window its new tokens could reach, and one that
-    stops at eos reads fewer; recorded at the prediction, a window would count as held with no graph for it.
+    The graphs a compiled model has needed so far, by shape: a prefill graph per `(rows, prompt length, cache length,
+    side, window, variant)` and a decode graph per `(rows, cache length, window, variant)`; a 1-token prefill is a
+    decode step. Prefill shapes are recorded when accounted for; decode windows once the call has run (`reached`), as a
+    call that stops at eos reads fewer windows than it predicted.
     """
 
     def __init__(self):
@@ -125,10 +110,8 @@ class GraphBudget:
 
     def held_graphs(self, model) -> int:
         """
-        The graphs torch holds on `model`'s compiled forward (this budget is its state's): those on its code objects,
-        counted as torch counts them against the limit (every model whose forward is that code). Where torch holds
-        none it can tell of, the shapes the model has needed (more than torch compiled with dynamic shapes: a limit
-        raised too far, never too little).
+        The graphs torch holds on `model`'s forward's code objects, as it counts them against the limit; where it can
+        tell of none, the shapes the model has needed (too many, never too few).
         """
         return torch_api.forward_graphs(model) or self.graphs
 
@@ -144,9 +127,8 @@ class GraphBudget:
         fullgraph: bool = True,
     ) -> CallGraphs:
         """
-        A bucketed call's shapes (as `add` takes them): keeps the recompile limit above the graphs the process needs
-        on the model's forward, and says so when it raises it; a forward compiled without `fullgraph` gets room for the
-        frames its graph breaks start. Returns what the call expects to compile, for `check_compiled`.
+        A bucketed call's shapes (as `add` takes them), with the recompile limit raised above the graphs the process
+        needs (`make_room`). Returns what the call expects to compile, for `check_compiled`.
         """
         with _LIMIT_LOCK:
             held = self.held_graphs(model)
@@ -164,21 +146,14 @@ class GraphBudget:
             held, new, rows, cache_length, variant, not fullgraph, in_flight, accounted, compiled, generic
         )
 
-    def account_unbucketed(self, model, rows: int, prompt_length: int, cache_length: int) -> None:
-        """An unbucketed compiled call's shapes: counted (they share the limit), the limit left alone (`generate`'s
-        advice for unbucketed calls says what they cost, and torch says when it reaches its limit)."""
-        self.add(rows, ((prompt_length, None),), cache_length, variant=graph_variant())
 
-
-def account_call(plan, rows: int, prefill: int, chunk: int | None, max_cache_length: int, embeds: bool) -> CallGraphs:
+def account_call(plan, chunk: int | None, max_cache_length: int, embeds: bool) -> CallGraphs:
     """
-    A bucketed call's graphs, accounted for in its model's budget (`GraphBudget.account`) once its cache is made: one
-    per prefill forward's (length, window), the chunks and a shorter last chunk, and one per window the decode steps
-    reach. A prompt given as `inputs_embeds` (`embeds`) is another input of the prefill forwards than ids: other
-    graphs. Returns what the call expects to compile, for `check_compiled`.
+    A bucketed call's graphs, accounted for once its cache is made (`GraphBudget.account`): one per prefill forward's
+    (length, window), chunks included, and one per window the decode steps reach; `embeds`: a prompt of embeddings.
     """
+    rows, prefill, cached = plan.padded_rows, plan.prefill_tokens, plan.call.past_length
     cache_length = plan.run.static_cache_length
-    cached = plan.prompt_slots - prefill
     chunks = [prefill] if chunk is None else [min(chunk, prefill - start) for start in range(0, prefill, chunk)]
     # A shape-generic prefill is one graph for every length (`None`), unless the model's code fixed it.
     generic = plan.run.generic_prefill and not budget_of(plan.model).prefill_specializes
@@ -190,7 +165,7 @@ def account_call(plan, rows: int, prefill: int, chunk: int | None, max_cache_len
         shapes.add((None if generic and length == prefill > 1 else length, window))
     decode_windows = {None}
     if plan.run.reads_windows:  # from the first decode step (at least) to the last
-        first = (plan.prompt_slots if plan.right is None else plan.cached_tokens) + 1
+        first = (plan.prompt_slots if plan.right is None else cached) + 1
         decode_windows = windows_between(first, max(first, max_cache_length), cache_length)
     # On the right, a prefill onto an empty cache reads its query offset as 0 (`prefill_right`): a graph of its own.
     side = "right, onto cached tokens" if plan.right is not None and cached else plan.side
@@ -202,15 +177,16 @@ def account_call(plan, rows: int, prefill: int, chunk: int | None, max_cache_len
 
 
 def account_candidates(plan, generator, max_length: int) -> None:
-    """Room for what assisted and prompt-lookup decoding compile besides prefill and decode: the first forward runs the
-    prompt with up to `drafted` candidates (`candidates.most_drafted`), each later one checks up to `drafted`, each
-    count a graph of its own in every window. The counts depend on the text: room on every such call, not recorded."""
+    """
+    Room for the graphs of assisted and prompt-lookup decoding's candidate counts (up to `candidates.most_drafted`,
+    each a graph in every window): they depend on the text, so room is made on every such call, and not recorded.
+    """
     expected, filled, slots = plan.run.expected_graphs, plan.prompt_slots, plan.run.static_cache_length
     drafted = candidates.most_drafted(generator, max_length - filled - 1)
     if expected is None or drafted < 1:
         return
     windows = windows_between(filled + 2, max(filled + 2, max_length), slots) if plan.run.reads_windows else {None}
-    shapes = {(plan.run.prefill_tokens + k, window_of(plan, filled + k, slots)) for k in range(1, drafted + 1)}
+    shapes = {(plan.prefill_tokens + k, window_of(plan, filled + k, slots)) for k in range(1, drafted + 1)}
     shapes |= {(k + 1, window) for k in range(1, drafted + 1) for window in windows}
     new = [f"[{expected.rows}, {n}] with candidates{_read(w)}" for n, w in sorted(shapes, key=str)]
     with _LIMIT_LOCK:  # `graphs_in_flight` holds this call's own new graphs too
@@ -225,9 +201,10 @@ def account_candidates(plan, generator, max_length: int) -> None:
 
 
 def graph_variant(returned_outputs: tuple[str, ...] = ()) -> GraphVariant:
-    """The `GraphVariant` of a call, what dynamo guards on besides shapes: the outputs its forwards return besides the
-    logits, `torch.inference_mode()` (a static cache's tensors are made in the call's mode), and torch's global state
-    (autocast, default dtype, deterministic algorithms, matmul precision, threads: `torch_api.global_state`)."""
+    """
+    The `GraphVariant` of a call, what dynamo guards on besides shapes: the outputs returned besides the logits,
+    `torch.inference_mode()`, autocast and torch's global state (`torch_api.global_state`).
+    """
     words = tuple(f"returning {name}" for name in returned_outputs)
     if torch.is_inference_mode_enabled():
         words += ("under `torch.inference_mode()`",)
@@ -283,10 +260,10 @@ def _advice(generic: bool) -> str:
 
 
 def make_room(model, held: int, graphs: int, who: str, breaks_graph: bool = False, advice: str | None = None) -> None:
-    """Raises torch's recompile limits, if needed, so `model`'s forward can hold `held` graphs plus `graphs` more; if
-    its forward may break its graph, with room for the frames that starts while calls run (entries, not graphs the
-    process needs: the user's limit again, or the most one call added, if more). The warning that says so ends with
-    `advice`, what `who` can do to need fewer graphs (by default, a bucketed call's)."""
+    """
+    Raises torch's recompile limits, if needed, so `model`'s forward can hold `held` graphs plus `graphs` more, and
+    room for the frames graph breaks start while calls run (`breaks_graph`). The warning ends with `advice`.
+    """
     needed = held + graphs
     with _LIMIT_LOCK:
         limit = recompile_limit()
@@ -330,9 +307,10 @@ def make_room(model, held: int, graphs: int, who: str, breaks_graph: bool = Fals
 
 
 def check_compiled(model, expected: CallGraphs | None, limit: int | None = None, decode_windows_read=()) -> None:
-    """Ends a bucketed call's accounting (`GraphBudget.account`): records the windows its decode steps read, and warns
-    when torch may have run forwards of the call eagerly: its code objects at the limit with other graphs than it
-    expected (torch refused some, or the budget missed some). Calls beside it (threads) may add what they expected."""
+    """
+    Ends a bucketed call's accounting: records the windows its decode steps read, and warns when torch may have run
+    some of its forwards eagerly (its code objects at the limit, with other graphs than expected).
+    """
     if expected is None:
         return
     with _LIMIT_LOCK:
@@ -386,10 +364,10 @@ def _save_user_recompile_limits() -> SavedLimits:
 
 @contextlib.contextmanager
 def room_for_upstream_call(model):
-    """Around a call on upstream's path (no bucket fields, or fields it can't honor): graphs on its forward that such
-    calls didn't compile (bucketed calls') don't count against the user's recompile limit, so a forward compiled by the
-    user or by `generate` has the room it would have without them. Else, past the limit, torch runs its new shapes
-    eagerly, or raises (`fullgraph=True`). Free until a bucketed call has run (graphs before count as bucketed)."""
+    """
+    Around a call on upstream's path: the graphs bucketed calls left on its forward don't count against the user's
+    recompile limit, so it has the room it would have without them. Free until a bucketed call has run.
+    """
     if not PROCESS.graphs_accounted:
         yield
         return
@@ -417,9 +395,10 @@ def room_for_upstream_call(model):
 
 
 def restore_user_recompile_limits() -> None:
-    """Puts torch's recompile limits back to the user's as a call ends, once no call that counts on them is in flight
-    (from torch 2.13, which keeps them per thread: the thread's). The graphs stay; the next call raises the limits
-    again for what it needs. A limit set by anyone else since is left as it is."""
+    """
+    Puts torch's recompile limits back to the user's once no call that counts on them is in flight (per thread from
+    torch 2.13); a limit someone else set since is left as it is.
+    """
     with _LIMIT_LOCK:
         saved = PROCESS.saved_limits()
         in_flight = PROCESS.calls_in_flight + PROCESS.upstream_calls_in_flight

@@ -1,33 +1,15 @@
 """Step 3 of a bucketed call: the one decision of how it is padded (`choose_side`), from one table, `DECISION`.
 
-A call is padded on the left, on the right, or not at all (it runs upstream's exact path, and the package logs the
-reason once), or it raises a `ValueError` for inputs padding can't serve. Every such case is a row of `DECISION`: a
-condition (a predicate over the call's facts, `padding_side.RuleFacts`, each fact computed once, when a row first asks),
-the outcome (`raise`, `unpadded`, `left` or `right`), why (in words, for the docs) and the reason the log or the error
-gives. The rows are checked in order, before anything is planned; the first that applies decides. The docs' What runs
-exactly page shows the table as `decision_table` renders it (`python -m prefill_buckets.call.decision`; a test checks
-the page against it, and that each row decides a case of its own). In order:
+Each row is a condition over the call's facts (`padding_side.RuleFacts`), an outcome (`raise`, `unpadded`, `left` or
+`right`), why (for the docs' What runs exactly page, which shows `decision_table`: `python -m
+prefill_buckets.call.decision`) and the reason logged or raised. The rows are checked in order and the first that
+applies decides: calls padding can't serve on either side; calls that can't be padded on the right
+(`RuleFacts.not_right`, the first `left` row that applies) nor on the left; the batch's rows; then `left` where right
+padding is not exact, else `right`. The decision also gives the batch bucket and the pad id of rows that finish early.
 
-1. Calls padding can't serve on either side (a model that breaks an assumption of both, `side_assumptions`, too).
-2. Calls that can't be padded on the right (`RuleFacts.not_right`: the reason of the first `left` row of step 4 that
-   applies, so those rows are read once, for both) and that left padding can't serve either: a model that can't take
-   it (`side_assumptions`), a cache whose tokens sit in front of where the padding would go, a prompt that can't be
-   padded, no room in the cache for the padded call. And ids outside the vocabulary, on either side.
-3. The batch, on either side: a continued cache's rows that don't line up, dummy rows it can't bring back, a
-   `pad_token_id` the rows that finish early can't be fed.
-4. The side: `left` where right padding is not exact (a model that can't take it, the call's settings, its cache),
-   else `right` (the last row takes every call the others leave).
-
-Besides the outcome, the decision returns the batch bucket the dummy rows pad it to (`prefill_batch_buckets`, or why it
-keeps its rows, logged) and the pad id the rows that finish early are fed.
-
-Two checks stay in the run, each for a case no fact before the call tells:
-- a right-padded call for which `generate` makes no static cache (a model keeping its own, RWKV) runs its prefill
-  unpadded (`prefill_right.py`): upstream's cache step picks the cache, by the model's class name, in a list that
-  changes between transformers versions (`test_architectures.py`: `test_right_padding_without_a_cache_object`);
-- a left-padded call whose model step drops a mask that hides tokens raises (`hooks._check_mask_passed_on`): the
-  table's `drops_the_mask` row probes the step once per model, and a step can drop the mask only on some calls
-  (`test_checks.py`: `test_a_step_that_drops_a_mask_hiding_pads_raises`).
+Two checks stay in the run, for cases no fact before the call tells: a right-padded call for which `generate` makes
+no static cache runs its prefill unpadded (`prefill_right.py`), and a left-padded call whose model step drops a mask
+that hides tokens raises (`hooks._check_mask_passed_on`).
 """
 
 from collections.abc import Callable

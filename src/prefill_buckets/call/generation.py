@@ -1,25 +1,11 @@
 """`generate` with bucketed prefill: upstream `generate`, on the padded prompt, with the padding stripped again.
 
-Upstream `generate` does all the real work. One bucketed call, in the steps `generate` numbers:
-
-1. Resolve: the call bound as upstream's `generate` binds it, its settings and the cache it passes, read once into a
-   `ResolvedCall` that every later step reads (`resolved.py`).
-2. Check support: the hooked upstream steps exist (`check_upstream`, the version gate).
-3. Decide: the one decision of how the call is padded, left, right or unpadded (with the reason the log names), or a
-   `ValueError` for inputs padding can't serve (`decision.choose_side`, one table of rows, `decision.DECISION`).
-4. Plan: the prompt padded to its bucket and the batch to its batch bucket; a frozen `Plan` says what was added
-   (`plan.plan_call`).
-5. Agree across ranks: steps 1 to 4 run inside `distributed.ranks_agree`, so under tensor parallelism no rank raises
-   alone while the others wait in a collective.
-6. Run upstream `generate`, with the steps that must see through the padding hooked (`hooks.bucketed_call`); what the
-   call learns as it runs goes to `plan.run`.
-7. Mark the cache: a later call that continues from it pads its prompt the same way (`kvcache.record.record_call`);
-   a cache the call made and did not return is kept for the next call's (`kvcache.sizing.keep_cache`), compiled or
-   eager.
-8. Strip: the added columns and rows come off what the user gets back (`views.strip_output`).
-
-A call without bucket fields is upstream `generate`, unchanged; this module only warns when it will recompile. A call
-that can't be bucketed runs as the user made it, after a warning that says why.
+The steps of one bucketed call, as `generate` numbers them: 1. resolve (`resolved.py`); 2. check support
+(`hooks.check_upstream`); 3. decide the padding, or why the call runs unpadded or raises (`decision.choose_side`);
+4. plan it (`plan.plan_call`); 5. agree across ranks (steps 1 to 4 inside `distributed.ranks_agree`); 6. run upstream
+`generate`, hooked (`hooks.bucketed_call`); 7. mark the cache for a call that continues it (`kvcache.record`), and keep
+one the call made (`kvcache.sizing.keep_cache`); 8. strip the padding (`views.strip_output`). A call without bucket
+fields is upstream `generate`, unchanged: this module only warns when it will recompile.
 """
 
 import contextlib
@@ -38,7 +24,7 @@ from ..state import PROCESS, state_of
 from ..upstream import torch_api, transformers_api
 from ..upstream.transformers_api import cache_seq_length, tensor_parallel_group
 from . import hooks
-from .budget import budget_of, check_compiled, room_for_upstream_call
+from .budget import budget_of, check_compiled, graph_variant, room_for_upstream_call
 from .decision import choose_side
 from .hook_registry import active_plan
 from .hooks import bucketed_call
@@ -129,15 +115,15 @@ def generate(model, *args, **kwargs):
 
     # 7. Mark the cache, passed in or returned, for a call that continues from it; keep one the call made and did not
     # return, for the next call's.
-    returned = _returned_cache(output)
-    passed = passed_cache(prepared.model_kwargs)
-    for cache in (passed, returned if returned is not passed else None):  # often one cache: recorded once
+    returned = passed_cache(output) if isinstance(output, ModelOutput) else None
+    for cache in (call.cache, returned if returned is not call.cache else None):  # often one cache: recorded once
         if cache is not None:
             record_call(cache, plan, prepared.model_kwargs.get("attention_mask"), continues=call.continued is not None)
     made = plan.run.made_cache
     # Allocated before its first forward, or by an eager call's as it would have been: not inside a compiled first
     # forward (the next call's would find it allocated: a graph of its own), nor of a shape upstream did not predict.
-    if made is not None and made is not returned and (plan.run.allocated_early or _eager_as_early(plan, made)):
+    kept = made is not None and made is not returned
+    if kept and (plan.run.allocated_early or (not plan.run.compiled and allocated_as_early(model, made))):
         written = max(plan.run.slots_written, plan.prompt_slots, cache_seq_length(made) or 0)
         keep_cache(model, made, plan.run.made_cache_slots, written)
 
@@ -175,14 +161,6 @@ def _prepare(call: ResolvedCall) -> PreparedCall:
     return PreparedCall(arguments, model_kwargs, plan=plan)
 
 
-def _eager_as_early(plan: Plan, cache) -> bool:
-    return not plan.run.compiled and allocated_as_early(plan.model, cache)
-
-
-def _returned_cache(output):
-    return passed_cache(output) if isinstance(output, ModelOutput) else None
-
-
 def _warn_unbucketed(call: ResolvedCall):
     """
     The advice for a call without buckets: upstream runs unchanged, this only says what it will cost. Returns a
@@ -202,7 +180,7 @@ def _warn_unbucketed(call: ResolvedCall):
     if not isinstance(prompt, torch.Tensor) or prompt.ndim < 2 or not call.static_cache:
         return None
     state = state_of(model)
-    state.unbucketed_prompt_lengths.add(prompt.shape[1])
+    state.unbucketed_prompt_lengths.add(call.prompt_length)
     if len(state.unbucketed_prompt_lengths) == 2:
         logger.warning_once(
             f"The model's forward is compiled ({compiled}) and generates with a static cache, so each new prompt "
@@ -211,11 +189,10 @@ def _warn_unbucketed(call: ResolvedCall):
             f"or `{PREFILL_PAD_TO_MULTIPLE_OF}`, or pad with the tokenizer's `pad_to_multiple_of` and "
             "`padding_side='left'`."
         )
-    rows = call.output_rows
+    rows, length = call.output_rows, call.prompt_length
 
-    def record():
-        budget_of(model).account_unbucketed(
-            model, rows, prompt.shape[1], transformers_api.previous_max_cache_length(model)
-        )
+    def record():  # its shapes share the limit: counted, the limit left alone
+        cache_length = transformers_api.previous_max_cache_length(model)
+        budget_of(model).add(rows, ((length, None),), cache_length, variant=graph_variant())
 
     return record

@@ -1,15 +1,9 @@
 """The hook declarations: the steps of upstream `generate` a bucketed call replaces on the model instance.
 
-Each hook is declared once, where it is written, with `@hook(target, reads=..., positional=..., side=...)`, which
-attaches its `Hook` to the function and registers nothing. `hooks.py` lists the hooked functions in one table
-(`hooks.HOOKS`, made with `hook_table`): the one list the package has, which `bucketed_call` installs,
-`check_upstream` verifies (`hooks.hook_targets`), and the docs list is checked against. A hook declared for one `side`
-is not entered by a call padded on the other: upstream's method runs as it is.
-
-A hook body gets the call's plan and the step's arguments (`StepArguments`), reads and changes them by name, and runs
-upstream's method with `step.call()`. The arguments reach that method in the form upstream passed them (by position
-or by keyword), with every keyword the hook doesn't know passed on, so an override of the step with its own signature
-is called as upstream calls it.
+Each hook is declared where it is written with `@hook(target, reads=..., positional=..., side=...)`, which registers
+nothing: `hooks.HOOKS` lists them (`hook_table`). A hook body gets the plan and the step's arguments (`StepArguments`),
+and runs upstream's method with `step.call()`, with the arguments in the form upstream passed them, so an override of
+the step with its own signature is called as upstream calls it.
 """
 
 import contextvars
@@ -36,14 +30,12 @@ class Hook:
     target: str
     # `body(plan, step)`: runs in place of the method while the model has an active plan (`active_plan`).
     body: Callable
-    # The parameters of `target` the hook reads or changes by name: `check_upstream` checks that the model's method,
-    # and every override along its MRO, takes them.
+    # The parameters of `target` the hook reads or changes by name, which `check_upstream` checks every override takes.
     reads: tuple[str, ...]
     # Whether upstream `generate` passes `reads` by position (in this order): an override must take them there, or
     # pass `*args` on. Otherwise they come by keyword, and an override may take them through `**kwargs`.
     positional: bool
-    # `"left"` or `"right"`: the hook acts on calls padded on that side only; a call padded on the other side runs
-    # upstream's method without entering the hook. `None`: both sides.
+    # `"left"` or `"right"`: the hook acts on calls padded on that side only (`None`: both).
     side: str | None = None
 
 
@@ -91,9 +83,8 @@ def _upstream_parameters(target: str) -> tuple[dict[str, int], dict[str, Any]]:
 
 class StepArguments:
     """
-    The arguments of one call of a hooked step, as upstream passed them. `step[name]` reads one by the name upstream's
-    method (`GenerationMixin`'s, or `PreTrainedModel`'s) gives it (its default when upstream left it out),
-    `step[name] = value` changes it where it was passed, and `step.call()` runs the method the hook replaces.
+    The arguments of one call of a hooked step, as upstream passed them: `step[name]` reads one by upstream's name for
+    it (its default when left out), `step[name] = value` changes it where it was passed, `step.call()` runs the step.
     """
 
     __slots__ = ("original", "args", "kwargs", "_positions", "_defaults")
@@ -145,9 +136,8 @@ def make_hooked(entry: Hook, original: Callable, model) -> Callable:
 
 def hooked_method(model, state, entry: Hook, original: Callable) -> Callable:
     """
-    `make_hooked(entry, original, model)`, made once per model (kept in its `state.hooked`) and reused while it
-    replaces the same function bound to the same model (a class whose method is replaced later gets a new one, and so
-    does a deep copy of the model, whose state holds its original's).
+    `make_hooked(entry, original, model)`, made once per model (`state.hooked`) and reused while it replaces the same
+    function bound to the same model (not a deep copy's, whose state holds its original's).
     """
     function = getattr(original, "__func__", original)
     made = state.hooked.get(entry.target)
@@ -161,10 +151,7 @@ def hooked_method(model, state, entry: Hook, original: Callable) -> Callable:
 
 
 def wraps(wrapper: Callable, wrapped: Callable) -> Callable:
-    """
-    `functools.update_wrapper(wrapper, wrapped)`, at a fraction of its cost (a bucketed call installs a wrapper per
-    hook): the same attributes, `__wrapped__` included, which `inspect.signature` follows to the method's parameters.
-    """
+    """`functools.update_wrapper(wrapper, wrapped)` at a fraction of its cost (a call installs one per hook)."""
     try:
         wrapper.__module__, wrapper.__name__ = wrapped.__module__, wrapped.__name__
         wrapper.__qualname__, wrapper.__doc__ = wrapped.__qualname__, wrapped.__doc__

@@ -1,33 +1,20 @@
 """The hooks of a bucketed call on the model instance, and their installation: the steps of upstream `generate` that
-must see through the padding. Each is declared with `@hook` (`hook_registry.py`) where it is written, and listed in
-`HOOKS`, the one table of them, made here:
+must see through the padding, each declared with `@hook` (`hook_registry.py`) and listed in `HOOKS`:
 
-- `_prepare_generation_config`: upstream's own step ran once already, on the call as the user made it
-  (`resolved.ResolvedCall.settings`): its config goes on to upstream `generate`, which does not make it again.
-- `_prepare_generated_length`: `max_length` / `min_length` are resolved against the *unpadded* prompt, then shifted
-  by the padding, so they keep their meaning.
-- `_prepare_cache_for_generation`: a static cache without `max_cache_len` gets a bucketed length (`kvcache/sizing.py`), so
-  calls with different prompt lengths share one cache shape, and so one decode graph; its layers read windows
+- `_prepare_generation_config`: hands upstream the config `resolved.ResolvedCall.settings` prepared once already.
+- `_prepare_generated_length`: `max_length` / `min_length` resolved against the unpadded prompt, then shifted.
+- `_prepare_cache_for_generation`: a static cache gets a bucketed length (`kvcache/sizing.py`) and windows
   (`kvcache/windows.py`), and the call's graphs are accounted for (`budget.account_call`).
-- `_prepare_static_cache`: the cache the last call made and did not hand back, reset, in place of a new one of the
-  same shape (`kvcache.sizing.reuse_cache`): a workload makes its cache once.
-- `prepare_inputs_for_generation`: upstream skips the mask of a prompt that exactly fits its bucket (it drops an
-  all-ones 2D mask before prefill, and with SDPA builds no 4D mask: `is_causal`), a graph apart from every padded
-  prompt in the bucket. The hook puts the all-ones mask back and, while upstream builds the 4D mask, turns off the
-  SDPA skip (`masking_utils._ignore_causal_mask_sdpa`), so every prompt in a bucket reaches a compiled model with one
-  signature (an eager forward gets upstream's inputs as they are).
-- `get_compiled_call`: upstream's own compiled forward falls back to eager for a shape its backend fails on; a forward
-  of `aot_forward` is not compiled again.
-- `_valid_auto_compile_criteria`: whether upstream compiles the forward, decided once a call, for upstream too.
+- `_prepare_static_cache`: the cache the last call made, reset, in place of a new one (`kvcache.sizing.reuse_cache`).
+- `prepare_inputs_for_generation`: an exact fit keeps its all-ones mask and a 4D SDPA mask, so every prompt in a
+  bucket reaches a compiled model with one signature.
+- `get_compiled_call`: upstream's compiled forward falls back to eager for a shape its backend fails on.
+- `_valid_auto_compile_criteria`: whether upstream compiles the forward, decided once a call.
 - `_get_logits_processor`, `_get_stopping_criteria`, `_get_candidate_generator` (`views.py`): what reads token
-  content sees the ids without padding; the candidate counts the generator drafts are accounted for
-  (`budget.account_candidates`).
-- `_prefill` (`prefill_right.py`), on a right-padded call only: one forward of the prompt padded after its end to the
-  bucket, with no mask, then the cache's length set to the prompt's. Upstream, which sees the unpadded prompt, does
-  everything else; the hooks above have nothing to undo (`added_id_columns == 0`).
+  content sees the ids without padding.
+- `_prefill` (`prefill_right.py`), on a right-padded call only: the prompt padded after its end, in one forward.
 
-Every hook acts only for the model and the context whose plan is active (`bucketed_call`), so concurrent calls, on
-one model or several, don't see each other's plans.
+Every hook acts only for the model and the context whose plan is active (`bucketed_call`).
 """
 
 import contextlib
@@ -117,7 +104,7 @@ def _prepare_generated_length(plan, step):
 )
 def _prepare_cache_for_generation(plan, step):
     generation_config, model_kwargs = step["generation_config"], step["model_kwargs"]
-    creates_static = plan.makes_static_cache
+    creates_static = plan.call.cache is None and plan.call.static_cache  # `generate` makes the call a static cache
     if not (creates_static or getattr(passed_cache(model_kwargs), "is_compileable", False)):
         # No static cache: nothing to size or window. Whether the forwards are compiled (by the user, or by upstream for
         # a compileable cache it makes) is known once the cache is.
@@ -145,24 +132,22 @@ def _prepare_cache_for_generation(plan, step):
     if creates_static:
         plan.run.made_cache = cache
     _learn_cache(plan, cache)
-    rows = plan.padded_rows
     plan.run.auto_compile, plan.run.compiled, plan.run.fullgraph, plan.run.generic_prefill = call_compilation(
         plan.model, model_kwargs, generation_config
     )
     if creates_static and plan.run.compiled and cache is not None:
-        plan.run.allocated_early = early_initialize(plan.model, cache, rows)
-    # What prefill runs on: the padded prompt, or, continuing from a cache, the tokens it lacks.
-    prefill = plan.right.bucket if plan.right is not None else plan.padded_length - plan.cached_tokens
+        plan.run.allocated_early = early_initialize(plan.model, cache, plan.padded_rows)
     # The user's chunks have one length already: a chunked prefill stays static (`generic_prefill` off).
     plan.run.generic_prefill &= generation_config.prefill_chunk_size is None
-    _prefill_through_compiled_call(plan, generation_config, prefill, cache)
-    if plan.run.generic_prefill and plan.cached_tokens == 0:
-        plan.run.query_window_tokens = prefill  # the first forward fills the empty cache: it reads its own slots
+    _prefill_through_compiled_call(plan, generation_config, cache)
+    if plan.run.generic_prefill and plan.call.past_length == 0:
+        # The first forward fills the empty cache: it reads its own slots.
+        plan.run.query_window_tokens = plan.prefill_tokens
     if plan.run.compiled:
         embeds = model_kwargs.get("inputs_embeds") is not None
-        plan.run.prefill_tokens = prefill
+        plan.run.prefill_tokens = plan.prefill_tokens
         plan.run.expected_graphs = account_call(
-            plan, rows, prefill, generation_config.prefill_chunk_size, step["max_cache_length"], embeds
+            plan, generation_config.prefill_chunk_size, step["max_cache_length"], embeds
         )
     plan.run.recompile_limit = torch_api.recompile_limit()
     return result
@@ -178,12 +163,13 @@ def _learn_cache(plan, cache) -> None:
         plan.run.key_layouts = key_layouts(cache)  # read now: the layers' classes change while the call runs
 
 
-def _prefill_through_compiled_call(plan, generation_config, prefill: int, cache) -> None:
+def _prefill_through_compiled_call(plan, generation_config, cache) -> None:
     """
-    Upstream compiles decode only and runs prefill eagerly, since prefill shapes are unbounded. Here they are the
-    buckets: one chunk of the padded prompt (`prefill` tokens) sends prefill through the same compiled call, as
-    upstream's chunked prefill (which reads `cache`'s length). Warns when a chunk size set does not divide it.
+    Sends an auto-compiled call's prefill through the compiled forward as one chunk of upstream's chunked prefill
+    (upstream runs prefill eagerly: its shapes are unbounded, here they are the buckets). Warns when a chunk size set
+    does not divide the prefill.
     """
+    prefill = plan.prefill_tokens
     if (
         plan.run.auto_compile
         and plan.right is None
@@ -238,7 +224,7 @@ def prepare_inputs_for_generation(plan, step):
         model_inputs = step.call()
         if plan.right is None:
             _check_mask_passed_on(plan, step["attention_mask"], model_inputs)
-        _before_forward(plan, model_inputs, tokens)
+        _before_forward(plan, model_inputs, tokens, _new_tokens(model_inputs))
         return model_inputs
     attention_mask = step["attention_mask"]
     if attention_mask is None:
@@ -254,15 +240,15 @@ def prepare_inputs_for_generation(plan, step):
     finally:
         _MATERIALIZE_SDPA_MASK.reset(token)
     _check_mask_passed_on(plan, attention_mask, model_inputs)
-    _materialize_recurrent_masks(model_inputs, attention_mask)
-    _before_forward(plan, model_inputs, tokens)
+    new = _new_tokens(model_inputs)
+    _materialize_recurrent_masks(model_inputs, attention_mask, new)
+    _before_forward(plan, model_inputs, tokens, new)
     # Chunked prefill slices per-token inputs out of the whole prompt's: views whose strides depend on the prompt
     # length, which a compiled forward guards on. Fresh copies give every chunk of every prompt one signature.
     for key in PER_TOKEN_KWARGS:
         value = model_inputs.get(key)
         if isinstance(value, torch.Tensor) and value.ndim >= 2 and key != "attention_mask":
             model_inputs[key] = value.clone(memory_format=torch.contiguous_format)
-    new = _new_tokens(model_inputs)
     if plan.run.generic_prefill and new == plan.run.prefill_tokens and new > 1:
         # The forward of the whole prefill: one graph for every bucket (chunks have one length already).
         mark_prefill_dynamic(model_inputs, new, tokens if tokens is not None else new)
@@ -287,18 +273,17 @@ def _check_mask_passed_on(plan, attention_mask, model_inputs: dict) -> None:
         )
 
 
-def _before_forward(plan, model_inputs: dict, tokens: int | None) -> None:
+def _before_forward(plan, model_inputs: dict, tokens: int | None, new: int | None) -> None:
     """
-    Before each forward upstream prepared (`model_inputs`), after which the cache holds `tokens` tokens (`None` for a
-    cache without windows): a 2D mask cut to the window (`mask_to_window`); then, if compiled, torch's recompile limit
-    put back to the call's before every prompt forward and the first decode step (upstream lowers it before a chunked
-    prefill, on transformers < 5.23), and the window a decode step reads, for the budget (`check_compiled`).
+    Before each forward of `new` tokens, after which the cache holds `tokens` (`None`: no windows): the mask cut to the
+    window; if compiled, the call's recompile limit put back (transformers < 5.23's chunked prefill lowers it) before
+    every prompt forward and the first decode step, and the window a decode step reads recorded for the budget.
     """
     if tokens is not None:
         mask_to_window(plan.run.windowed_cache, model_inputs)
     if plan.run.compiled is False:
         return
-    decode = _new_tokens(model_inputs) == 1
+    decode = new == 1
     if not (decode and plan.run.decoding):
         restore_recompile_limit(plan.run.recompile_limit)
     plan.run.decoding = decode
@@ -308,22 +293,19 @@ def _before_forward(plan, model_inputs: dict, tokens: int | None) -> None:
             mark_decode_static(model_inputs)
 
 
-def _materialize_recurrent_masks(model_inputs: dict, attention_mask) -> None:
+def _materialize_recurrent_masks(model_inputs: dict, attention_mask, new: int | None) -> None:
     """
-    A hybrid model's recurrent layers get `None` for an all-ones 2D mask (an exact fit), else the padding mask: two
-    graphs per bucket. The all-ones mask gives exact fits their bucket's signature; multiplying by ones changes nothing.
+    A hybrid model's recurrent layers get `None` for an exact fit's all-ones mask, else the padding mask: two graphs
+    per bucket. The all-ones mask gives exact fits their bucket's signature (multiplying by ones changes nothing).
     """
     masks = model_inputs.get("attention_mask")
     if not isinstance(masks, dict) or not isinstance(attention_mask, torch.Tensor) or attention_mask.ndim != 2:
         return
-    tokens = model_inputs.get("input_ids")
-    if tokens is None:
-        tokens = model_inputs.get("inputs_embeds")
-    if tokens is None or tokens.shape[1] <= 1:  # decode steps never get a recurrent mask
+    if new is None or new <= 1:  # decode steps never get a recurrent mask
         return
     for key in transformers_api.recurrent_mask_keys():
         if key in masks and masks[key] is None:
-            masks[key] = attention_mask[:, -tokens.shape[1] :].contiguous()
+            masks[key] = attention_mask[:, -new:].contiguous()
 
 
 def _sdpa_mask_skip(original):
@@ -417,10 +399,7 @@ def _uninstall(model, state) -> None:
 
 @contextlib.contextmanager
 def bucketed_call(plan):
-    """
-    Makes `plan` the active plan of this thread (and task) and installs the hooks on the model instance while any
-    bucketed call on it runs; the last call to return removes them.
-    """
+    """Makes `plan` this context's active plan, with the hooks installed on its model while any bucketed call runs."""
     model = plan.model
     state = state_of(model)
     installed, token = False, None

@@ -1,12 +1,8 @@
-"""The facts of one call that the rows of the decision (`decision.DECISION`) read, each computed once, when a row first
-asks (so only after the rows before it did not apply): `RuleFacts`.
+"""The facts of one call that the rows of the decision (`decision.DECISION`) read: `RuleFacts`.
 
-Right padding puts the pad tokens after the prompt: prefill runs the prompt with no attention mask (causal SDPA, as
-upstream runs an unpadded prompt), the first new token comes from the logits at the prompt's last position, and
-decode starts at the prompt's length, overwriting the pad slots of the static cache one by one (the causal mask hides
-those not yet written). Rows of different lengths (a batch the tokenizer padded on the left) are padded each after its
-own end, and decode masks each row's pad slots (`prefill_right.py`). That is exact only where every layer can forget
-the pads and each row's positions follow its tokens: the decision's `left` rows say where it is not.
+Right padding (`prefill_right.py`: the prompt run with no mask, pads after it, each row's after its own end) is exact
+only where every layer can forget the pads and each row's positions follow its tokens: the decision's `left` rows say
+where it is not.
 """
 
 from functools import cached_property
@@ -31,10 +27,7 @@ _RIGHT_INPUTS = ("input_ids", "inputs_embeds", "attention_mask", "cache", "past_
 
 
 class RuleFacts:
-    """
-    What the decision's rows (`table`) read of one call (a `ResolvedCall`), each derived fact read once, when a row first
-    asks (so only after the rows before it did not apply).
-    """
+    """What the decision's rows (`table`) read of one `ResolvedCall`: each fact computed once, when first asked."""
 
     def __init__(self, call, table):
         self.call, self.table = call, table
@@ -171,22 +164,22 @@ class RuleFacts:
             self.not_right or (self.call.inputs_embeds is None and ids.dtype in (torch.long, torch.int))
         ):
             return None
-        return _error_of(self.settings.check_ids_in_vocabulary, ids)
+        try:
+            self.settings.check_ids_in_vocabulary(ids)
+        except ValueError as error:
+            return str(error)
+        return None
 
     @cached_property
     def padded_length(self) -> int:
-        """
-        A left-padded prompt's length: a continued conversation's, with the padding its cache holds in front; else
-        its bucket (`capped_bucket`, which logs what happened to a prompt outside the buckets)."""
+        """A left-padded prompt's length: with the padding a continued cache holds, else its `capped_bucket`."""
         if self.continued is not None:
             return self.prompt_length + self.continued.columns
         return capped_bucket(self.settings, self.prompt_length)
 
     @cached_property
     def room(self) -> tuple[str | None, str | None]:
-        """
-        A left-padded call against the cache it writes (`room_reason`): `(why it can't run, why it runs unpadded)`,
-        `(None, None)` where it fits. It can't run where the cache holds a bucketed call's padding."""
+        """A left-padded call against its cache (`room_reason`): `(why it can't run, why it runs unpadded)`."""
         try:
             return None, room_reason(
                 self.settings, self.cache, self.continued is not None, self.prompt_length, self.padded_length
@@ -196,9 +189,7 @@ class RuleFacts:
 
     @cached_property
     def continued_rows(self) -> int | str | None:
-        """
-        The rows a call that continues a bucketed call's cache runs with (`_continued_rows`), why they can't line up
-        (a string), or `None` for a call that continues none."""
+        """The rows a call continuing a bucketed call's cache runs with, why they can't (a string), or `None`."""
         return _continued_rows(self) if self.continued is not None else None
 
     @cached_property
@@ -238,9 +229,7 @@ class RuleFacts:
 
     @cached_property
     def pad_id_outside_vocabulary(self) -> bool:
-        """
-        Whether rows that finish early would be fed a `pad_token_id` outside the vocabulary (no beam search, which
-        feeds no finished beam): upstream's embedding then fails (an index error on CPU, a device assert on CUDA)."""
+        """Whether rows that finish early would be fed a `pad_token_id` outside the vocabulary (not in beam search)."""
         settings = self.settings
         if settings.pad_token_id is None or settings.vocab_size is None or settings.num_beams > 1:
             return False
@@ -249,11 +238,10 @@ class RuleFacts:
     @cached_property
     def finished_rows_error(self) -> str | None:
         """
-        Why the rows that finish early can't be fed `pad_token_id` (`pad_id_outside_vocabulary`), or `None`: an
-        error where a user's row can finish early, one of several, by an eos id in the vocabulary, `stop_strings` or
-        stopping criteria."""
-        settings = self.settings
-        rows = self.rows * settings.rows_per_prompt
+        Why the rows that finish early can't be fed `pad_token_id` (`pad_id_outside_vocabulary`), where one of several
+        user rows can finish early (an eos id in the vocabulary, `stop_strings`, stopping criteria), or `None`.
+        """
+        settings, rows = self.settings, self.call.output_rows
         if not self.pad_id_outside_vocabulary or rows <= 1:
             return None
         can_finish_early = [
@@ -279,45 +267,28 @@ class RuleFacts:
 
     @cached_property
     def finished_rows_pad_id(self) -> int | None:
-        """
-        The id the rows that finish early are fed instead of `pad_token_id` (outside the vocabulary, where no user
-        row can finish early: the dummy rows of `prefill_batch_buckets` finish at once), or `None`."""
+        """The id dummy rows are fed in place of a `pad_token_id` outside the vocabulary, or `None`."""
         if self.pad_id_outside_vocabulary and self.padded_batch > self.rows:
             return self.settings.fill_token_id
         return None
 
 
-def _error_of(check, *args) -> str | None:
-    """The message of the `ValueError` `check(*args)` raises, or `None`."""
-    try:
-        check(*args)
-    except ValueError as error:
-        return str(error)
-    return None
-
-
-def _continued_rows(call: "RuleFacts") -> int | str:
+def _continued_rows(facts: "RuleFacts") -> int | str:
     """
-    The rows a call that continues a bucketed call's cache runs with: the cache's. Where the cache holds the rows the
-    call that filled it left (its rows, then the dummy rows of `prefill_batch_buckets`), the call passes the rows it
-    generated, and the dummy rows come back; where the user has selected rows since (`batch_select_indices`), it passes
-    those. Any other count is an error, returned as its message: the rows would not line up (a dummy row's tokens are
-    nobody's).
+    The rows a call that continues a bucketed call's cache runs with: the cache's, where it passes the rows that call
+    generated (its dummy rows come back) or the ones selected since (`batch_select_indices`); else the error message.
     """
-    continued, expand = call.continued, call.settings.rows_per_prompt  # upstream runs each prompt as `expand` rows
-    held = call.passed.rows if call.passed.rows is not None else continued.padded_rows
-    if held % expand == 0:
-        if held == continued.padded_rows:
-            if call.rows * expand == continued.rows:
-                return held // expand
-        elif call.rows * expand == held:
-            return held // expand
-    dummy_rows = continued.padded_rows - continued.rows if held == continued.padded_rows else 0
+    continued, expand = facts.continued, facts.settings.rows_per_prompt  # upstream runs each prompt as `expand` rows
+    held = facts.passed.rows if facts.passed.rows is not None else continued.padded_rows
+    as_filled = held == continued.padded_rows  # else a selection of them
+    if held % expand == 0 and facts.call.output_rows == (continued.rows if as_filled else held):
+        return held // expand
+    dummy_rows = continued.padded_rows - continued.rows if as_filled else 0
     dummies = f", then {count(dummy_rows, 'dummy row')} of `{PREFILL_BATCH_BUCKETS}`" if dummy_rows else ""
     each = f" of {expand} rows each" if expand > 1 else ""
     return (
         f"The cache passed in holds {held} rows (the {count(held - dummy_rows, 'row')} of the call that filled it"
-        f"{dummies}), but this call has {count(call.rows, 'prompt')}{each}. Continue a cache with the rows that "
+        f"{dummies}), but this call has {count(facts.rows, 'prompt')}{each}. Continue a cache with the rows that "
         "filled it, one prompt each (a returned `sequences`, with your new tokens)."
     )
 
@@ -329,7 +300,8 @@ def count(number: int, thing: str) -> str:
 def capped_bucket(settings: CallSettings, prompt_length: int, warn: bool = True) -> int:
     """
     The bucket of a prompt, capped at the model's `max_position_embeddings` (a longer prompt is not padded). With
-    `warn`, logs what happened to a prompt outside the buckets, one warning per call (`warn_long_prompt`)."""
+    `warn`, logs what happened to a prompt outside the buckets (`warn_long_prompt`).
+    """
     padded_length = settings.policy.bucket(prompt_length)
     max_positions = settings.max_positions
     if max_positions is not None and padded_length > max_positions:
@@ -344,12 +316,8 @@ def capped_bucket(settings: CallSettings, prompt_length: int, warn: bool = True)
 
 def warn_long_prompt(settings: CallSettings, prompt_length: int, padded_length: int, uncapped: int | None = None):
     """
-    The one warning for a prompt outside the buckets, saying what was done with it; nothing for a prompt inside them.
-
-    - longer than `max_position_embeddings`: not padded, so each such length is a graph of its own;
-    - its bucket (`uncapped`) longer than `max_position_embeddings`: padded to that instead. Every such prompt gets
-      that one length, so the text names no prompt, and it is logged once;
-    - longer than the largest listed bucket: padded to a multiple of it, a graph per such length.
+    The one warning for a prompt outside the buckets (longer than `max_position_embeddings`, a bucket longer than that
+    (`uncapped`), or longer than the largest bucket), saying what was done with it.
     """
     policy, max_positions = settings.policy, settings.max_positions
     if uncapped is not None and padded_length == prompt_length and prompt_length > max_positions:
@@ -376,11 +344,7 @@ def warn_long_prompt(settings: CallSettings, prompt_length: int, padded_length: 
 
 
 def _ragged_reason(model, mask, prompt, past_length: int, cache, slots: int) -> str | None:
-    """
-    Why rows of different lengths (zeros in `mask`, the call's `rows_mask`: passed, or inferred from pad tokens as
-    upstream infers it) can't be right-padded each after its own end, or `None` when they can (or the rows are all one
-    length).
-    """
+    """Why rows of different lengths (zeros in `mask`, the call's `rows_mask`) can't be right-padded, or `None`."""
     if not isinstance(mask, torch.Tensor) or bool(mask.all()):
         return None
     if mask.ndim != 2 or prompt is None or mask.shape != prompt.shape[:2]:

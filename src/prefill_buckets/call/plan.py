@@ -1,14 +1,9 @@
-"""The plan of one bucketed call: what it adds to the inputs (`Plan`, frozen), which the hooks and
-`views.strip_output` read, made by `plan_call` from the call's decision; and what the call learns as it runs
-(`CallRun`, the hooks write it).
+"""Step 4 of a bucketed call: the frozen `Plan` of what it adds to the inputs (`plan_call`), which the hooks and
+`views.strip_output` read, and what the call learns as it runs (`CallRun`, the hooks write it).
 
-On the left the prompt gets columns in front (masked); a right-padded call passes the prompt on as it is, and the
-`_prefill` hook (`prefill_right.py`) pads it after its end. Dummy rows pad the batch to its batch bucket
-(`prefill_batch_buckets`): finished from the first step (`views.DummyRowsFinished`), so they never keep generation
-going, and `views.strip_output` drops them.
-
-Pure input rewriting, of a call whose padding is decided (`decision.choose_side`: the side, the padded length, the
-padded batch, every check made): the user's dicts and tensors are never modified, new ones are returned with the plan.
+On the left the prompt gets masked columns in front; on the right it goes on as passed, and the `_prefill` hook
+(`prefill_right.py`) pads it after its end. Dummy rows pad the batch to its batch bucket, finished from the first step.
+The user's dicts and tensors are never modified.
 """
 
 from dataclasses import dataclass, field, replace
@@ -57,40 +52,30 @@ class CallRun:
 
     recompile_limit: int | None = None  # torch's limit once the call's graphs are accounted for
     expected_graphs: Any = None  # with a compiled forward: what the call expects to compile (`budget.CallGraphs`)
-    prefill_tokens: int = 0  # the tokens its first forward runs: the padded prompt, less those a passed cache holds
+    # The tokens of the prefill it expects to compile (`Plan.prefill_tokens`), once its static cache is made; else 0.
+    prefill_tokens: int = 0
     static_cache_length: int | None = None  # slots of the call's static cache, once it is made
-    # Whether upstream compiles the forward itself (`transformers_api.valid_auto_compile`), and whether the call's forwards are
-    # compiled at all (that, or the user's compiled forward): decided in the cache step (`None` until then); eager forwards
-    # get upstream's inputs as they are (`hooks.prepare_inputs_for_generation`).
+    # Whether upstream compiles the forward itself, and whether the forwards are compiled at all (by upstream or the
+    # user): decided in the cache step (`None` until then). Eager forwards get upstream's inputs as they are.
     auto_compile: bool | None = None
     compiled: bool | None = None
-    # Upstream's verdict on auto-compiling, and the generation config and cache it was asked of (`hooks.py`).
-    auto_compile_asked: tuple = ()
-    # Whether the compiled forward was compiled with `fullgraph=True`; without, a graph break starts frames that torch
-    # counts against the forward's recompile limit, which the budget leaves room for (`budget.make_room`).
-    fullgraph: bool = False
-    # Whether the call's prefill is shape-generic (`compiled_calls.call_compilation`): its token dimension marked
-    # symbolic, one graph for every bucket; and the tokens of a first forward that fills the empty cache, which then
-    # reads the slots of its own tokens (`windows.QUERY_WINDOW`; `None`: a cache holding tokens, or chunks).
+    auto_compile_asked: tuple = ()  # upstream's verdict on auto-compiling, and the config and cache it was asked of
+    fullgraph: bool = False  # without `fullgraph=True`, graph breaks start frames the budget leaves room for
+    # Whether the prefill is shape-generic (one graph, its length symbolic, for every bucket); and the tokens of a
+    # first forward into the empty cache, which reads its own tokens' slots (`windows.QUERY_WINDOW`).
     generic_prefill: bool = False
     query_window_tokens: int | None = None
     windowed_cache: Any = None  # the static cache whose full-attention layers read windows (`kvcache/windows.py`)
     reads_windows: bool = False  # whether its full-attention layers read windows (`windows.has_windows`)
     decoding: bool = False  # whether the last forward prepared was a decode step (`hooks._before_forward`)
-    # Whether upstream `generate` has been handed the call's prepared generation config (`hooks._prepare_generation_config`).
-    generation_config_handed: bool = False
-    # How each layer of the call's static cache lays out the keys it reads (`kvcache.attention_keys.key_layouts`), for the
-    # attentions `views.strip_output` returns; `None`: no static cache.
-    key_layouts: tuple | None = None
-    # The windows the call's decode steps (1-token forwards) read (`None`: a cache without windows), for the budget.
-    decode_windows_read: set = field(default_factory=set)
-    # The static cache made for the call (`None`: a cache passed in, or none): kept for the next call
-    # (`kvcache.sizing.keep_cache`), reset up to the tokens it holds once the call returns, or up to the slots a
-    # right-padded prefill wrote past the prompt (`slots_written`, its pads), when that is more.
+    generation_config_handed: bool = False  # whether upstream `generate` got the prepared config
+    key_layouts: tuple | None = None  # how the static cache's layers lay out the keys they read, for the attentions
+    decode_windows_read: set = field(default_factory=set)  # the windows the decode steps read, for the budget
+    # The static cache made for the call, kept for the next call (`kvcache.sizing.keep_cache`) and reset up to the
+    # slots it wrote (`slots_written` counts a right-padded prefill's pads); the length upstream made it for (0:
+    # another step made it), and whether it was allocated before the first forward (else it is not kept).
     made_cache: Any = None
     slots_written: int = 0
-    # The length upstream's `_prepare_static_cache` made it for (0: another step made it), and whether it was allocated
-    # before the first forward (`kvcache.sizing.early_initialize`): else it is not kept.
     made_cache_slots: int = 0
     allocated_early: bool = False
 
@@ -100,7 +85,6 @@ class Plan:
     """What one bucketed `generate` call does to its inputs, read by the hooks while the call runs."""
 
     call: ResolvedCall  # the call, as step 1 resolved it: its model, settings, rows and cache are read there
-    prompt_length: int  # tokens in the prompt as the user passed it (their own padding included)
     # Tokens in the prompt upstream `generate` sees: the bucket on the left; on the right the prompt as passed (the
     # `_prefill` hook pads it to `right.bucket`).
     padded_length: int
@@ -119,24 +103,9 @@ class Plan:
         return self.call.settings
 
     @property
-    def batch_size(self) -> int:
-        """The prompts the user passed."""
-        return self.call.rows
-
-    @property
-    def rows(self) -> int:
-        """The output rows the user gets: batch * max(num_beams, num_return_sequences)."""
-        return self.call.output_rows
-
-    @property
-    def cached_tokens(self) -> int:
-        """The tokens the cache passed in holds before the call (0: a cache `generate` makes)."""
-        return self.call.past_length
-
-    @property
-    def makes_static_cache(self) -> bool:
-        """Whether `generate` makes the call a static cache (it passes none)."""
-        return self.call.makes_static_cache
+    def prompt_length(self) -> int:
+        """Tokens in the prompt as the user passed it (their own padding included)."""
+        return self.call.prompt_length
 
     @property
     def side(self) -> str:
@@ -146,7 +115,12 @@ class Plan:
     @property
     def prompt_slots(self) -> int:
         """The cache slots prefill fills: the padded prompt, or on the right the cached tokens plus the bucket."""
-        return self.padded_length if self.right is None else self.cached_tokens + self.right.bucket
+        return self.padded_length if self.right is None else self.call.past_length + self.right.bucket
+
+    @property
+    def prefill_tokens(self) -> int:
+        """The tokens prefill runs: the slots it fills, less those the cache passed in holds."""
+        return self.prompt_slots - self.call.past_length
 
     @property
     def added_positions(self) -> int:
@@ -156,18 +130,15 @@ class Plan:
 
 def plan_call(call: ResolvedCall, side: PaddingSide) -> tuple[Plan, dict, dict]:
     """
-    The plan of a bucketed call padded as `side` says (`side.side`: `"left"` or `"right"`), and the arguments
-    upstream `generate` runs with. On the left the prompt and its per-token inputs are padded in front to
-    `side.padded_length`; on the right they go on as passed, and the `_prefill` hook pads them. Then the batch is
-    padded to `side.padded_batch`, and rows that finish early fed `side.finished_rows_pad_id`.
-
-    Raises `ValueError` for inputs padding can't serve.
+    The plan of a call padded as `side` says, and the arguments upstream `generate` runs with: the prompt padded in
+    front (left) or passed on as it is (right), then the batch padded with dummy rows. Raises `ValueError` for inputs
+    padding can't serve.
     """
     if side.side == "right":
         plan, arguments, model_kwargs = _plan_right(call, side)
     else:
         plan, arguments, model_kwargs = _pad_prompt(call, side.padded_length)
-    if side.padded_batch is not None and side.padded_batch > plan.batch_size:
+    if side.padded_batch is not None and side.padded_batch > call.rows:
         plan, arguments, model_kwargs = _pad_rows(plan, arguments, model_kwargs, side.padded_batch)
     if side.finished_rows_pad_id is not None:
         # Dummy rows are finished: fed an id in the vocabulary. The config is the call's own (`hooks.py` hands it on).
@@ -175,9 +146,12 @@ def plan_call(call: ResolvedCall, side: PaddingSide) -> tuple[Plan, dict, dict]:
     return plan, arguments, model_kwargs
 
 
-def _default_attention_mask(settings: CallSettings, input_ids: torch.Tensor) -> torch.Tensor:
-    """The mask upstream infers when none is passed (`resolved.inferred_mask`), or all ones where it infers none."""
-    mask = inferred_mask(settings, input_ids)
+def _default_attention_mask(call: ResolvedCall, input_ids: torch.Tensor) -> torch.Tensor:
+    """
+    The mask upstream infers for `input_ids` passed without one (`resolved.inferred_mask`; for the prompt the call
+    passes, its `rows_mask`), or all ones where it infers none.
+    """
+    mask = call.rows_mask if input_ids is call.prompt else inferred_mask(call.settings, input_ids)
     return mask if mask is not None else torch.ones(input_ids.shape[:2], dtype=torch.long, device=input_ids.device)
 
 
@@ -198,7 +172,7 @@ def _pad_prompt(call: ResolvedCall, padded_length: int):
     if model_kwargs.get("attention_mask") is None:
         mask_source = input_ids if input_ids is not None and input_ids.shape[1] == prompt_length else None
         if mask_source is not None:
-            model_kwargs["attention_mask"] = _default_attention_mask(settings, mask_source)
+            model_kwargs["attention_mask"] = _default_attention_mask(call, mask_source)
             if mask_source.shape[0] > 1 and not settings.pad_token_is_inferable:
                 # Upstream warns about this itself, but only when no mask is passed: this call passes one.
                 logger.warning_once(
@@ -207,9 +181,8 @@ def _pad_prompt(call: ResolvedCall, padded_length: int):
                     "upstream `generate` does). If the batch is padded, pass its `attention_mask`."
                 )
         else:
-            batch_size = inputs_embeds.shape[0]
             model_kwargs["attention_mask"] = torch.ones(
-                batch_size, prompt_length, dtype=torch.long, device=inputs_embeds.device
+                call.rows, prompt_length, dtype=torch.long, device=inputs_embeds.device
             )
 
     added_id_columns = 0
@@ -239,7 +212,7 @@ def _pad_prompt(call: ResolvedCall, padded_length: int):
     if streamer is not None and added_id_columns > 0:
         arguments["streamer"] = PromptStrippingStreamer(streamer, added_id_columns)
 
-    return _plan_of(call, prompt_length, padded_length, added_id_columns), arguments, model_kwargs
+    return _plan_of(call, padded_length, added_id_columns), arguments, model_kwargs
 
 
 def _line_up_with_ragged_rows(attention_mask: torch.Tensor, ragged: torch.Tensor) -> torch.Tensor:
@@ -266,24 +239,19 @@ def _plan_right(call: ResolvedCall, side: PaddingSide) -> tuple:
     The plan of a right-padded call: the prompt goes to upstream unpadded, and the `_prefill` hook pads it to
     `side.bucket`. Returns the plan and the call arguments.
     """
-    settings = call.settings
     arguments, model_kwargs = call.arguments, dict(call.model_kwargs)
-    input_ids, inputs_embeds = call.input_ids, call.inputs_embeds
-    if input_ids is None and inputs_embeds is None:  # upstream would start from a lone BOS token: made here, as left
-        input_ids = model_kwargs["input_ids"] = bos_prompt(call.model, settings, model_kwargs)
-    prompt = inputs_embeds if inputs_embeds is not None else input_ids
-    prompt_length = prompt.shape[1]
+    if call.input_ids is None and call.inputs_embeds is None:  # upstream would start from a lone BOS token: as left
+        model_kwargs["input_ids"] = bos_prompt(call.model, call.settings, model_kwargs)
     if call.rows_mask is not None:  # passed, or inferred from pad tokens as upstream infers it
         model_kwargs["attention_mask"] = call.rows_mask
     right = RightPadding(bucket=side.bucket, ragged=call.ragged)
-    return _plan_of(call, prompt_length, prompt_length, 0, right), arguments, model_kwargs
+    return _plan_of(call, call.prompt_length, 0, right), arguments, model_kwargs
 
 
-def _plan_of(call: ResolvedCall, prompt_length: int, padded_length: int, added_id_columns: int, right=None) -> Plan:
+def _plan_of(call: ResolvedCall, padded_length: int, added_id_columns: int, right=None) -> Plan:
     """The plan of `call`, its prompt padded as given, its batch as passed (`_pad_rows` adds dummy rows)."""
     return Plan(
         call,
-        prompt_length=prompt_length,
         padded_length=padded_length,
         added_id_columns=added_id_columns,
         padded_batch=call.rows,
@@ -294,10 +262,8 @@ def _plan_of(call: ResolvedCall, prompt_length: int, padded_length: int, added_i
 
 def _pad_rows(plan: Plan, arguments: dict, model_kwargs: dict, padded_batch: int):
     """
-    Appends dummy rows up to `padded_batch` (the batch bucket `decision.choose_side` chose): one unmasked pad token
-    each (a fully masked row would give NaNs), no other inputs; on the right, a row of unmasked pad tokens as long as
-    the prompt (all rows one length). A stopping criterion marks them finished from the first step, so they never keep
-    generation going, and `views.strip_output` drops them.
+    Appends dummy rows up to `padded_batch`: one unmasked pad token each on the left (a fully masked row gives NaNs),
+    all unmasked on the right; finished from the first step (`views.DummyRowsFinished`), dropped by `strip_output`.
     """
     model, settings = plan.model, plan.settings
     if plan.right is not None and arguments.get("inputs") is not None:
@@ -305,8 +271,7 @@ def _pad_rows(plan: Plan, arguments: dict, model_kwargs: dict, padded_batch: int
         model_kwargs = dict(model_kwargs, input_ids=arguments.pop("inputs"))
     input_ids = model_kwargs.get("input_ids")
     prompt = model_kwargs["inputs_embeds"] if model_kwargs.get("inputs_embeds") is not None else input_ids
-    batch_size = prompt.shape[0]
-    expand = settings.rows_per_prompt
+    batch_size, user_rows = plan.call.rows, plan.call.output_rows  # the user's prompts, and the rows made of them
 
     extra = padded_batch - batch_size
     fill_token_id = settings.fill_token_id
@@ -340,13 +305,13 @@ def _pad_rows(plan: Plan, arguments: dict, model_kwargs: dict, padded_batch: int
             model_kwargs[key] = torch.cat([value, value.new_zeros(shape)], dim=row_dim)
 
     criteria = StoppingCriteriaList(arguments.get("stopping_criteria") or [])
-    criteria.append(DummyRowsFinished(first_dummy_row=batch_size * expand))
+    criteria.append(DummyRowsFinished(first_dummy_row=user_rows))
     arguments = dict(arguments, stopping_criteria=criteria)
-    plan = replace(plan, padded_rows=padded_batch * expand, padded_batch=padded_batch)
+    plan = replace(plan, padded_rows=padded_batch * settings.rows_per_prompt, padded_batch=padded_batch)
     if isinstance(arguments.get("streamer"), PromptStrippingStreamer):
-        arguments["streamer"].rows = batch_size * expand
+        arguments["streamer"].rows = user_rows
     elif arguments.get("streamer") is not None:
-        arguments["streamer"] = PromptStrippingStreamer(arguments["streamer"], 0, rows=batch_size * expand)
+        arguments["streamer"] = PromptStrippingStreamer(arguments["streamer"], 0, rows=user_rows)
     return plan, arguments, model_kwargs
 
 

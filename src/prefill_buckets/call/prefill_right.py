@@ -1,17 +1,13 @@
 """
-The prefill of a right-padded call, in place of upstream's `_prefill` (installed as a hook by `hooks.py`): one forward
-of the prompt padded after its end to the bucket, with no attention mask (causal attention never lets a prompt token
-see the padding after it), logits for the prompt's last position only, then the cache's length set back to the
-prompt's, so decode writes its first token over the first pad slot. Upstream, which sees the unpadded prompt, does
-everything else.
+The prefill of a right-padded call, in place of upstream's `_prefill`: one forward of the prompt padded after its end
+to the bucket, with no attention mask (causal attention never lets a prompt token see the pads after it), logits for
+the prompt's last position only, then the cache's length set back to the prompt's, so decode writes over the first pad
+slot. Upstream, which sees the unpadded prompt, does everything else.
 
-Rows of different lengths (a batch the tokenizer padded on the left, with its mask; `decision.py` says when) are
-padded each after its own end: row i's `L_i` tokens go to positions and cache slots `0..L_i-1`, pads after them. Its
-first new token comes from the logits at `L_i - 1`, gathered per row from those of a fixed number of positions (an index
-tensor: one graph per bucket and batch size, whatever the lengths). Decode then runs as upstream's, on the prompt as
-the user passed it: every row writes step t at slot `S + t` (S the prompt's width), and the mask upstream carries is
-swapped for one of the cache's layout, which hides row i's slots `[L_i, S)`. Upstream's position ids, taken from the
-user's mask, continue at `L_i + t`.
+Rows of different lengths are padded each after its own end: row i's `L_i` tokens go to slots `0..L_i-1`, and its
+first new token comes from the logits at `L_i - 1`, gathered from a fixed number of positions (one graph per bucket and
+batch size). Decode then runs as upstream's on the prompt as passed: step t writes slot `S + t` (S the prompt's width),
+with a mask of the cache's layout that hides row i's slots `[L_i, S)`.
 """
 
 import contextlib
@@ -52,7 +48,7 @@ def prefill_right(plan: Plan, step):
     compiled = plan.run.compiled is not False or is_aot_forward(model)
     if compiled and not all(getattr(layer, "is_initialized", True) for layer in cache.layers):
         plan.run.allocated_early = early_initialize(model, cache, rows)
-    past = plan.cached_tokens  # what a continued conversation holds; 0 for a fresh cache
+    past = plan.call.past_length  # what a continued conversation holds; 0 for a fresh cache
     inputs_embeds = model_kwargs.get("inputs_embeds")
     if past == 0:
         new_tokens = (inputs_embeds if inputs_embeds is not None else input_ids).shape[1]
@@ -62,7 +58,10 @@ def prefill_right(plan: Plan, step):
             keep, column = _last_positions(row_lengths, right.bucket)
         else:  # every row is the whole prompt: padded after it, each row's last token in the prompt's last column
             prompt, row_lengths = _padded_after(plan, input_ids, inputs_embeds), None
-            keep, column = _last_column(rows, new_tokens, right.bucket, _prompt_device(prompt)), None
+            # The prompt's last position, `min(rows, bucket)` times: the shape `_last_positions` gives ragged rows.
+            device = next(iter(prompt.values())).device
+            keep = torch.full((min(rows, right.bucket),), new_tokens - 1, dtype=torch.long, device=device)
+            column = None
     else:  # a continued conversation: the rows are one length (the rule), the new tokens follow the cached ones
         new_ids = input_ids[:, past:]  # [rows, S]
         new_tokens = new_ids.shape[1]
@@ -121,10 +120,6 @@ def prefill_right(plan: Plan, step):
     return outputs
 
 
-def _prompt_device(prompt: dict) -> torch.device:
-    return next(iter(prompt.values())).device
-
-
 def _padded_after(plan: Plan, input_ids, inputs_embeds) -> dict:
     """The prompt as prefill runs it when every row is the whole prompt: padded after its end to the bucket."""
     given = inputs_embeds if inputs_embeds is not None else input_ids
@@ -138,11 +133,6 @@ def _padded_after(plan: Plan, input_ids, inputs_embeds) -> dict:
         return {"inputs_embeds": torch.cat([inputs_embeds, padding], dim=1)}
     padding = input_ids.new_full((input_ids.shape[0], plan.right.bucket - input_ids.shape[1]), fill_id)
     return {"input_ids": torch.cat([input_ids, padding], dim=1)}  # [rows, bucket]
-
-
-def _last_column(rows: int, width: int, bucket: int, device) -> torch.Tensor:
-    """`_last_positions` for rows that all end in column `width - 1`: that position, `min(rows, bucket)` times."""
-    return torch.full((min(rows, bucket),), width - 1, dtype=torch.long, device=device)
 
 
 def _rows_from_the_start(plan: Plan, input_ids, inputs_embeds, attention_mask) -> tuple[dict, torch.Tensor]:

@@ -1,19 +1,10 @@
-"""Step 1 of a bucketed call: its inputs resolved once (`resolve_call`), into one frozen record every later step reads.
+"""Step 1 of a bucketed call: its inputs, bucket fields and settings, resolved once (`resolve_call`) into the frozen
+`ResolvedCall` every later step reads.
 
-`generate` binds its arguments as upstream's `generate` binds them, takes the bucket fields out, resolves them, reads
-the cache it passes (`kvcache.record.PassedCache`), and finds the prompt. The support decision and the side
-(`decision.choose_side`), the plan (`plan.plan_call`) and the advice for an unbucketed call read the `ResolvedCall`;
-none digs into the keyword arguments again.
-
-The bucket fields resolve by upstream `generate`'s priority (`resolve_fields`): a `generate` keyword argument (even
-`None`, which turns a field off for the call) > the `generation_config` argument > `model.generation_config`. A call
-that continues from a cache a bucketed call filled, and sets no bucket field itself, takes the fields recorded with that
-cache instead (`call_sets_fields`), so a conversation stays bucketed without repeating them.
-
-Every other generation value is read off the call's generation config as upstream's own preparation step makes it
-(`GenerationMixin._prepare_generation_config`: its priorities, the model's defaults and the global ones). A bucketed
-call runs that step once, here (`prepare_generation_config`); the hook of that step (`hooks._prepare_generation_config`)
-hands upstream `generate` the same config, so it is not made twice. `CallSettings` is what padding reads of it.
+The bucket fields resolve by upstream `generate`'s priority: a keyword argument (even `None`, which turns a field off)
+> the `generation_config` argument > `model.generation_config`; a call that continues a bucketed call's cache and sets
+none takes the fields recorded with it. Every other value is read off the config that upstream's
+`_prepare_generation_config` makes, run once here (`hooks._prepare_generation_config` hands it on to `generate`).
 """
 
 import dataclasses
@@ -71,8 +62,7 @@ class CallSettings:
 
     @functools.cached_property
     def reserved_token_ids(self) -> frozenset[int]:
-        """Ids the model's config gives another job (`transformers_api.reserved_token_ids`: an image or audio
-        placeholder): never a fill, which the forward would count as one of them. Read when a fill is first needed."""
+        """Ids the config gives another job (an image or audio placeholder): never a fill, which would count as one."""
         return reserved_token_ids(self.model_config) if self.model_config is not None else frozenset()
 
     @property
@@ -135,9 +125,8 @@ class CallSettings:
     @property
     def unmasked_fill_token_id(self) -> int:
         """
-        The id that fills the positions a right-padded prefill adds after the prompt, which runs with no mask. They
-        follow every real token, so any id gives the same output; this one is never a pad token, so the model's check
-        for unmasked padding (transformers' `warn_if_padding_and_no_attention_mask`) does not take them for the user's.
+        The id that fills the unmasked positions a right-padded prefill adds after the prompt: any id gives the same
+        output, and one that is no pad token keeps `warn_if_padding_and_no_attention_mask` quiet.
         """
         pads = (self.pad_token_id, self.config_pad_token_id)
         candidates = (*self.eos_token_ids, self.bos_token_id, 0, 1, 2, 3)
@@ -171,10 +160,7 @@ class ResolvedCall:
 
     @functools.cached_property
     def settings(self) -> CallSettings:
-        """
-        What the call asks for (`CallSettings`), from its generation config as upstream's own step prepares it: made
-        when first read (a bucketed call's decision, or the advice for an unbucketed call on a compiled forward).
-        """
+        """The call's `CallSettings`, from the generation config upstream's own step prepares, made when first read."""
         generation_config = self.arguments.get("generation_config")
         prepared = prepare_generation_config(self.model, generation_config, self.model_kwargs)
         return settings_of(self.model, *prepared, bucketing=self.bucketing)
@@ -203,22 +189,21 @@ class ResolvedCall:
         return isinstance(self.rows_mask, torch.Tensor) and not bool(self.rows_mask.all())
 
     @property
-    def makes_static_cache(self) -> bool:
-        """Whether `generate` makes the call a static cache (it passes none)."""
-        return self.cache is None and self.static_cache
-
-    @property
     def output_rows(self) -> int:
         """The rows upstream generates for the user's prompts: `rows * max(num_beams, num_return_sequences)`."""
         return self.rows * self.settings.rows_per_prompt
 
     @property
     def past_length(self) -> int:
-        """
-        The tokens the cache passed in already holds (0 without one, or when it can't tell): read when first asked
-        (`passed.tokens`), as reading it from a static cache syncs the device, which an unbucketed call never does.
-        """
+        """The tokens the cache passed in holds (0: none, or it can't tell); read when asked: it syncs the device."""
         return self.passed.tokens or 0
+
+
+# `generate`'s parameters after `self`, in order, and those that may come by position.
+_SIGNATURE = transformers_api.UPSTREAM_GENERATE_SIGNATURE
+_PARAMETERS = tuple(p for p in _SIGNATURE.parameters.values() if p.kind != p.VAR_KEYWORD)[1:]
+_NAMED = tuple(p.name for p in _PARAMETERS)
+_POSITIONAL = tuple(p.name for p in _PARAMETERS if p.kind == p.POSITIONAL_OR_KEYWORD)
 
 
 def bind_call(model, args: tuple, kwargs: dict) -> tuple[dict, dict, dict]:
@@ -226,21 +211,34 @@ def bind_call(model, args: tuple, kwargs: dict) -> tuple[dict, dict, dict]:
     The call's arguments as upstream's `generate` binds them: `(its named parameters that were passed, in their order;
     the rest of the keyword arguments; the bucket fields among them, taken out)`.
     """
-    arguments, model_kwargs = _bind(model, args, kwargs)
+    if len(args) > len(_POSITIONAL) or "self" in kwargs or any(name in kwargs for name in _POSITIONAL[: len(args)]):
+        # What only `inspect` can bind, or must reject, goes through it.
+        arguments = dict(_SIGNATURE.bind(model, *args, **kwargs).arguments)
+        arguments.pop("self")
+        model_kwargs = arguments.pop("kwargs", {})
+    else:
+        passed = dict(zip(_POSITIONAL, args))
+        model_kwargs = {}
+        for name, value in kwargs.items():
+            if name in _NAMED:
+                passed[name] = value
+            else:
+                model_kwargs[name] = value
+        arguments = {name: passed[name] for name in _NAMED if name in passed}
     field_kwargs = {field: model_kwargs.pop(field) for field in FIELDS if field in model_kwargs}
     return arguments, model_kwargs, field_kwargs
 
 
 def resolve_call(model, wrapper, arguments: dict, model_kwargs: dict, field_kwargs: dict) -> ResolvedCall:
-    """
-    Step 1: a bound call (`bind_call`) with its bucket fields resolved and the cache it passes read. Raises
-    `ValueError` for an invalid bucket field.
-    """
+    """Step 1: a bound call (`bind_call`), its bucket fields resolved. Raises `ValueError` for an invalid field."""
     passed = PassedCache(model_kwargs)  # read before the call writes the cache's record
     generation_config = arguments.get("generation_config")
     bucketing = bucketing_of(resolve_fields(model, generation_config, field_kwargs))
-    if passed.bucketing is not None and not call_sets_fields(generation_config, field_kwargs):
-        bucketing = passed.bucketing  # a later turn of a conversation: bucketed as the call that filled the cache was
+    # A later turn of a conversation that sets no bucket field itself (as an argument, even `None`, or on its config)
+    # is bucketed as the call that filled its cache was.
+    sets_fields = bool(field_kwargs) or any(getattr(generation_config, field, None) is not None for field in FIELDS)
+    if passed.bucketing is not None and not sets_fields:
+        bucketing = passed.bucketing
     if bucketing[0] is None and passed.continued is not None:
         # The cache holds a bucketed call's padding: the prompt must get it too, bucket fields or not.
         bucketing = (BucketPolicy(pad_to_multiple_of=1), *bucketing[1:])
@@ -266,32 +264,6 @@ def resolve_call(model, wrapper, arguments: dict, model_kwargs: dict, field_kwar
     )
 
 
-# `generate`'s parameters after `self`, in order, and those that may come by position.
-_SIGNATURE = transformers_api.UPSTREAM_GENERATE_SIGNATURE
-_PARAMETERS = tuple(p for p in _SIGNATURE.parameters.values() if p.kind != p.VAR_KEYWORD)[1:]
-_NAMED = tuple(p.name for p in _PARAMETERS)
-_POSITIONAL = tuple(p.name for p in _PARAMETERS if p.kind == p.POSITIONAL_OR_KEYWORD)
-
-
-def _bind(model, args: tuple, kwargs: dict) -> tuple[dict, dict]:
-    """
-    The call's arguments as upstream's `generate` signature binds them: `(its named parameters that were passed, in
-    their order; the rest of the keyword arguments)`. What only `inspect` can bind, or must reject, goes through it.
-    """
-    if len(args) > len(_POSITIONAL) or "self" in kwargs or any(name in kwargs for name in _POSITIONAL[: len(args)]):
-        arguments = dict(_SIGNATURE.bind(model, *args, **kwargs).arguments)
-        arguments.pop("self")
-        return arguments, arguments.pop("kwargs", {})
-    passed = dict(zip(_POSITIONAL, args))
-    model_kwargs = {}
-    for name, value in kwargs.items():
-        if name in _NAMED:
-            passed[name] = value
-        else:
-            model_kwargs[name] = value
-    return {name: passed[name] for name in _NAMED if name in passed}, model_kwargs
-
-
 def resolve_fields(model, generation_config: GenerationConfig | None, field_kwargs: dict) -> dict[str, Any]:
     """The bucket fields' values for one call, by name, by the priority of the module docstring."""
     model_config = getattr(model, "generation_config", None)
@@ -307,9 +279,8 @@ def resolve_fields(model, generation_config: GenerationConfig | None, field_kwar
 
 def bucketing_of(fields: dict[str, Any]) -> tuple[BucketPolicy | None, BucketPolicy | None, str]:
     """
-    `(policy, batch policy, padding side)` of the bucket fields' values (`resolve_fields`), validated: raises
-    `ValueError` naming an invalid field. Values of plain types (ints, strings, `None`, and lists or tuples of them) are
-    validated once per process and their policies reused, as every call of a workload passes the same fields.
+    `(policy, batch policy, padding side)` of the bucket fields' values, validated (a `ValueError` names an invalid
+    one). Values of plain types are validated once per process: every call of a workload passes the same fields.
     """
     key = tuple(_typed(fields[field]) for field in FIELDS)
     if _UNKEYED in key:  # a value of another type (a tensor, a subclass): validated on every call
@@ -346,11 +317,6 @@ def _bucketing(fields: dict[str, Any]):
     return policy_from_fields(**fields), batch_policy_from_fields(**fields), padding_side_from_fields(**fields)
 
 
-def call_sets_fields(generation_config: GenerationConfig | None, field_kwargs: dict) -> bool:
-    """Whether the call itself sets a bucket field: as a keyword argument (even `None`) or on its `generation_config`."""
-    return bool(field_kwargs) or any(getattr(generation_config, field, None) is not None for field in FIELDS)
-
-
 def _token_ids(value) -> tuple[int, ...]:
     """A special token id, list of ids or tensor of ids, as a tuple of plain ints (empty when unset)."""
     if value is None:
@@ -368,9 +334,8 @@ def prepare_generation_config(
     model, generation_config: GenerationConfig | None, model_kwargs: dict
 ) -> tuple[GenerationConfig, frozenset[str]]:
     """
-    The call's generation config, made by upstream's own step (`model._prepare_generation_config`, a private copy), and
-    the names of the generation fields among `model_kwargs` (the keyword arguments that step takes out of the model's
-    inputs).
+    The call's generation config, a private copy made by upstream's `model._prepare_generation_config`, and the names
+    of the generation fields that step takes out of `model_kwargs`.
     """
     prepared, model_inputs = model._prepare_generation_config(generation_config, **model_kwargs)
     return prepared, frozenset(model_kwargs.keys() - model_inputs.keys())
@@ -379,10 +344,7 @@ def prepare_generation_config(
 def settings_of(
     model, generation_config: GenerationConfig, generation_kwargs: frozenset[str] = frozenset(), bucketing=None
 ) -> CallSettings:
-    """
-    What padding reads of a call's prepared generation config (`prepare_generation_config`), and the bucket fields
-    (`bucketing_of`; `None`: unset).
-    """
+    """What padding reads of a prepared generation config, with the bucket fields (`bucketing_of`; `None`: unset)."""
     config = generation_config
     policy, batch_policy, padding_side = bucketing if bucketing is not None else (None, None, "auto")
     pad_token_ids, bos_token_ids = _token_ids(config.pad_token_id), _token_ids(config.bos_token_id)
@@ -428,10 +390,7 @@ def resolve_settings(
 
 
 def inferred_mask(settings: CallSettings, prompt) -> torch.Tensor | None:
-    """
-    The attention mask upstream infers for integer ids `prompt` passed without one, `[batch, length]`: its pad tokens
-    masked, where the ids hold a pad token that is not eos; else `None` (every token attended).
-    """
+    """The mask upstream infers for integer ids `prompt` passed without one: pad tokens (not eos) masked; or `None`."""
     if not (isinstance(prompt, torch.Tensor) and prompt.dtype in (torch.long, torch.int)):
         return None
     if not settings.pad_token_is_inferable or not bool((prompt == settings.pad_token_id).any()):
@@ -445,10 +404,7 @@ def prompt_rows(model_kwargs: dict) -> int:
 
 
 def bos_prompt(model, settings: CallSettings, model_kwargs: dict) -> torch.Tensor:
-    """
-    The prompt upstream starts from when a call passes none, `[rows, 1]`: one BOS token per row. Raises upstream's
-    `ValueError` when there is no `bos_token_id`.
-    """
+    """The prompt upstream starts from when a call passes none, `[rows, 1]`: one BOS token per row."""
     if settings.bos_token_id is None:
         raise ValueError("`bos_token_id` has to be defined when no `input_ids` are provided.")
     return torch.full((prompt_rows(model_kwargs), 1), settings.bos_token_id, dtype=torch.long, device=model.device)

@@ -1,13 +1,7 @@
-"""What each padding side assumes of the model, whatever the call: the predicates rows of `decision.DECISION` test.
-
-Right padding needs causal attention and positions that don't come from the mask; left padding a model that takes
-its positions from `position_ids` or the mask, and passes the mask on. Each predicate is a model's property, asked
-once per model (`model_breaks`); the row that asks it says the outcome and why.
-
-One assumption depends on the call's cache as well: a local window counted from the cache's end (GPT-Neo) gives other
-tokens in a cache longer than the window, on either side (`window_reason`). And the cache's layers
-(`cache_layers_reason`, `cache_has_sliding_layers`): right padding needs layers that can forget the pads. And one
-depends on what PEFT passes the layers during the call (`peft_row_arguments`).
+"""What each padding side assumes of the model: the predicates rows of `decision.DECISION` test, asked once per model
+(`model_breaks`). Right padding needs causal attention and positions that don't come from the mask; left padding a
+model that takes its positions from `position_ids` or the mask, and passes the mask on. A few depend on the call too:
+its cache (`window_reason`, `cache_layers_reason`, `cache_has_sliding_layers`) and what PEFT passes the layers.
 """
 
 import sys
@@ -20,10 +14,7 @@ from ..upstream.transformers_api import forward_takes, max_positions
 
 
 def attention_is_bidirectional(model) -> bool:
-    """
-    BERT-style models attend both ways unless `is_decoder` is set. Other configs carry `is_decoder=False` too (GPT-NeoX),
-    with attention modules that say they are causal: those count as causal.
-    """
+    """`is_decoder=False` (BERT-style), unless an attention module says `is_causal` (GPT-NeoX carries it too)."""
     config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
     if getattr(config, "is_decoder", None) is not False:
         return False
@@ -31,10 +22,7 @@ def attention_is_bidirectional(model) -> bool:
 
 
 def positions_from_the_mask(model) -> bool:
-    """
-    No `position_ids` and no `max_position_embeddings`: positions are ALiBi biases built from the attention mask
-    (BLOOM), which the right-padded prefill leaves out (on transformers 5.17 BLOOM then fails), or there are none.
-    """
+    """No `position_ids` nor `max_position_embeddings`: ALiBi from the mask (BLOOM), which right padding leaves out."""
     return not forward_takes(model, "position_ids") and max_positions(model) is None
 
 
@@ -47,10 +35,8 @@ def positions_count_from_the_cache(model) -> bool:
     )
 
 
-# Models whose forward takes an attention mask and ignores it: pads in front would run through them. CPM-Ant reads
-# padding from the ids instead (every id 0, wherever it is, hides one position from the front): pads of another id are
-# attended, and once it generates a 0 after pads of 0 its logits part from the unpadded call's (upstream's own call on
-# the same pads gives the padded logits: the model's, not the package's).
+# Models whose forward takes an attention mask and ignores it: pads in front would run through them (CPM-Ant reads
+# padding from its ids' zeros instead, which a generated 0 after pads of 0 confuses, upstream's own call alike).
 MASK_IGNORED_BY = ("RwkvForCausalLM", "CpmAntForCausalLM")
 # Models whose attention builds its own mask from the key states over every slot it reads (Doge's dynamic mask): pads
 # on either side reach it (other tokens on transformers 5.17, right and left).
@@ -60,10 +46,8 @@ MASK_FROM_KEYS = ("DogeForCausalLM",)
 POSITIONS_PLUS_CACHE = ("GitForCausalLM",)
 
 
-# Models whose local-attention layers place their window from the last slot of the keys they read, not from the query's
-# position (GPT-Neo slices its causal buffer by the key length): with a static cache, the cache's length. Upstream's
-# tokens then depend on its cache's length once that is longer than the window, and a bucketed call's cache is another
-# length, its prompt shifted by the pads. By class name: the config field that holds the window.
+# Models whose local-attention layers place their window from the cache's last slot, not the query's position (GPT-Neo
+# slices its causal buffer by the key length), by class name: the config field that holds the window.
 WINDOW_FROM_THE_CACHE_END = {"GPTNeoForCausalLM": "window_size"}
 
 
@@ -79,11 +63,8 @@ def window_from_the_cache_end(model) -> int | None:
 
 def window_reason(call) -> str | None:
     """
-    Why a call (`padding_side.RuleFacts`) must run unpadded for a model whose local window counts from the cache's end
-    (GPT-Neo), or `None`: a row of `decision.DECISION`.
-    Upstream's tokens depend on its static cache's length once that is longer than the window; padding shifts the
-    prompt in the cache and bucketing sizes the cache another way, so only a cache no longer than the window (both
-    calls' local layers then attend to every token before the query) is padded.
+    Why a call (`padding_side.RuleFacts`) on a model whose local window counts from the cache's end must run unpadded,
+    or `None`: upstream's tokens depend on a cache longer than the window, which bucketing sizes another way.
     """
     window = window_from_the_cache_end(call.model)
     if window is None or not call.settings.use_cache:
@@ -126,20 +107,14 @@ def adds_the_cache_length_to_positions(model) -> bool:
 
 
 def keeps_a_state_on_its_modules(model) -> bool:
-    """
-    Whether recurrent blocks keep their state on their own modules, outside the cache (RecurrentGemma's
-    `recurrent_states`): pads after the prompt would run into it. Its static cache has a linear layer for those blocks
-    on transformers 5.24 (`cache_layers_reason` sees it), only attention layers on 5.17.
-    """
+    """Whether recurrent blocks keep their state on their modules, outside the cache (RecurrentGemma)."""
     return any("recurrent_states" in module.__dict__ for module in model.modules())
 
 
 def counts_no_tokens(model) -> bool:
     """
-    Whether the model's static cache counts its tokens by a recurrent layer the model never writes (RecurrentGemma's
-    blocks keep their state on their modules, `keeps_a_state_on_its_modules`, and transformers 5.25 counts by the
-    first layer): a bucketed call's cache then reads as empty, so its record is lost, and upstream's later turn runs
-    the whole conversation again on it, next to the padding its attention layers hold.
+    Whether the static cache counts its tokens by a recurrent layer the model never writes (RecurrentGemma on
+    transformers 5.25): the cache then reads as empty, and a later turn can't line up with its padding.
     """
     return keeps_a_state_on_its_modules(model) and transformers_api.counts_by_a_recurrent_layer(model)
 
@@ -164,11 +139,9 @@ def _latent_key_heads(module) -> int | None:
 
 def repeated_key_heads(model) -> tuple[int, int] | None:
     """
-    `(keys repeated, query heads)` of the first attention module whose keys, repeated `num_key_value_groups` times as
-    upstream's masked attention repeats them, are not its query heads, or `None`. Multi-head latent attention (DeepSeek,
-    GLM-4-MoE-Lite) builds one key head per query head, so a config whose `num_key_value_heads` is below
-    `num_attention_heads` repeats them too often: upstream's eager attention and masked SDPA then fail, and only
-    SDPA without a mask (one row, nothing padded, where upstream skips the mask) runs.
+    `(keys repeated, query heads)` of the first attention module whose keys, repeated `num_key_value_groups` times,
+    are not its query heads (latent attention with `num_key_value_heads` below `num_attention_heads`), or `None`:
+    upstream's masked attention then fails, and only SDPA without a mask runs.
     """
     for module in model.modules():
         groups, heads = module.__dict__.get("num_key_value_groups"), module.__dict__.get("num_heads")
@@ -195,22 +168,16 @@ def drops_the_mask(model) -> bool:
 
 
 def model_breaks(model, assumption) -> bool:
-    """
-    Whether `model` breaks `assumption` (one of the predicates above, a condition of `decision.DECISION`), whatever
-    the call: asked once per model."""
+    """Whether `model` breaks `assumption` (one of the predicates above), asked once per model."""
     known = state_of(model).side_assumptions
     if assumption.__name__ not in known:
         known[assumption.__name__] = bool(assumption(model))
     return known[assumption.__name__]
 
 
-# What PEFT passes a call's LoRA layers per row, outside `generate`'s arguments: `PeftModel.generate` takes
-# `adapter_names` (a mixed-adapter batch) and computes activated LoRA's `alora_offsets` (how many of each forward's last
-# tokens the adapter applies to), takes both out of what it hands the model's `generate`, and passes them to the layers
-# through forward pre-hooks for that call. Each with whether it counts positions from the end of each forward. Dummy
-# rows (`prefill_batch_buckets`) have no entry in either (PEFT raises); after a right-padded prompt the last tokens are
-# pads, so the offsets would skip the prompt's invocation tokens: other tokens, silently. Pads in front keep every
-# forward's end where it was, but not the ends of a chunked prefill's chunks.
+# What PEFT passes a call's LoRA layers per row through forward pre-hooks (`adapter_names`, activated LoRA's
+# `alora_offsets`), each with whether it counts positions from the end of each forward: dummy rows have no entry (PEFT
+# raises), and pads after the prompt, or in front of a chunk's end, would move the offsets.
 PEFT_ROW_ARGUMENTS = {"adapter_names": False, "alora_offsets": True}
 
 
@@ -239,8 +206,7 @@ def cache_layers_reason(model, cache, slots: int) -> str | None:
     """Why the cache's layers can't take right padding into `slots` slots, or `None` when they can."""
     if cache is not None:
         return _reason_for(cache.layers, slots)
-    # The cache `generate` will make: its layer types depend on the model and the slots only, so the (lazy, empty)
-    # cache built to read them is built once per slot count, not on every call.
+    # The cache `generate` will make: its layers depend on the model and the slots only, read once per slot count.
     known = state_of(model).right_padding_layers
     if slots not in known:
         try:

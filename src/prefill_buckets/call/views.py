@@ -1,15 +1,8 @@
 """What is seen without the padding: by the objects upstream `generate` hands the padded ids to, and by the user.
 
-Logits processors, stopping criteria and prompt-lookup decoding that read token *content* (n-grams, prefixes, bad
-words, the user's own) must see the ids an unpadded run has: `ids[:, pad:]`. A streamer must get the prompt without
-the added columns and no dummy rows. Each view wraps one object and forwards every other attribute to it.
-
-The hooks of the steps that build those objects (`_get_logits_processor`, `_get_stopping_criteria`,
-`_get_candidate_generator`) are declared here: they wrap what upstream built (and the last has the budget make room
-for the graphs of its candidate counts: `budget.account_candidates`).
-
-What `generate` returns loses the added columns and the dummy rows too (`strip_output`, step 8): the inverse of the
-plan, with a static cache's attentions laid out as upstream's layers lay them (`kvcache/attention_keys.py`).
+Logits processors, stopping criteria and prompt lookup that read token content see `ids[:, pad:]`, as an unpadded run
+does, through views that forward every other attribute; the hooks of the steps that build them are declared here. A
+streamer gets no added columns and no dummy rows, and neither does what `generate` returns (`strip_output`, step 8).
 """
 
 import copy
@@ -57,10 +50,8 @@ class UnpaddedCriterion(_View, StoppingCriteria):
 
 class UnpaddedPromptLookup(_View):
     """
-    Runs prompt-lookup decoding's n-gram search on the ids without the added columns, as an unpadded run does.
-
-    The search checks each candidate against the call's logits processors, which take the padded ids (each strips the
-    added columns itself, or counts them, `get_logits_processor`): they get the searched ids with the columns back.
+    Runs prompt-lookup decoding's n-gram search on the ids without the added columns; the logits processors it checks
+    candidates with take padded ids (`get_logits_processor`), so they get the columns back.
     """
 
     def __init__(self, generator, pad: int):
@@ -81,12 +72,8 @@ class UnpaddedPromptLookup(_View):
 
 class AssistantMergingByWrappedType(_View):
     """
-    An assistant model's candidate generator whose assistant merges the call's processors as upstream's does.
-
-    It hands the call's processors to the assistant's own `generate`, which keeps one processor of each type: the one
-    passed in over the one it builds from the same config (`_merge_criteria_processor_list`). A processor that strips
-    the added columns is another type than the one it wraps, so both would run (a sequence bias added twice): while it
-    fetches candidates, the assistant matches them by the type they wrap.
+    An assistant model's candidate generator whose assistant merges the call's processors by the type they wrap:
+    upstream keeps one processor of each type, and a view is another type, so both would run (a bias added twice).
     """
 
     def get_candidates(self, input_ids, *args, **kwargs):
@@ -150,9 +137,8 @@ class DummyRowsFinished(StoppingCriteria):
         return finished
 
 
-# Processors that count the sequence length against values `_prepare_generated_length` moved by the padding (or that
-# upstream set up with the padded prompt length): they must see the padded ids. Every other processor and stopping
-# criterion reads token content (n-grams, prefixes, bad words, the user's own), and sees the ids without padding.
+# Processors that count the sequence length against values moved by the padding (`_prepare_generated_length`, or set
+# up with the padded prompt length) see the padded ids; every other one reads token content, and sees them unpadded.
 _PADDED_VIEW = tuple(
     getattr(logits_process, name)
     for name in (
@@ -166,15 +152,6 @@ _PADDED_VIEW = tuple(
 ) + (MaxLengthCriteria,)
 
 
-def _skips_left_padding(processor, user_processors) -> bool:
-    """
-    Whether upstream built `processor` to skip the left padding itself: from transformers 5.23 on, its repetition
-    penalty gets `prompt_ignore_length` from the (padded) attention mask, so it must see the ids that mask spans.
-    """
-    ignore_length = getattr(processor, "prompt_ignore_length", None)
-    return isinstance(ignore_length, torch.Tensor) and id(processor) not in user_processors
-
-
 @hook("_get_logits_processor", reads=("generation_config", "logits_processor"), side="left")
 def get_logits_processor(plan, step):
     processors = step.call()
@@ -185,7 +162,10 @@ def get_logits_processor(plan, step):
     user_processors = {id(p) for p in step["logits_processor"] or ()}
     wrapped = LogitsProcessorList()
     for processor in processors:
-        skips_left_padding = _skips_left_padding(processor, user_processors)
+        # Upstream built it to skip the left padding itself (5.23's repetition penalty: `prompt_ignore_length`, from
+        # the padded mask): it must see the ids that mask spans.
+        ignore_length = getattr(processor, "prompt_ignore_length", None)
+        skips_left_padding = isinstance(ignore_length, torch.Tensor) and id(processor) not in user_processors
         if skips_left_padding and missing_from_ids:
             processor = copy.copy(processor)  # it skips as many ids as the padded mask has leading zeros
             processor.prompt_ignore_length = (processor.prompt_ignore_length - missing_from_ids).clamp(min=0)
@@ -244,8 +224,8 @@ def strip_left(tensor: torch.Tensor, pad: int, dim: int = -1) -> torch.Tensor:
 
 def strip_output(output, plan):
     """Removes the added columns and dummy rows from what `generate` returns (a tensor, or a `ModelOutput`)."""
-    if plan.padded_rows > plan.rows:
-        output = _take_rows(output, plan.rows)
+    if plan.padded_rows > plan.call.output_rows:
+        output = _take_rows(output, plan.call.output_rows)
     if isinstance(output, torch.Tensor):
         return strip_left(output, plan.added_id_columns)
     if not isinstance(output, ModelOutput):
@@ -253,10 +233,8 @@ def strip_output(output, plan):
     sequences = output.get("sequences")
     if sequences is not None:
         output["sequences"] = strip_left(sequences, plan.added_id_columns)
-    # The sequence the model has seen at step `s` spans `padded_length + s` positions. Prefill hidden states and
-    # the prefill query axis span it; without a cache (`use_cache=False`) every step re-runs the whole sequence, so
-    # every step's do; a dynamic cache's key axis does too. A static cache's key axis is its layer's slots, which
-    # `attention_keys.upstream_keys` lays out as upstream's layer would in the unpadded call.
+    # An axis that spans the `padded_length + s` positions seen at step `s` loses the padding (prefill states and
+    # queries, every step's without a cache, a dynamic cache's keys); a static cache's keys are laid out as upstream's.
     added = plan.added_positions
     if output.get("hidden_states") is not None:
         output["hidden_states"] = tuple(
