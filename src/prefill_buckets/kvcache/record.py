@@ -42,10 +42,7 @@ class CachePadding(NamedTuple):
 
 @dataclass(frozen=True)
 class CacheRecord:
-    """
-    What the bucketed calls that filled a cache left in it, for a later call that continues from it (multi-turn chat).
-    Every bucketed call writes it (`record_call`); a cache that holds no tokens (reset) has none (`cache_record`).
-    """
+    """What the bucketed calls that filled a cache left in it, for a later call that continues from it."""
 
     # The columns added in front and the dummy rows, when the cache's layout is not an unpadded call's: a later call
     # with the same rows pads its prompt by the same columns and brings the same dummy rows, so cache and prompt line
@@ -77,10 +74,7 @@ def cache_record(cache, tokens=_UNREAD) -> CacheRecord | None:
 
 
 class PassedCache:
-    """
-    The cache a call passes to `generate` (`None`: none), and what the call's steps ask of it, each read once per call
-    when first asked (`generation.generate` makes it before the call writes its own record, and hands it on).
-    """
+    """The cache a call passes to `generate` (`None`: none), and what the call's steps ask of it, each read once."""
 
     def __init__(self, model_kwargs: dict):
         self.cache = passed_cache(model_kwargs)
@@ -125,8 +119,7 @@ class PassedCache:
 
 def record_call(cache, plan, attention_mask, continues: bool) -> None:
     """
-    Writes the record of the bucketed call `plan` that filled `cache` (`continues`: from the tokens it held). A
-    left-padded call, one with dummy rows, and one of ragged rows leave padding a later call must continue; a
+    Writes the record of the bucketed call `plan` that filled `cache` (`continues`: from the tokens it held); a
     continuation keeps the ragged rows the cache was first filled with.
     """
     previous = cache.__dict__.get(_CACHE_RECORD)
