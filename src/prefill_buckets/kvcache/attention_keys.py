@@ -56,17 +56,15 @@ def key_layouts(cache) -> tuple | None:
     """The `KeyLayout` of each layer of a static `cache` (`None` for a layer of another kind), or `None`."""
     if cache is None or not transformers_api.is_static_cache(cache):
         return None
-    layouts = []
-    for layer in cache.layers:
-        kind = None
-        if type(layer) in (transformers_api.StaticLayer, WindowedStaticLayer):
-            kind = FULL
-        elif type(layer) is SlidingWindowRing:
-            kind = RING
-        elif type(layer) is transformers_api.StaticSlidingWindowLayer:
-            kind = SLIDING
-        layouts.append(None if kind is None else KeyLayout(kind, layer.max_cache_len))
-    return tuple(layouts)
+    kinds = {
+        transformers_api.StaticLayer: FULL,
+        WindowedStaticLayer: FULL,
+        SlidingWindowRing: RING,
+        transformers_api.StaticSlidingWindowLayer: SLIDING,
+    }
+    return tuple(
+        KeyLayout(kinds[type(layer)], layer.max_cache_len) if type(layer) in kinds else None for layer in cache.layers
+    )
 
 
 def layouts_for(layouts: tuple, attention_layers: int) -> tuple | None:

@@ -144,11 +144,9 @@ def early_initialize(model, cache, rows: int) -> bool:
     """
     Allocates a lazily initialized static cache for `rows` rows before the first compiled forward (tensors allocated
     inside it are not the static addresses CUDA graphs need), where upstream's predicted shape is what the attention
-    modules hold (`held_kv_shapes`; a config may misstate its key/value heads) and not under `torch.autocast` (the keys
-    come in its dtype). Elsewhere the cache initializes from its first keys, as upstream's does: one more graph.
-
-    Returns whether the cache is allocated before its first forward (here, or reused: `reuse_cache`), which
-    `keep_cache` asks.
+    modules hold (`held_kv_shapes`) and not under `torch.autocast` (the keys come in its dtype); elsewhere it
+    initializes from its first keys, as upstream's does. Returns whether the cache is allocated before its first
+    forward (here, or reused), which `keep_cache` asks.
     """
     if not hasattr(cache, "early_initialization"):
         return False
@@ -202,13 +200,10 @@ def reuse_cache(model, cache_implementation: str, batch_size: int, slots: int):
         kept, state.kept_cache = state.kept_cache, None
     if kept is None or kept.slots != slots or "offloaded" in cache_implementation or autocast_enabled():
         return None
-    cache, inference_mode = kept.cache, torch.is_inference_mode_enabled()
-    dtype, device = model.dtype, torch.device(model.device)  # each a walk over the parameters: read once
-    for layer in cache.layers:
-        keys = layer.keys
-        if keys.shape[0] != batch_size or keys.dtype != dtype or keys.device != device:
-            return None
-        if keys.is_inference() != inference_mode:
+    cache = kept.cache
+    expected = (batch_size, model.dtype, torch.device(model.device), torch.is_inference_mode_enabled())
+    for keys in (layer.keys for layer in cache.layers):
+        if (keys.shape[0], keys.dtype, keys.device, keys.is_inference()) != expected:
             return None
     reset_slots(cache, kept.written)
     set_previous_max_cache_length(model, slots)  # as upstream's step records the length of the cache it made
