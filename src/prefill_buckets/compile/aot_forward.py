@@ -32,23 +32,19 @@ def aot_forward(model, backend: str = "inductor", options: dict | None = None) -
     ```
 
     Each new input shape is compiled on its first call (`torch.compile(..., fullgraph=True, dynamic=False)`, through
-    `aot_compile`), so [`precompile`] compiles every bucket's graphs up front as with the other ways to compile. A
-    call is dispatched by its key, then to the graph whose guards it passes. The key holds the input shapes and
-    dtypes, the attention window each cache layer reads, and the functions set on the instance of an object input, by
-    qualified name: a fresh cache of a right-padded prefill and a continued conversation's cache run different graphs. The guards check the tensors
-    (inputs, cache and parameters: shape, dtype, device, strides), the Python values among the inputs and the model's
-    attributes, and torch's global state (grad mode, default dtype, ...). They don't check the identity of Python
-    objects, module globals or closures, which can't be saved; instead, the graphs are only reused for a model with
-    the same class, config, parameter names, shapes and dtypes and device (its fingerprint), and
-    [`load_compile_cache`] refuses a file of another torch, transformers or Python version. A graph that depends on
-    an object set on an instance that the key can't name (a lambda set on the cache) is not kept: calls with its key
-    run the eager forward, with a warning.
+    `aot_compile`), so [`precompile`] compiles every bucket's graphs up front. A call is dispatched by its key (input
+    shapes and dtypes, the attention window each cache layer reads, and the functions set on the instance of an object
+    input, by qualified name), then to the graph whose saved guards it passes. Torch can't save guards on object
+    identity, module globals or closures: instead, the graphs are only reused for a model with the same fingerprint
+    (class, config, parameter names, shapes, dtypes and device), and [`load_compile_cache`] refuses a file of another
+    torch, transformers or Python version. A graph that depends on an object the key can't name (a lambda set on the
+    cache) is not kept: calls with its key run the eager forward, with a warning. See the reference's "A warm start
+    that traces nothing".
 
-    Needs torch 2.13 or newer: on an older torch it raises a `RuntimeError` (its graphs of a transformers forward don't
-    compile or save there). Not supported: `mode="reduce-overhead"` (CUDA graphs), graph breaks (the forward must compile as one graph), and
-    dynamic shapes. Upstream's own compile of the forward (`compile_config`, or a static cache on CUDA) is not applied
-    on top: a bucketed `generate` runs these graphs as they are (with a warning if `compile_config` is set), and
-    upstream `generate` compiles `model.__call__` around them with a graph break at the forward.
+    Needs torch 2.13 or newer (else a `RuntimeError`), and a forward that compiles as one graph; neither
+    `mode="reduce-overhead"` nor dynamic shapes. Upstream's own compile (`compile_config`, or a static cache on CUDA)
+    is not applied on top: a bucketed `generate` runs these graphs as they are (with a warning if `compile_config` is
+    set).
 
     Args:
         model ([`PreTrainedModel`]):
@@ -88,7 +84,7 @@ class AOTForward(AheadOfTimeForward):
         self.module_functions = module_functions(model)
         self.fingerprint = model_fingerprint(model)
         self.options = dict(options or {})
-        # By dispatch key (`aot_key.py`): the compiled functions, each with what saving it needs (`None` once loaded from a file).
+        # By dispatch key (`aot_key.py`): the compiled functions, each with what saving it needs.
         self.functions: dict[str, list[tuple[object, dict | None]]] = {}
         self.looked_for_staged = False
         self.pending: dict[str, list[tuple[dict, bytes]]] = {}  # staged graphs by dispatch key, loaded when one comes
@@ -153,10 +149,8 @@ class AOTForward(AheadOfTimeForward):
 
     def _keep_guard(self, entries, state_guards: list[str]) -> list[bool]:
         """
-        The guards a saved graph keeps: none on globals, on the wrapper closures of the model's `forward` (their
-        functions can't be pickled by name), or that torch can't serialize (object identity and the like, and the
-        type of an object whose type is local: `torch_api.guard_can_be_saved`). The dropped ones on the state of the
-        inputs, not on the code, go to `state_guards` (see `aot_key.py`).
+        The guards a saved graph keeps: none on the code (`aot_key.is_on_code`) or that torch can't serialize
+        (`torch_api.guard_can_be_saved`). The dropped ones on the state of the inputs go to `state_guards`.
         """
         unsupported = torch_api.unserializable_guard_types()
         freevars = set(type(self.model).forward.__code__.co_freevars)
@@ -185,8 +179,8 @@ class AOTForward(AheadOfTimeForward):
 
     def _load(self, entries: list[tuple[dict, bytes]]) -> None:
         """
-        Loads staged graphs, in the first call with their dispatch key: torch rebuilds a graph's guards as it loads it,
-        reading state that only exists inside a forward call, and each graph costs only the shape that needs it.
+        Loads staged graphs in the first call with their dispatch key: torch rebuilds a graph's guards as it loads it,
+        reading state that only exists inside a forward call.
         """
         model_class = type(self.model)
         transformers_api.line_up_output_capture_registry(self.model)  # as the process that compiled them did
@@ -209,10 +203,7 @@ class AOTForward(AheadOfTimeForward):
             self.functions.setdefault(meta["key"], []).append((function, {"loaded": (meta, data)}))
 
     def serialized(self) -> list[tuple[dict, bytes]]:
-        """
-        The functions of this forward, for `save_compile_cache`: (metadata, bytes) each. Those loaded from a file, or
-        staged and not loaded yet, are saved as they were read, so a warm process's file holds them too.
-        """
+        """This forward's functions as `(metadata, bytes)` for `save_compile_cache`; those read from a file as read."""
         saved = [_as_read(*entry) for entries in self.pending.values() for entry in entries]
         model_class = type(self.model)
         external = _external_data(model_class)
@@ -240,10 +231,7 @@ class AOTForward(AheadOfTimeForward):
 
 
 def _warn_if_other_thread_count(entries: list[tuple[dict, bytes]]) -> None:
-    """
-    Warns when graphs read from a file were compiled with another thread count than this process runs: their guards
-    check `torch.get_num_threads()`, so none of them passes, and each shape compiles again here.
-    """
+    """Warns when graphs read from a file were compiled with another thread count, which their guards check."""
     threads = torch.get_num_threads()
     other = {meta["num_threads"]: meta["source"] for meta, _ in entries if meta.get("num_threads", threads) != threads}
     for compiled_with, source in other.items():
@@ -266,9 +254,8 @@ def _no_forward() -> None:
 
 def model_fingerprint(model) -> str:
     """
-    What a compiled graph of `model` depends on besides the code: class, config, parameters, dtypes, device, and the
-    functions and helper objects set on its modules' instances (`aot_key.module_functions`: tensor parallelism's, hub
-    kernels' wrappers).
+    What a compiled graph of `model` depends on besides the code: class, config, parameters, dtypes, device, and what
+    is set on its modules' instances (`aot_key.module_functions`).
     """
     config = {k: v for k, v in model.config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
     tensors = [

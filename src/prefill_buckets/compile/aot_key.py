@@ -1,39 +1,24 @@
-"""What tells apart the graphs that `aot_forward` compiles for one model: the dispatch key, and the audit of the guards a
-saved graph drops.
+"""What tells apart the graphs `aot_forward` compiles for one model: the dispatch key, and the audit of the guards a
+saved graph drops (`AOTForward._keep_guard`).
 
-A graph of `aot_forward` keeps only the guards torch can save (`AOTForward._keep_guard`). The guards it drops are of
-two kinds:
-
-- on the code: module globals, the closures of the forward's decorators, and what is reached through a class (its
-  functions, their code, defaults and closures). The model's fingerprint (class, config, parameters) and the compile
-  cache file's environment (torch, transformers and Python versions) stand for them.
-- on the state of a call's inputs: an object set on an instance, which torch checks by identity. Such a state changes
-  the traced graph, and no saved guard tells it apart. The package sets one: the right-padded prefill of a fresh cache
-  sets `get_query_offset` on the cache instance (`transformers_api.reports_empty`), and the graph traced with it takes the query
-  offset to be 0, where a continued conversation's graph reads it from the cache.
-
-`DispatchKey` holds that state: the functions set on each object argument's instance (the cache), by qualified name,
-and the attention window each of its layers reads (a saved value guard checks it too; the key names it so that a
-file's graphs of one input shape are found by their window).
-A call is dispatched to the graphs of its key first, then to one whose saved guards it passes. `uncovered` audits
-each new graph: a dropped guard on a state the key doesn't name means that the graph can't be told apart from another
-one's, and `AOTForward` runs the calls of that key eagerly (with a warning) rather than reuse or save it.
-
-Functions set on the model's modules when it is built (tensor parallelism sets `forward` on each sharded layer), and
-objects of a local type they hold (from transformers 5.25, with `kernels`, each attention module's wrappers of its
-functions, `_kernel_funcs`, whose type torch can't save a guard on), are part of the model: its fingerprint names them
-(`module_functions`), and the audit counts guards on them as covered.
+Dropped guards on the code (module globals, the forward's decorator closures, what is reached through a class) are
+covered by the model's fingerprint and the compile cache file's environment. Dropped guards on the state of a call's
+inputs (an object set on an instance, checked by identity) must be named by `DispatchKey`: the right-padded prefill of
+a fresh cache sets `get_query_offset` on the cache (`transformers_api.reports_empty`), and its graph takes the query
+offset to be 0. `uncovered` audits each new graph: a dropped guard that neither the key nor the fingerprint
+(`module_functions`: what is set on the model's modules when it is built, as tensor parallelism's forwards and hub
+kernels' wrappers) names means its calls run eagerly, with a warning.
 
 What the package sets on instances while a bucketed call runs, and how each is covered (torch 2.13, transformers
-5.24; the conversations of `test_aot_compiled.py`, right- and left-padded, check that no guard is uncovered):
+5.24; `test_aot_compiled.py` checks that no guard is uncovered):
 
 | set on | attribute | does the forward read it? | covered by |
 |---|---|---|---|
-| the cache | `get_query_offset`, for a fresh cache's right-padded prefill | yes: an identity guard, dropped | the key |
+| the cache | `get_query_offset` (a fresh cache's right-padded prefill) | yes: an identity guard, dropped | the key |
 | the cache | `_prefill_buckets_record` (`cache.CacheRecord`) | no | - |
-| a cache layer | `window` (full-attention layers, `kvcache/windows.py`) | yes: a value guard, saved | the key and the guards |
+| a cache layer | `window` (full-attention layers, `windows.py`) | yes: a value guard, saved | the key, guards |
 | a cache layer | `cumulative_length` (a tensor, written in place) | yes, as data: no guard | - |
-| a cache layer | `overflow` (sliding-window rings, `kvcache/ring.py`) | only a forward that builds its mask (a right-padded prefill, where it is 0): a value guard, saved | the guards |
+| a cache layer | `overflow` (rings) | where a forward builds its mask (then 0): a value guard, saved | guards |
 | the model | the hooks (`call.hooks.HOOKS`), `forward`, `_prefill_buckets_state` | no | - |
 | `transformers.masking_utils` | `_ignore_causal_mask_sdpa` (a global) | yes: upstream's own while compiling | the code |
 
@@ -77,19 +62,15 @@ _FUNCTIONS = (types.FunctionType, types.MethodType, types.BuiltinFunctionType)
 
 @dataclasses.dataclass(frozen=True)
 class DispatchKey:
-    """
-    What a call's graph depends on besides what its saved guards check. Every field is a tuple of plain values, the
-    same in every process for the same state: the key is saved with the graph (`text`).
-    """
+    """What a call's graph depends on besides its saved guards: plain values, the same in every process (`text`)."""
 
     # Per argument, by position then name: `(name, shape, dtype)` of a tensor, `(name, type)` of another value.
     inputs: tuple
     # Per object argument (the cache): `(name, attribute, qualified name)` of each function set on its instance. A
     # fresh cache of a right-padded prefill has one (`transformers_api.reports_empty`), a continued one none.
     instance_functions: tuple
-    # Per cache argument whose layers read attention windows (`kvcache/windows.py`): `(name, window of each layer)`. Two
-    # decode steps of one shape in different windows are two graphs; their saved guards tell them apart too, but the
-    # key names the window, so a file's graphs are found by it.
+    # Per cache argument whose layers read attention windows: `(name, window of each layer)`. Their saved guards tell
+    # two windows apart too, but the key names the window, so a file's graphs are found by it.
     windows: tuple = ()
 
     def text(self) -> str:
@@ -135,11 +116,9 @@ def qualified_name(function) -> str:
 def module_functions(model) -> tuple:
     """
     `(module path, attribute, code)` of each function set on the instance of one of `model`'s modules (the model's own
-    `forward` excepted): tensor parallelism sets `forward` on every sharded layer, a closure over its mesh and plan.
-    And of each object of a local type (defined in a function, `torch_api.is_local_type`) such an instance holds, by
-    itself or in a dict: from transformers 5.25, with `kernels`, each attention module's `__init__` gives it wrappers
-    of its functions (`_kernel_funcs`), which the forward reads, and whose type torch can't save a guard on. Part of
-    the model's fingerprint: the same class, config and parallel plan set the same closures and wrappers.
+    `forward` excepted; tensor parallelism sets `forward` on every sharded layer), and of each object of a local type
+    such an instance holds, by itself or in a dict (from transformers 5.25, with `kernels`, each attention module's
+    `_kernel_funcs`, whose type torch can't save a guard on). Part of the model's fingerprint.
     """
     found = []
     for path, module in model.named_modules():
@@ -180,10 +159,9 @@ def is_on_code(guard_name: str, is_global: bool, closure_names: set[str]) -> boo
 
 def uncovered(key: DispatchKey, state_guards: list[str], model_functions: tuple) -> list[str]:
     """
-    The dropped guards on the state of a call's inputs that neither `key` nor the model's fingerprint names: those of
-    a graph that can't be told apart from another graph of the same key. A guard on a function the key names (a
-    module-level one), or on a function set on one of the model's modules at its fingerprint (`module_functions`),
-    and on what it holds, is covered; any other is not.
+    The dropped guards on the state of a call's inputs that neither `key` nor the model's fingerprint
+    (`model_functions`) names, on a function or on what it holds: those of a graph that can't be told apart from
+    another graph of the same key.
     """
     on_modules = {(path, attribute) for path, attribute, _ in model_functions}
     missing = set()

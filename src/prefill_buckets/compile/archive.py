@@ -58,15 +58,10 @@ def save_compile_cache(path: str | os.PathLike) -> CompileCacheFile | None:
     Writes what this process compiled with inductor to `path`, so that another process can load it with
     [`load_compile_cache`] before it compiles, and then compile nothing but dynamo's graphs.
 
-    The file is a zip archive that holds:
-
-    - a manifest: the torch, transformers and Python versions and the CPU it was written with, which
-      [`load_compile_cache`] checks;
-    - torch's cache artifacts (`torch.compiler.save_cache_artifacts`): the compiled graphs (inductor's and AOTAutograd's
-      caches), Triton kernels on GPU, and autotuning results;
-    - the C++ kernels (shared libraries in inductor's cache directory) this process loaded, and inductor's probes of
-      the CPU's vector instruction sets. torch's artifacts don't carry them, and without them a new process builds
-      every CPU kernel again with the C++ compiler, which is most of the compile time on CPU.
+    The file is a zip archive of a manifest (the torch, transformers and Python versions and the CPU, which
+    [`load_compile_cache`] checks), torch's cache artifacts (`torch.compiler.save_cache_artifacts`), the graphs of
+    [`aot_forward`]s, and the C++ kernels this process loaded with inductor's probes of the CPU's vector instruction
+    sets: torch's artifacts don't carry them, and building them again is most of the compile time on CPU.
 
     <Tip warning={true}>
 
@@ -76,9 +71,8 @@ def save_compile_cache(path: str | os.PathLike) -> CompileCacheFile | None:
 
     </Tip>
 
-    The file is written atomically: to a temporary file in the same directory (mode 0644), then renamed to `path`, so a
-    process reading `path` meanwhile sees the previous file or the new one, never part of one, and of two processes
-    saving to one path at once, the last one's file stays.
+    The file is written atomically (a temporary file in the same directory, mode 0644, renamed to `path`): a reader
+    sees the previous file or the new one, never part of one.
 
     Args:
         path (`str` or `os.PathLike`):
@@ -86,7 +80,7 @@ def save_compile_cache(path: str | os.PathLike) -> CompileCacheFile | None:
 
     Returns:
         [`CompileCacheFile`] or `None`: the file written, with its size and SHA-256; `None` (and no file) when nothing
-        was compiled with inductor in this process. (Before, it returned the size, 0 when nothing was saved.)
+        was compiled with inductor in this process.
     """
     warn_if_enable_forgotten("save_compile_cache", generation_configs(*aot_forward.live_models()))
     saved = torch.compiler.save_cache_artifacts()
@@ -97,9 +91,8 @@ def save_compile_cache(path: str | os.PathLike) -> CompileCacheFile | None:
     artifacts = saved[0] if saved is not None else b""  # none with a backend other than inductor
     root = torch_api.inductor_cache_dir()
     kernels = _kernels(root)
-    manifest = _environment() | {"format": _ARCHIVE_FORMAT, "aot_forwards": []}
-    for index, (meta, _) in enumerate(forwards):
-        manifest["aot_forwards"].append({**meta, "file": f"{_FORWARDS}{index}.bin"})
+    files = [{**meta, "file": f"{_FORWARDS}{index}.bin"} for index, (meta, _) in enumerate(forwards)]
+    manifest = _environment() | {"format": _ARCHIVE_FORMAT, "aot_forwards": files}
     path = os.fspath(path)
     descriptor, partial = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".", suffix=".tmp")
     try:
@@ -136,21 +129,17 @@ def load_compile_cache(path: str | os.PathLike, sha256: str | None = None, max_b
     with [`precompile`]) reuses the saved graphs and kernels instead of generating and building them. Call it before
     the first compile.
 
-    torch's artifacts go to its in-process and on-disk caches; the C++ kernels are copied into inductor's cache
-    directory (`TORCHINDUCTOR_CACHE_DIR`), where a kernel already there is kept.
-
-    A file that can't be used is not loaded: it loads nothing, logs one warning that names the file and the reason,
-    and returns `False`; this process then compiles from scratch. That is a file that can't be read, is empty, larger
-    than `max_bytes` or expands to more, truncated or corrupt, of another format (or of an earlier version of this
-    package), without a manifest or of an unknown format version, with an entry name outside the cache directory, or
-    whose SHA-256 is not `sha256`; and a stale file: written with another torch, transformers or Python version, or
-    on another CPU (the C++ kernels are built with `-march=native`). Every check runs before anything is installed.
+    The C++ kernels are copied into inductor's cache directory (`TORCHINDUCTOR_CACHE_DIR`), keeping those already
+    there. A file that can't be used (unreadable, larger than `max_bytes`, corrupt, of another format, whose SHA-256
+    is not `sha256`, or stale: written with another torch, transformers or Python version, or on another CPU) loads
+    nothing: one warning names the file and the reason, it returns `False`, and this process compiles from scratch.
+    Every check runs before anything is installed.
 
     <Tip warning={true}>
 
     The file is executable code (pickles and shared libraries): loading it runs code from whoever wrote it. For a
-    fleet, compile once, publish the file with the `sha256` that [`save_compile_cache`] returned, and have every
-    replica load it with `sha256=`: a file that differs in one byte is refused before any of it is read.
+    fleet, publish the file with the `sha256` that [`save_compile_cache`] returned, and load it with `sha256=`: a
+    file that differs in one byte is refused before any of it is read.
 
     </Tip>
 
@@ -219,9 +208,8 @@ def _read(path: str | os.PathLike, sha256: str | None, max_bytes: int) -> bytes:
 
 def _unpack(data: bytes, max_bytes: int) -> tuple[bytes, dict[str, bytes], list[tuple[dict, bytes]]]:
     """
-    Checks the archive `data` whole and returns torch's artifacts, the kernels by relative path, and the compiled
-    forwards with their metadata. Reading every entry checks its CRC, so a corrupt entry is found before anything is
-    installed.
+    Checks the archive `data` whole (reading every entry checks its CRC) and returns torch's artifacts, the kernels by
+    relative path, and the compiled forwards with their metadata.
     """
     try:
         with zipfile.ZipFile(io.BytesIO(data)) as archive:
@@ -238,10 +226,10 @@ def _unpack(data: bytes, max_bytes: int) -> tuple[bytes, dict[str, bytes], list[
                 raise _Refused(f"it has no {_MANIFEST if _MANIFEST not in names else _ARTIFACTS}")
             manifest = _check_manifest(archive.read(_MANIFEST))
             forward_files = _check_forwards(manifest.get("aot_forwards"))
-            kernels = {}
+            kernels = []
             for name in names:
                 if name.startswith(_KERNELS) and not name.endswith("/"):
-                    kernels[_kernel_path(name)] = None
+                    kernels.append(_kernel_path(name))
                 elif name not in (_MANIFEST, _ARTIFACTS) and name not in forward_files:
                     raise _Refused(f"it holds an unexpected entry {name!r}")
             if not forward_files <= set(names):
@@ -249,8 +237,7 @@ def _unpack(data: bytes, max_bytes: int) -> tuple[bytes, dict[str, bytes], list[
                     f"its manifest lists compiled forwards it doesn't hold: {sorted(forward_files - set(names))}"
                 )
             artifacts = archive.read(_ARTIFACTS)
-            for relative in kernels:
-                kernels[relative] = archive.read(_KERNELS + relative)
+            kernels = {relative: archive.read(_KERNELS + relative) for relative in kernels}
             forwards = [(meta, archive.read(meta["file"])) for meta in manifest["aot_forwards"]]
     except _Refused:
         raise
@@ -313,16 +300,13 @@ def _environment() -> dict[str, str]:
     return {
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "python": platform.python_version_tuple()[0] + "." + platform.python_version_tuple()[1],
+        "python": ".".join(platform.python_version_tuple()[:2]),
         "cpu": _cpu_fingerprint(),
     }
 
 
 def _kernels(root: str) -> list[str]:
-    """
-    The C++ libraries in inductor's cache directory `root` that a new process would otherwise build again: the kernels
-    this process loaded, and inductor's probes of the CPU's vector instruction sets.
-    """
+    """The C++ libraries in inductor's cache directory `root` that this process loaded, and its `_isa_probes`."""
     # Inductor keeps each library at `root/<2 characters>/<hash>[.main].so`, the hash being of the source and the
     # compiler's command line. Most kernels are loaded as Python extension modules (in `sys.modules`), some with
     # `ctypes`: on Linux, `/proc/self/maps` lists both.
@@ -343,9 +327,9 @@ def _kernels(root: str) -> list[str]:
 
 def _isa_probes(root: str) -> list[str]:
     """
-    The libraries inductor builds in `root`, at the first compile of each process, to test which vector instruction
-    sets (AVX2, AVX-512, ...) the compiler and CPU support, one small C++ program per set (the `*_code` sources of
-    `torch._inductor.cpu_vec_isa`). A subprocess loads them, so `_kernels` doesn't see them as loaded.
+    The libraries inductor builds in `root` at each process's first compile to probe the vector instruction sets, one
+    small C++ program per set (the `*_code` sources of `torch._inductor.cpu_vec_isa`): a subprocess loads them, so
+    `_kernels` doesn't see them.
     """
     cpu_vec_isa = torch_api.inductor_cpu_vec_isa()
     if cpu_vec_isa is None:

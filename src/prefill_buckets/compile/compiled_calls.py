@@ -1,18 +1,12 @@
-"""Compiled-forward bookkeeping: counting graphs and the compiled calls that run them.
-
-- `GraphCounter`: a `torch.compile` backend that counts the graphs it compiles and the calls that run them;
-- `compiled_forward`: how the user compiled a model's forward; `is_aot_forward`: whether it is an `aot_forward`'s;
-  `call_compilation`: how a call's forwards run (compiled by upstream, by the user, or not);
-- `compiled_wrapper_forward`: a `torch.compile(model)` wrapper's compiler around the wrapped module's call;
-- `EagerFallback`: a compiled forward that runs eagerly for the input shapes its backend fails on, put around the
-  user's compiled forward while bucketed calls run (`install_fallbacks`, `remove_fallbacks`).
+"""Compiled-forward bookkeeping: `GraphCounter`, how the user compiled a model's forward, and how a bucketed call runs
+it (marked dynamic or static, through a `torch.compile(model)` wrapper's compiler, falling back to eager per shape).
 
 The call path (`call/`) runs the user's compiled forward through this module, so, unlike the rest of `compile/`, it sits
-below `call/` and imports nothing of it. `aot_forward.AOTForward` derives from `AheadOfTimeForward`, defined here, so
-that the call path tells one apart without importing the tooling above it.
+below `call/` and imports nothing of it; hence `AheadOfTimeForward`, the base of `aot_forward.AOTForward`, is here.
 """
 
 import contextlib
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -73,8 +67,7 @@ class GraphCounter:
         return self
 
     def reset(self) -> None:
-        self.graphs = 0
-        self.calls = 0
+        self.graphs = self.calls = 0
         self.shapes.clear()
 
 
@@ -93,9 +86,8 @@ def is_aot_forward(model) -> bool:
 
 def compiled_forward(model) -> str | None:
     """
-    How `model`'s forward is compiled by the user: `"model.compile()"`, `"torch.compile(model.forward)"`, or `None`.
-    With `None`, `generate` may still compile on its own: upstream compiles decode with a static cache on CUDA/XPU or
-    with `compile_config`, and with bucket fields set prefill goes through that compiled call too.
+    How the user compiled `model`'s forward: `"model.compile()"`, `"torch.compile(model.forward)"`, or `None` (then
+    upstream `generate` may still compile it: `call_compilation`).
     """
     if torch_api.compiled_call_impl(model) is not None:
         return "model.compile()"
@@ -107,27 +99,24 @@ def compiled_forward(model) -> str | None:
 def call_compilation(model, model_kwargs: dict, generation_config) -> tuple[bool, bool, bool, bool]:
     """
     How a call's forwards run, `(auto_compile, compiled, fullgraph, generic)`: whether upstream compiles the forward
-    itself, whether they are compiled at all (by upstream or the user), whether with `fullgraph=True` (upstream
-    compiles with `compile_config`'s, `False` by default), and whether its prefill is shape-generic: compiled with
-    any `dynamic` but `False` (`model.compile()`'s default is `None`), one graph symbolic in the prompt length serves
-    every bucket (`mark_prefill_dynamic`); with `dynamic=False`, as asked, each bucket is a static graph of its own.
+    itself, whether they are compiled at all, whether with `fullgraph=True`, and whether the prefill is shape-generic
+    (any `dynamic` but `False`: one graph symbolic in the prompt length serves every bucket, `mark_prefill_dynamic`).
     """
     if transformers_api.valid_auto_compile(model, model_kwargs, generation_config):
         config = generation_config.compile_config
         return True, True, bool(getattr(config, "fullgraph", False)), getattr(config, "dynamic", False) is not False
     if compiled_forward(model) is None:
         return False, False, False, False
-    return False, True, forward_compiled_with_fullgraph(model), forward_compiled_dynamic(model) is not False
+    return False, True, forward_compiled_with_fullgraph(model), forward_compiled_generic(model)
 
 
-def forward_compiled_dynamic(model) -> bool | None:
-    """The `dynamic` the user compiled `model`'s forward with (`compiled_forward`'s ways; `False` if not compiled)."""
-    dynamics = (torch_api.compiled_dynamic(compiled) for compiled in _user_compiled(model))
-    return next((dynamic for dynamic in dynamics if dynamic is not False), False)
+def forward_compiled_generic(model) -> bool:
+    """Whether the user compiled `model`'s forward with any `dynamic` but `False`: a shape-generic prefill."""
+    return any(torch_api.compiled_dynamic(compiled) is not False for compiled in _user_compiled(model))
 
 
 def forward_compiled_with_fullgraph(model) -> bool:
-    """Whether the user compiled `model`'s forward with `fullgraph=True` (`compiled_forward`'s ways; `False` if not)."""
+    """Whether the user compiled `model`'s forward with `fullgraph=True`."""
     return any(torch_api.compiled_with_fullgraph(compiled) for compiled in _user_compiled(model))
 
 
@@ -149,11 +138,9 @@ TOKEN_DIMS = {
 
 def mark_prefill_dynamic(inputs: dict, new_tokens: int, tokens: int) -> None:
     """
-    Makes the token dimensions of a prefill forward's `inputs` symbolic for the compiler (`torch_api.mark_dynamic`):
-    the `new_tokens` entries of every input in `TOKEN_DIMS`, and the attention masks' (2D `[B, tokens]`, 4D `[B, heads,
-    new_tokens, tokens]`, or a dict of them), `tokens` being the cache's after the forward. One compiled graph then
-    serves every bucket: buckets bound the shapes a forward sees, not the compiles. Each input marked is a new tensor
-    object on the same data (`detach`), so a tensor the user passed in is left unmarked.
+    Makes the token dimensions of a prefill forward's `inputs` symbolic (`torch_api.mark_dynamic`), so one compiled
+    graph serves every bucket: the `new_tokens` entries of the inputs in `TOKEN_DIMS`, and the attention masks'
+    (`tokens`: the cache's after the forward). Each is marked on a new tensor (`detach`): the user's stay unmarked.
     """
     for name, dim in TOKEN_DIMS.items():
         value = inputs.get(name)
@@ -168,9 +155,8 @@ def mark_prefill_dynamic(inputs: dict, new_tokens: int, tokens: int) -> None:
 
 def mark_decode_static(inputs: dict) -> None:
     """
-    Makes the attention masks of a decode step's `inputs` static for the compiler (`torch_api.mark_static`): each
-    window a step reads is a graph of its own, as with `dynamic=False`, where `dynamic=None` would make the window
-    symbolic from its second on. The masks are upstream's, made for the step.
+    Makes the attention masks of a decode step's `inputs` static (`torch_api.mark_static`): each window a step reads
+    is a graph of its own, where `dynamic=None` would make the window symbolic from its second on.
     """
     masks = inputs.get("attention_mask")
     for mask in masks.values() if isinstance(masks, dict) else (masks,):
@@ -197,13 +183,10 @@ def _marked_mask(mask, new_tokens: int, tokens: int):
 @contextlib.contextmanager
 def compiled_wrapper_forward(wrapper):
     """
-    Runs the wrapped module's forward through `wrapper`'s compiler while the context is open.
-
-    `torch.compile(model).generate(...)` hands `generate` to the original module, whose forward is not compiled:
-    every step runs eagerly. Inside this context the module's `__call__` goes through the wrapper's dynamo context
-    (same backend, mode and options), exactly as after `model.compile(...)`. The compiled callable is kept on the
-    wrapper, so its graphs are reused by later calls. Calls may overlap (threads sharing one wrapper): the module's
-    compiled call is set by the first to enter and removed by the last to leave.
+    Runs the wrapped module's `__call__` through `wrapper`'s compiler while the context is open, as after
+    `model.compile(...)`: `torch.compile(model).generate(...)` hands `generate` to the module, whose forward is not
+    compiled. The compiled callable is kept on the wrapper for later calls; overlapping calls (threads) share it, set
+    by the first to enter and removed by the last to leave.
     """
     module = torch_api.unwrap(wrapper)
     state = state_of(wrapper)
@@ -229,17 +212,12 @@ def compiled_wrapper_forward(wrapper):
 
 class EagerFallback:
     """
-    A compiled callable that runs eagerly for the input shapes its backend fails to compile.
+    A compiled callable that runs `eager` for the input shapes its backend fails to compile (`BackendCompilerFailed`),
+    on that call and every later one of the shape; the first failure on a model logs one warning.
 
-    A shape is compiled on its first call; if the backend raises there (`BackendCompilerFailed`: a C++ or Triton
-    build error, an unsupported op), the call runs `eager` on the same inputs instead, and so does every later call
-    with that shape. The other shapes stay compiled. The first failure on a model logs one warning.
-
-    Re-running is only exact if the failed attempt changed nothing. It compiles before it runs, unless the forward
-    has graph breaks: then the part before the failing graph has already run, and may have written into the cache.
-    Compiled with `fullgraph=True` it has none, and the shapes are told apart only once one has failed. Otherwise, on
-    a shape's first call the cache's counters are recorded, and if the failed attempt moved them the error is raised
-    (with a note) instead of running the forward twice.
+    Re-running is only exact if the failed attempt changed nothing: with graph breaks, the part before the failing
+    graph has run. So, unless compiled with `fullgraph=True`, a shape's first call records the cache's counters, and if
+    the failed attempt moved them the error is raised (with a note) instead.
     """
 
     def __init__(self, model, compiled: Callable, eager: Callable):
@@ -271,7 +249,7 @@ class EagerFallback:
         try:
             output = self.compiled(*args, **kwargs)
         except torch_api.BackendCompilerFailed as error:
-            if before is None or not _same_counters(before, _cache_counters(cache)):
+            if before is None or before != _cache_counters(cache):
                 error.add_note(
                     "prefill_buckets could not fall back to eager for this forward: it can't show that the failed "
                     "attempt left the cache untouched (after a graph break, part of the forward runs before the "
@@ -299,10 +277,7 @@ class EagerFallback:
 
 
 def install_fallbacks(model) -> dict:
-    """
-    Wraps the user's compiled forward (`model.compile()`, or a compiled `forward`) in an `EagerFallback` for the
-    duration of bucketed calls. Returns what was replaced, for `remove_fallbacks`.
-    """
+    """Wraps the user's compiled forward in an `EagerFallback` during bucketed calls; returns what it replaced."""
     replaced = {}
     impl = torch_api.compiled_call_impl(model)
     if impl is not None and not isinstance(impl, EagerFallback):
@@ -324,33 +299,23 @@ def remove_fallbacks(model, replaced: dict) -> None:
 
 
 def _fallback_shapes(model, compiled) -> dict:
-    """
-    The shapes a compiled callable of `model` has run compiled, and those that run eagerly, kept across calls; and
-    whether it was compiled with `fullgraph=True` (read once).
-    """
+    """The shapes `compiled` ran compiled and eagerly, kept on `model` across calls, and its `fullgraph`, read once."""
+    known = state_of(model).fallback_shapes
     try:
-        shapes = state_of(model).fallback_shapes.get(compiled)
-        if shapes is None:
-            shapes = state_of(model).fallback_shapes[compiled] = _new_fallback_shapes(compiled)
-        return shapes
+        shapes = known.get(compiled)
     except TypeError:  # not weak-referenceable: per wrapper
-        return _new_fallback_shapes(compiled)
-
-
-def _new_fallback_shapes(compiled) -> dict:
-    return {"compiled": set(), "eager": set(), "fullgraph": torch_api.compiled_with_fullgraph(compiled)}
+        known = shapes = None
+    if shapes is None:
+        shapes = {"compiled": set(), "eager": set(), "fullgraph": torch_api.compiled_with_fullgraph(compiled)}
+        if known is not None:
+            known[compiled] = shapes
+    return shapes
 
 
 def _signature(args, kwargs) -> tuple:
     """The shapes and dtypes of a call's tensor arguments, by position and name: what a new graph is compiled for."""
-    tensor, signature = torch.Tensor, []  # one loop: it may run before every forward of a bucketed call
-    for i, v in enumerate(args):
-        if isinstance(v, tensor):
-            signature.append((i, v.shape, v.dtype))
-    for k, v in kwargs.items():
-        if isinstance(v, tensor):
-            signature.append((k, v.shape, v.dtype))
-    return tuple(signature)
+    arguments = itertools.chain(enumerate(args), kwargs.items())
+    return tuple((name, v.shape, v.dtype) for name, v in arguments if isinstance(v, torch.Tensor))
 
 
 _COUNTERS = ("cumulative_length", "cumulative_length_int", "indexer_cumulative_length")
@@ -366,20 +331,8 @@ def _cache_counters(cache) -> list | None:
     counters = []
     for layer in layers:
         for name in _COUNTERS:
-            value = getattr(layer, name, None)
-            counters.append(value.clone() if isinstance(value, torch.Tensor) else value)
+            value = getattr(layer, name, None)  # a tensor by its values: the forward writes it in place
+            counters.append(("tensor", value.tolist()) if isinstance(value, torch.Tensor) else value)
         keys = getattr(layer, "keys", None)
         counters.append(tuple(keys.shape) if isinstance(keys, torch.Tensor) else None)
     return counters
-
-
-def _same_counters(before: list | None, after: list | None) -> bool:
-    if before is None or after is None or len(before) != len(after):
-        return False
-    for a, b in zip(before, after):
-        if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-            if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)):
-                return False
-        elif a != b:
-            return False
-    return True

@@ -22,7 +22,7 @@ from ..kvcache.sizing import aligned_cache_length
 from ..kvcache.windows import decode_warmups
 from ..upstream import torch_api, transformers_api
 from ..upstream.torch_api import graphs_compiled
-from .compiled_calls import compiled_forward, forward_compiled_dynamic
+from .compiled_calls import compiled_forward, forward_compiled_generic
 
 
 logger = logging.get_logger(__name__)
@@ -45,14 +45,11 @@ def bucket_lengths(policy: BucketPolicy, max_prompt_length: int, max_positions: 
     (the model's `max_position_embeddings`), a bucket past it is capped there, as `generate` caps it.
     """
     lengths, length = [], 1
-    while length <= max_prompt_length:
-        if max_positions is not None and length > max_positions:
-            break  # longer prompts than the model has positions for are not padded: no bucket to warm up
+    # Longer prompts than the model has positions for are not padded: no bucket to warm up.
+    while length <= max_prompt_length and (max_positions is None or length <= max_positions):
         padded = policy.bucket(length)
-        if max_positions is not None:
-            padded = min(padded, max_positions)
-        lengths.append(padded)
-        length = padded + 1
+        lengths.append(padded if max_positions is None else min(padded, max_positions))
+        length = lengths[-1] + 1
     return lengths
 
 
@@ -71,27 +68,14 @@ def precompile(
     default) to `max_prompt_length` tokens, so that later calls with such prompts compile nothing.
 
     Runs one short `generate` (2 new tokens) per batch size and bucket, longest first, on a prompt that exactly fits
-    the bucket. With a static cache and no `max_cache_len`, the cache is pinned to the length the longest bucket needs
-    with `max_new_tokens`, rounded up to a multiple of 64 (or of `prefill_pad_to_multiple_of`). The first call sets
-    it, upstream keeps the largest cache seen on the model, and later calls that fit in it use it, so every later
-    call uses that one cache shape. Every forward reads an attention window of that cache (the reference's "Cache
-    sizing"): where later calls' decode crosses windows, more warm-up calls compile a decode graph per window (a bucket
-    with all of `max_new_tokens`, and, for shorter prompts of a bucket, one call per window inside it). The model then
-    holds, per batch size, one prefill graph for every bucket (compiled with `model.compile()`, any `dynamic` but
-    `False`: the prefill's length is symbolic) or, with `dynamic=False`, one prefill graph per bucket, and one decode
-    graph per window decode reaches. With `dynamic=False`:
-
-        graphs = len(batch_sizes) * (prefill buckets from min_prompt_length to max_prompt_length + decode windows)
-
-    (one decode window when the cache is at most 256 slots), counting the buckets of `min_prompt_length` and `max_prompt_length` themselves (on the left, one fewer per batch
-    size when 1 is one of these buckets: a 1-token prefill into the allocated cache is the decode graph). The warm-up
-    calls take the padding side later calls with this config take (`prefill_padding_side`, see the reference's "Padding
-    side"). With `"auto"`, a batch size above 1 is also warmed up with rows of different lengths, so tokenizer-padded
-    batches compile nothing either: where they take the right side, as rows of one length do, that shares their graphs;
-    where they take the left (a sliding window, for example), one more prefill graph per bucket above 1 (decode shares
-    its graph). A later prompt shorter than `min_prompt_length`, in a bucket below, compiles its prefill graph when it comes. As in `generate`, a bucket past
-    the model's `max_position_embeddings` is capped there, and prompts longer than that are not padded (each length
-    compiles its own graph), so none is warmed up.
+    the bucket, with the padding side later calls take (with `"auto"`, a batch size above 1 also with rows of
+    different lengths). With a static cache and no `max_cache_len`, the cache is pinned to what the longest bucket
+    needs with `max_new_tokens`, rounded up to a multiple of 64 (or of `prefill_pad_to_multiple_of`), so every later
+    call uses that one cache shape; where decode crosses attention windows of that cache, more warm-up calls compile a
+    decode graph per window. With `dynamic=False`, per batch size, each bucket is a prefill graph of its own; with any
+    other `dynamic`, one prefill graph serves every bucket. The reference's "Compile every graph up front" counts the
+    graphs. As in `generate`, a bucket past the model's `max_position_embeddings` is capped there, and longer prompts
+    are not padded, so none is warmed up.
 
     Args:
         model ([`PreTrainedModel`]):
@@ -107,27 +91,21 @@ def precompile(
             The longest prompt later calls will send. Required unless `prefill_buckets` is a list, in which case it
             defaults to the largest bucket.
         progress (`bool`, *optional*, defaults to `True`):
-            Print the plan (its warm-up calls, and the graphs it expects) and a line per warm-up call as it ends (its
-            shape, the graphs it compiled, its seconds, the calls left) to stderr. `False`: to the logger, at info
-            level.
+            Print the plan and a line per warm-up call as it ends to stderr. `False`: to the logger, at info level.
         min_prompt_length (`int`, *optional*):
-            The shortest prompt later calls will send: the buckets below its bucket are not warmed up (with `"pow2"`,
-            `min_prompt_length=100` skips 1 to 64). Defaults to 1, every bucket. Must not be larger than
-            `max_prompt_length`.
+            The shortest prompt later calls will send: the buckets below its bucket are not warmed up. Defaults to 1,
+            every bucket.
         prompt_lengths (`Iterable[int]`, *optional*):
-            A sample of the prompt lengths later calls will send (token counts, say from a log): `min_prompt_length`
-            and `max_prompt_length` are taken from it, so only the buckets the sample reaches are warmed up. Not
-            together with either of them.
+            A sample of the prompt lengths later calls will send, from which `min_prompt_length` and
+            `max_prompt_length` are taken (not together with either).
         generate_kwargs (`dict`, *optional*):
-            More keyword arguments that every warm-up call passes to `generate`, as later calls will pass them.
-            Upstream `generate` hands some of them to the forward (in transformers 5.24, `tokenizer`, which
-            `transformers serve` passes with every request), and a compiled forward called with other keyword
-            arguments than its warm-up compiles again. Not `input_ids`, `attention_mask` or `generation_config`.
+            More keyword arguments every warm-up call passes to `generate`, as later calls will (upstream hands some to
+            the forward, such as `transformers serve`'s `tokenizer`, and other keyword arguments compile again). Not
+            `input_ids`, `attention_mask` or `generation_config`.
 
     Returns:
-        `list[CompiledShape]`: one entry per warm-up call, longest first, with the graphs torch compiled for it. Their
-        sum is what the warm-up compiled. Torch's recompile limit counts the graphs of every model whose forward is
-        the same code: it is raised to hold them all first, and a call whose forwards torch still ran eagerly says so.
+        `list[CompiledShape]`: one entry per batch size and bucket, longest first, with the graphs torch compiled for
+        it. Torch's recompile limit is raised to hold them all first.
 
     Example:
 
@@ -189,15 +167,16 @@ def precompile(
     if not batch_sizes or not all(is_positive_int(b) for b in batch_sizes):
         raise ValueError(f"`batch_sizes` must be a non-empty list of positive integers, but is {batch_sizes!r}.")
 
-    batch_policy = settings.batch_policy
-    if batch_policy is not None:  # calls run at the batch buckets, not at the sizes they were given
-        batch_sizes = sorted({batch_policy.bucket(batch_size) for batch_size in batch_sizes})
+    batch_policy = settings.batch_policy  # calls run at the batch buckets, not at the sizes they were given
+    batch_sizes = sorted(
+        {batch_policy.bucket(b) if batch_policy is not None else b for b in batch_sizes}, reverse=True
+    )
     lengths = sorted(bucket_lengths(policy, max_prompt_length, settings.max_positions), reverse=True)
     if min_prompt_length is not None:
         lengths = [length for length in lengths if length >= capped_bucket(settings, min_prompt_length, warn=False)]
     max_new_tokens = settings.new_tokens(1)
-    cache_implementation = settings.cache_implementation
-    if cache_implementation in ALL_STATIC_CACHE_IMPLEMENTATIONS and generation_config.max_cache_len is None:
+    static = settings.cache_implementation in ALL_STATIC_CACHE_IMPLEMENTATIONS
+    if static and generation_config.max_cache_len is None:
         # Pinned, so one decode graph whatever its size: the slots the longest bucket needs, rounded up to a
         # multiple of 64 (not to the next power of two, which a growing cache uses to bound its sizes).
         generation_config.max_cache_len = aligned_cache_length(policy, lengths[0] + max_new_tokens - 1)
@@ -206,7 +185,6 @@ def precompile(
     # With a static cache, more where decode crosses attention windows (`windows.decode_warmups`).
     generation_config.min_new_tokens = None
     generation_config.max_length = None
-    static = cache_implementation in ALL_STATIC_CACHE_IMPLEMENTATIONS
     slots = generation_config.max_cache_len
     shortest = {length: (lengths[i + 1] + 1 if i + 1 < len(lengths) else 1) for i, length in enumerate(lengths)}
     if min_prompt_length is not None:
@@ -217,34 +195,34 @@ def precompile(
             return [(length, 2)]
         return decode_warmups(length, shortest[length], max_new_tokens, slots)
 
-    both_sides = [b for b in set(batch_sizes) if b > 1] if settings.padding_side == "auto" else []
+    both_sides = len([b for b in batch_sizes if b > 1]) if settings.padding_side == "auto" else 0
     # A shape-generic prefill (`compiled_calls.call_compilation`) is one graph for every bucket, unless the model's
     # code fixes the length (the budget learns it).
-    generic = _compiles_generic_prefill(module, generation_config) and not budget_of(module).prefill_specializes
+    if compiled_forward(module) is not None:
+        generic = forward_compiled_generic(module)
+    else:  # compiled by upstream, with `compile_config`'s `dynamic` (`False` without one too)
+        generic = getattr(generation_config.compile_config, "dynamic", False) is not False
+    generic = generic and not budget_of(module).prefill_specializes
     # (a 1-token bucket's prefill is a decode step: decode's graph)
     prefill_graphs = 1 if generic else len([length for length in lengths if length > 1])
     window_graphs = sum(len(warmups(length)) - 1 for length in lengths)  # the decode windows past the first
-    expected = (len(set(batch_sizes)) + len(both_sides)) * prefill_graphs + len(set(batch_sizes)) * (1 + window_graphs)
+    expected = (len(batch_sizes) + both_sides) * prefill_graphs + len(batch_sizes) * (1 + window_graphs)
     held = budget_of(module).held_graphs(module)
     # Room for every graph before the first call, in precompile's words: the budget then never warns mid-warm-up.
     make_room(module, held, expected, "precompile's calls", advice="They are compiled now, before any other call.")
 
     # Every warm-up call, planned up front: (batch size, bucket, prompt length, new tokens, rows of different lengths).
     calls = []
-    for batch_size in sorted(set(batch_sizes), reverse=True):
+    for batch_size in batch_sizes:
         for length in lengths:
             calls += [(batch_size, length, n, new_tokens, False) for n, new_tokens in warmups(length)]
             if batch_size > 1 and length > 1 and settings.padding_side == "auto":
                 calls.append((batch_size, length, length, 2, True))
-    _say(progress, _plan(calls, lengths, sorted(set(batch_sizes), reverse=True), slots if static else None, expected))
+    _say(progress, _plan(calls, lengths, batch_sizes, slots if static else None, expected))
 
     device = module.device
-    compiled, shape_start, compiled_before, total_start = (
-        [],
-        time.perf_counter(),
-        graphs_compiled(),
-        time.perf_counter(),
-    )
+    compiled, compiled_before = [], graphs_compiled()
+    shape_start = total_start = time.perf_counter()
     for index, (batch_size, length, prompt_length, new_tokens, ragged) in enumerate(calls):
         call_graphs, call_start = graphs_compiled(), time.perf_counter()
         generation_config.max_new_tokens = generation_config.min_new_tokens = new_tokens
@@ -268,18 +246,11 @@ def precompile(
             f"{', rows of different lengths' if ragged else ''}: {graphs} graph{'' if graphs == 1 else 's'} compiled "
             f"in {time.perf_counter() - call_start:.1f} s; {len(calls) - index - 1} left",
         )
-        last_of_shape = index + 1 == len(calls) or calls[index + 1][:2] != (batch_size, length)
-        if last_of_shape:
-            compiled.append(
-                CompiledShape(
-                    batch_size=batch_size,
-                    prompt_length=length,
-                    cache_length=cache_length,
-                    graphs=graphs_compiled() - compiled_before,
-                    seconds=time.perf_counter() - shape_start,
-                )
-            )
-            shape_start, compiled_before = time.perf_counter(), graphs_compiled()
+        if index + 1 == len(calls) or calls[index + 1][:2] != (batch_size, length):  # its shape's last call
+            now, graphs_now = time.perf_counter(), graphs_compiled()
+            shape = CompiledShape(batch_size, length, cache_length, graphs_now - compiled_before, now - shape_start)
+            compiled.append(shape)
+            shape_start, compiled_before = now, graphs_now
     graphs = sum(c.graphs for c in compiled)
     _say(
         progress,
@@ -307,10 +278,3 @@ def _say(progress: bool, message: str) -> None:
         print(message, file=sys.stderr, flush=True)
     else:
         logger.info(message)
-
-
-def _compiles_generic_prefill(model, generation_config) -> bool:
-    """Whether `model`'s bucketed prefill is one graph for every bucket: compiled with any `dynamic` but `False`."""
-    if compiled_forward(model) is not None:
-        return forward_compiled_dynamic(model) is not False
-    return getattr(generation_config.compile_config, "dynamic", False) is not False  # `False` without one too

@@ -1,28 +1,11 @@
 """The key axis of the attentions a bucketed call returns with a static cache: upstream's, on every layer and step.
 
-Each layer's attention weights `[B, heads, query, keys]` have the slots its forward read as their key axis. Upstream's
-layers read, for a forward of `q` tokens after `held` tokens (an unpadded call's counts):
-
-- a full-attention `StaticLayer` of `C` slots: all of them, slot `j` holding the position `j`: `C` keys;
-- a sliding-window `StaticSlidingWindowLayer` of `S` slots (its window, or the cache when shorter): `S` keys while the
-  window is not full after the forward, `held + q` while it fills on this forward (slot `j` the position `j` both
-  times), and `S - 1 + q` once it was full, slot `j` the position `held - S + 1 + j`.
-
-A bucketed call's layers read otherwise: a windowed full-attention layer reads its first `W` slots (`windows.py`), a
-ring `S + q` slots from the position `max(0, held - S)` (`ring.py`), and every position is `added` later than in the
-unpadded call (the left padding). `upstream_keys` puts each weight at the slot upstream's layer gives its position,
-with zeros at the slots the call did not read: there upstream's weights are 0 too, as the mask hides those positions
-(the window holds every position the forward's queries may attend to, `windows.window_length`). Full-attention
-layers thus span the cache's slots, token `i` at slot `i` as in an unpadded run; with the unpadded run's cache length
-(`max_cache_len` pinned) the shapes and values are an unpadded run's.
-
-A query that may attend to no key (a position of the user's own padding) has the same weight on every key it read;
-upstream's row has `1 / keys` on its keys, and so does the returned one (`place_keys`, which also strips the padding
-from a dynamic cache's key axis).
-
-The layout of each layer is noted when the call's cache is made (`key_layouts`, in `Plan.key_layouts`); the tokens
-a forward leaves in the cache come from its step (`views.strip_output`). A weight tensor whose key axis is not the
-one its layer reads at that step is left as it is (with a warning, once): its layout is unknown.
+A layer's weights `[B, heads, query, keys]` have the slots its forward read as their key axis. A bucketed call's
+layers read a window (`windows.py`) or a ring (`ring.py`), every position `added` later than in the unpadded call (the
+left padding); upstream's full-attention layer reads every slot, its sliding-window layer the window as
+`KeyLayout.read` gives it. `upstream_keys` puts each weight at the slot upstream's layer gives its position, zeros
+elsewhere: upstream's weights are 0 there too, masked. A weight tensor whose key axis is not the one its layer reads
+is left as it is (with a warning, once).
 """
 
 from dataclasses import dataclass
@@ -73,17 +56,15 @@ def key_layouts(cache) -> tuple | None:
     """The `KeyLayout` of each layer of a static `cache` (`None` for a layer of another kind), or `None`."""
     if cache is None or not transformers_api.is_static_cache(cache):
         return None
-    layouts = []
-    for layer in cache.layers:
-        kind = None
-        if type(layer) in (transformers_api.StaticLayer, WindowedStaticLayer):
-            kind = FULL
-        elif type(layer) is SlidingWindowRing:
-            kind = RING
-        elif type(layer) is transformers_api.StaticSlidingWindowLayer:
-            kind = SLIDING
-        layouts.append(None if kind is None else KeyLayout(kind, layer.max_cache_len))
-    return tuple(layouts)
+    kinds = {
+        transformers_api.StaticLayer: FULL,
+        WindowedStaticLayer: FULL,
+        SlidingWindowRing: RING,
+        transformers_api.StaticSlidingWindowLayer: SLIDING,
+    }
+    return tuple(
+        KeyLayout(kinds[type(layer)], layer.max_cache_len) if type(layer) in kinds else None for layer in cache.layers
+    )
 
 
 def layouts_for(layouts: tuple, attention_layers: int) -> tuple | None:

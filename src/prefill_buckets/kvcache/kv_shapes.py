@@ -1,10 +1,7 @@
 """The key/value heads and head size each attention module of a model holds, read from its own projections.
 
-A static cache is allocated from the shape upstream predicts from the config (`_get_static_cache_init_shape`), and
-a config may misstate it (multi-query Falcon and GPT-BigCode, a GPT-NeoX config with an unused `num_key_value_heads`).
-`sizing.early_initialize` allocates a cache before its first forward, and `sizing.allocated_as_early` keeps an eager
-call's, only where the prediction is what the modules hold (`held_kv_shapes`), read from the names the transformers
-models use, never from the config.
+A config may misstate the shape upstream allocates a static cache with (multi-query Falcon and GPT-BigCode, a GPT-NeoX
+config with an unused `num_key_value_heads`): `sizing.py` allocates early only where it is what the modules hold.
 """
 
 import torch
@@ -32,26 +29,15 @@ def _int_attribute(module, names) -> int | None:
     return None
 
 
-def _output_rows(projection) -> int | None:
-    """The output features of a linear projection on this rank (a tensor-parallel shard's own), or `None`."""
+def _features(projection, output: bool = True) -> int | None:
+    """The output (or input) features of a linear projection on this rank (a tensor-parallel shard's), or `None`."""
     weight = getattr(projection, "weight", None)
     if not isinstance(weight, torch.Tensor) or weight.ndim != 2:
         return None
     local = weight.to_local() if hasattr(weight, "to_local") else weight  # a DTensor shard: this rank's rows
-    if hasattr(projection, "nf"):  # GPT-2's `Conv1D` stores its weight transposed: [in, out]
-        return local.shape[1]
-    return local.shape[0]
-
-
-def _output_projection_inputs(module) -> int | None:
-    """The input features of an attention module's output projection: its query heads times `head_dim`."""
-    for name in _OUTPUT_PROJECTIONS:
-        projection = submodule(module, name)
-        weight = getattr(projection, "weight", None)
-        if isinstance(weight, torch.Tensor) and weight.ndim == 2 and not hasattr(projection, "nf"):
-            local = weight.to_local() if hasattr(weight, "to_local") else weight
-            return local.shape[1]  # nn.Linear: [out, in]
-    return None
+    if hasattr(projection, "nf"):  # GPT-2's `Conv1D` stores its weight transposed: [in, out]; outputs only
+        return local.shape[1] if output else None
+    return local.shape[0 if output else 1]  # nn.Linear: [out, in]
 
 
 def _module_kv_shape(module) -> tuple[int, int] | None:
@@ -60,13 +46,17 @@ def _module_kv_shape(module) -> tuple[int, int] | None:
     if head_dim is None:
         return None
     for name in _KEY_PROJECTIONS:
-        rows = _output_rows(submodule(module, name))
+        rows = _features(submodule(module, name))
         if rows is not None:
             return (rows // head_dim, head_dim) if rows % head_dim == 0 else None
     query_heads = _int_attribute(module, _QUERY_HEAD_COUNTS)
-    query_rows = query_heads * head_dim if query_heads is not None else _output_projection_inputs(module)
+    query_rows = query_heads * head_dim if query_heads is not None else None
+    for name in _OUTPUT_PROJECTIONS if query_rows is None else ():  # its inputs: the query heads times `head_dim`
+        query_rows = _features(submodule(module, name), output=False)
+        if query_rows is not None:
+            break
     for name in _FUSED_PROJECTIONS:
-        rows = _output_rows(submodule(module, name))
+        rows = _features(submodule(module, name))
         if rows is not None and query_rows is not None:
             kv_rows = rows - query_rows  # queries first, then keys and values of one size
             if kv_rows <= 0 or kv_rows % (2 * head_dim):

@@ -34,29 +34,22 @@ class CachePadding(NamedTuple):
     """The padding a bucketed call left in the cache it filled, which a later call that continues from it repeats."""
 
     columns: int  # positions added in front of every row (left padding)
-    # The rows the call generated (its prompts, times `num_return_sequences`), which a later call continues: one
-    # prompt each.
-    rows: int
+    rows: int  # the rows the call generated (its prompts, times `num_return_sequences`): a later call's prompts
     padded_rows: int  # the rows the cache holds: `rows`, then the dummy rows of `prefill_batch_buckets`
 
 
 @dataclass(frozen=True)
 class CacheRecord:
-    """
-    What the bucketed calls that filled a cache left in it, for a later call that continues from it (multi-turn chat).
-    Every bucketed call writes it (`record_call`); a cache that holds no tokens (reset) has none (`cache_record`).
-    """
+    """What the bucketed calls that filled a cache left in it, for a later call that continues from it."""
 
-    # The columns added in front and the dummy rows, when the cache's layout is not an unpadded call's: a later call
-    # with the same rows pads its prompt by the same columns and brings the same dummy rows, so cache and prompt line
-    # up. `None`: the cache holds what an unpadded call would (a right-padded call of rows of one length).
+    # The padding a later call with the same rows repeats, so cache and prompt line up; `None`: the cache holds what an
+    # unpadded call would (a right-padded call of rows of one length).
     padding: CachePadding | None
     # A right-padded call of rows of different lengths: its attention mask `[rows, S]`, as the user passed it
-    # (left-padded). Row i's `L_i` prompt tokens sit in slots `0..L_i-1` (the mask's ones moved to the front), its
-    # generated tokens in the slots of their columns. A later call lines its mask up with that.
+    # (left-padded). Row i's `L_i` prompt tokens sit in slots `0..L_i-1`, its generated tokens in the slots of their
+    # columns: a later call lines its mask up with that.
     ragged_rows: torch.Tensor | None = None
-    # The bucket fields the call ran with (`CallSettings.bucketing`): a later call that sets none of its own continues
-    # the conversation with them (`PassedCache.bucketing`), so every turn of a chat is bucketed as the first was.
+    # The bucket fields the call ran with (`CallSettings.bucketing`), which a later call that sets none continues with.
     bucketing: tuple | None = None
 
 
@@ -77,10 +70,7 @@ def cache_record(cache, tokens=_UNREAD) -> CacheRecord | None:
 
 
 class PassedCache:
-    """
-    The cache a call passes to `generate` (`None`: none), and what the call's steps ask of it, each read once per call
-    when first asked (`generation.generate` makes it before the call writes its own record, and hands it on).
-    """
+    """The cache a call passes to `generate` (`None`: none), and what the call's steps ask of it, each read once."""
 
     def __init__(self, model_kwargs: dict):
         self.cache = passed_cache(model_kwargs)
@@ -125,8 +115,7 @@ class PassedCache:
 
 def record_call(cache, plan, attention_mask, continues: bool) -> None:
     """
-    Writes the record of the bucketed call `plan` that filled `cache` (`continues`: from the tokens it held). A
-    left-padded call, one with dummy rows, and one of ragged rows leave padding a later call must continue; a
+    Writes the record of the bucketed call `plan` that filled `cache` (`continues`: from the tokens it held); a
     continuation keeps the ragged rows the cache was first filled with.
     """
     previous = cache.__dict__.get(_CACHE_RECORD)

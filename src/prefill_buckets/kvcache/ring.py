@@ -1,32 +1,13 @@
-"""The sliding-window (and chunked-attention) layers of a bucketed call's static cache: a ring whose compiled graph
+"""The sliding-window (and chunked-attention) layers of a bucketed call's static cache as rings, whose compiled graph
 depends on the query length, the window and the batch size only.
 
-Upstream's `StaticSlidingWindowLayer` keeps the last `S` tokens (`S` its `max_cache_len`: the window, or the cache
-length when that is shorter) in `[B, H, S, D]`, chronologically: slot `j` holds the position `start + j`, where
-`start = max(0, held - S)` and `held` is the tokens seen. Its `update` branches on a Python count of them
-(`cumulative_length_int`) and increments it, so a compiled forward guards on the count and traces a new graph at every
-decode step until torch's recompile limit, then runs eagerly.
-
-`SlidingWindowRing` keeps upstream's storage and layout, so a cache is handed back to upstream as it is, and does what
-its `update` does with tensor arithmetic on the tensor count (`cumulative_length`) instead. A forward of `q` tokens
-at the positions `held, ..., held + q - 1`:
-
-1. reads `[B, H, S + q, D]`: the `S` slots, then room for the `q` new tokens, which are written at the slots
-   `held - start + arange(q)` (a tensor offset: `held` while the window is not full, `S` once it is). Slot `j` of what
-   it reads holds the position `start + j`; slots past the new tokens hold nothing yet, later positions that the
-   causal mask hides;
-2. keeps the last `S` positions: slot `j` of the storage gets the slot `j + new_start - start` of what it read, where
-   `new_start = max(0, held + q - S)` (a tensor offset again), and adds `q` to the count in place.
-
-A decode step copies the window twice (the read, the keep), as upstream's roll and copy do.
-
-The mask spans the `S + q` slots it reads from the position `start` (`get_mask_sizes`): a Python int, decided outside
-the compiled graph, from the tokens the cache holds after the forward (`set_tokens`, before each forward, as the
-attention windows of the full-attention layers: `windows.set_window`). Upstream's mask function applies the sliding
-window (or the attention chunks) on absolute positions, so the positions the window drops are masked as upstream's
-are, and the attention is upstream's with masked slots added. `generate` builds a static cache's 4D masks eagerly
-(`prepare_inputs_for_generation`); the right-padded prefill builds its mask in the forward, but its tokens always fit
-the window (`call/decision.py`), where the offset is 0 whatever the count.
+Upstream's `StaticSlidingWindowLayer` keeps the last `S` tokens chronologically (slot `j` holds the position
+`max(0, held - S) + j`), but its `update` branches on a Python count of the tokens seen, so a compiled forward retraces
+at every decode step. `SlidingWindowRing` keeps that storage and layout (a cache goes back to upstream as it is) and
+does the same with tensor offsets on the tensor count: a forward of `q` tokens reads `[B, H, S + q, D]`, the `S`
+slots then its new tokens, and keeps the last `S` positions. Its mask spans those `S + q` slots from the position in
+slot 0, an int set outside the graph before each forward (`set_tokens`); upstream's mask function applies the window
+on absolute positions, so the attention is upstream's with masked slots added.
 """
 
 import torch
@@ -35,11 +16,7 @@ from ..upstream import transformers_api
 
 
 class SlidingWindowRing(transformers_api.StaticSlidingWindowLayer):
-    """
-    A `StaticSlidingWindowLayer` whose `update` reads no Python count (see the module docstring). A bucketed call gives
-    a `StaticCache`'s sliding-window and chunked-attention layers this class for its duration (`windows.open_windows`);
-    `close` makes them upstream's again.
-    """
+    """A `StaticSlidingWindowLayer` whose `update` reads no Python count, for a bucketed call (`open_windows`)."""
 
     # Of the tokens the cache holds after the coming forward, how many are past the window (`set_tokens`): 0 while
     # they all fit, which is the only value a graph that builds its mask in the forward sees. `None`: not told.

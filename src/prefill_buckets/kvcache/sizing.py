@@ -1,41 +1,9 @@
 """The length of a bucketed call's static KV cache, and its allocation before the first compiled forward.
 
-The cache-length rule, in one place (`static_cache_length`), for a static cache whose `max_cache_len` is not set.
-Every forward of a bucketed call reads only a window of the cache (`windows.py`), so a slot costs memory, not time:
-the rule allocates once, for the whole workload when it can tell, grows rarely, and never allocates the model's whole
-context unasked:
-
-1. The cache the model already has, when the call fits in it (upstream keeps the largest static cache it has made
-   on the model): no new graph.
-2. The first cache of the model holds every prompt the policy bounds: with a list of buckets, the largest bucket
-   plus the new tokens. `"pow2"` and `prefill_pad_to_multiple_of` alone have no largest bucket: the first cache then
-   holds `DEFAULT_CACHE_SLOTS` (8,192) slots, or the call, when it needs more.
-3. A call that does not fit grows the cache: to the longest sequence the model takes (its `max_position_embeddings`)
-   when that is at most `MAX_UNASKED_SLOTS` (16,384) slots, else to the next power of two the call needs, which
-   bounds the cache lengths by log2 of the longest sequence. A model that states no maximum grows geometrically too.
-
-Every length is rounded up to a multiple of 64 (or of `prefill_pad_to_multiple_of`), and capped at what the model
-takes: never past `max_position_embeddings`, which some models size buffers by (GPT-Neo's causal mask), unless the
-call itself needs more slots, as it would unbucketed. `precompile` pins the cache to its longest bucket instead
-(`aligned_cache_length`). A cache the user did not ask for that is longer than `DEFAULT_CACHE_SLOTS` logs its size in
-bytes when it is made. Pin `max_cache_len` to the largest bucket plus `max_new_tokens` to choose the memory yourself
-(`room_reason` checks a call against a pinned or passed cache).
-
-`early_initialize` allocates the cache before the first compiled forward, where the key/value heads and head size each
-attention module holds (`held_kv_shapes`, read from its own projections, never the config) agree with the shape
-upstream predicts from the config. A config may misstate them (multi-query Falcon and GPT-BigCode, a GPT-NeoX config
-with an unused `num_key_value_heads`).
-
-Upstream makes a new static cache for every call, and allocating it costs time in proportion to its slots (fresh
-memory is zeroed page by page: about 100 ms for SmolLM2's 8,192 slots on a 2-core CPU, where a prefill of 300 tokens
-takes 500 ms), and making the cache object costs time per layer. So the cache is made once per workload, as the
-slots-cost-no-time rule assumes: a finished call that made its cache and did not hand it back leaves it on the model
-(`keep_cache`; an eager call's where its first forward allocated what `early_initialize` would have), and the next
-call that makes a cache of the same shape gets it back (`reuse_cache`, in place of upstream's
-`_prepare_static_cache`), reset as upstream resets a cache it reuses, on the slots the last call wrote, so it holds
-what a new one would.
-
-`settings` arguments are the call's `call.resolved.CallSettings` (read by attribute: this package sits below `call/`).
+The cache-length rule is `static_cache_length`, for a static cache whose `max_cache_len` is not set; the reference's
+"Cache sizing" (docs/source/en/usage_reference.md) states it, and why a finished call's cache is kept for the next
+(`keep_cache`, `reuse_cache`). `settings` arguments are the call's `call.resolved.CallSettings` (read by attribute:
+this package sits below `call/`).
 """
 
 from dataclasses import dataclass
@@ -82,10 +50,7 @@ def aligned_cache_length(policy: BucketPolicy, slots: int) -> int:
 
 
 def static_cache_length(model, settings, needed: int, prompt_slots: int) -> int:
-    """
-    The length of the static cache for a call that needs `needed` slots, `prompt_slots` of them for its (padded)
-    prompt and the tokens already cached, the rest for new tokens. See the module docstring for the rule.
-    """
+    """The static cache's length for a call that needs `needed` slots, `prompt_slots` of them for the padded prompt."""
     policy = settings.policy
     previous = previous_max_cache_length(model)
     if previous >= needed:
@@ -99,7 +64,11 @@ def static_cache_length(model, settings, needed: int, prompt_slots: int) -> int:
         first = policy.bucket(largest) + new_slots if largest is not None else DEFAULT_CACHE_SLOTS
         first = aligned_cache_length(policy, max(needed, first))
         first = first if cap is None else min(first, cap)
-        _log_unasked(model, first)
+        if first > DEFAULT_CACHE_SLOTS:
+            logger.warning_once(
+                f"The static cache gets {first} slots ({_megabytes(model, first)} per row), more than the default of "
+                f"{DEFAULT_CACHE_SLOTS}, to hold the largest bucket and the new tokens. Pin `max_cache_len` to choose."
+            )
         return first
     grown = cap if cap is not None and cap <= MAX_UNASKED_SLOTS else policy.cache_length(needed)
     grown = grown if cap is None else min(aligned_cache_length(policy, grown), cap)
@@ -113,29 +82,17 @@ def static_cache_length(model, settings, needed: int, prompt_slots: int) -> int:
     return grown
 
 
-def _log_unasked(model, slots: int) -> None:
-    if slots > DEFAULT_CACHE_SLOTS:
-        logger.warning_once(
-            f"The static cache gets {slots} slots ({_megabytes(model, slots)} per row), more than the default of "
-            f"{DEFAULT_CACHE_SLOTS}, to hold the largest bucket and the new tokens. Pin `max_cache_len` to choose."
-        )
-
-
 def cache_bytes_per_row(model, slots: int) -> int | None:
-    """
-    The bytes a static cache of `slots` slots takes per batch row (sliding layers hold their window), or `None` when
-    the layout can't be told from the config. Head counts and head sizes may be per layer (Gemma 4).
-    """
+    """The bytes a static cache of `slots` slots takes per row (sliding layers hold their window), or `None`."""
     shape = _init_shape(model)
     if shape is None:
         return None
-    num_heads, head_dim = shape
     layers = lazy_static_cache(model, slots).layers
-    heads, dims = _per_layer(num_heads, layers), _per_layer(head_dim, layers)
-    if not all(isinstance(n, int) for n in (*heads, *dims)) or len(heads) != len(layers) or len(dims) != len(layers):
+    shapes = _per_layer(shape, layers)
+    if shapes is None or not all(isinstance(n, int) for n in (*shapes[0], *shapes[1])):
         return None
     item = torch.finfo(model.dtype).bits // 8 if model.dtype.is_floating_point else 4
-    return sum(2 * getattr(layer, "max_cache_len", 0) * h * d * item for layer, h, d in zip(layers, heads, dims))
+    return sum(2 * getattr(layer, "max_cache_len", 0) * h * d * item for layer, h, d in zip(layers, *shapes))
 
 
 def _megabytes(model, slots: int) -> str:
@@ -148,16 +105,11 @@ def _megabytes(model, slots: int) -> str:
 
 def room_reason(settings, cache, holds_padding: bool, prompt_length: int, padded_length: int) -> str | None:
     """
-    A left-padded call against the static cache it will write (`cache`: the one passed in, or `None`; `holds_padding`:
-    whether a bucketed call left padding in it): its padded prompt of `padded_length` (in a conversation, with the
-    tokens the cache holds) plus the new tokens, less one (the last token is never written). Returns why the call must
-    run unpadded, or `None` when it is bucketed:
-
-    - a cache passed in with fewer slots, that holds no padding: the call runs unpadded, as upstream runs it (reason);
-    - a cache passed in with fewer slots, that holds a bucketed call's padding: `ValueError` naming both lengths (the
-      padding in the cache can't be left out, and the cache can't grow);
-    - a pinned `max_cache_len` with fewer slots: upstream sizes the cache by what the call needs, so the call runs
-      exact in a longer cache, a shape of its own; a warning says so (`None`).
+    Why a left-padded call must run unpadded, or `None`: its padded prompt (`padded_length`, with the tokens cached)
+    plus the new tokens, less one, against the static `cache` passed in (`None`: none) or a pinned `max_cache_len`.
+    A passed cache too short returns the reason, or raises when it holds a bucketed call's padding (`holds_padding`:
+    that can't be left out, and the cache can't grow); a pinned length too short only warns (upstream makes a longer
+    cache).
     """
     new_tokens = settings.new_tokens(prompt_length)
     needed = padded_length + new_tokens - 1
@@ -190,18 +142,11 @@ def room_reason(settings, cache, holds_padding: bool, prompt_length: int, padded
 
 def early_initialize(model, cache, rows: int) -> bool:
     """
-    Allocates a lazily initialized static cache for `rows` rows, when the model's layout allows it and the shape
-    upstream predicts from the config is the one the attention modules hold (`held_kv_shapes`). Done before the first
-    compiled forward, as upstream does for chunked prefill: tensors allocated inside the first compiled prefill are not
-    static addresses, which CUDA graphs need. Where the shape can't be confirmed (a config that misstates its
-    key/value heads: multi-query Falcon and GPT-BigCode, a GPT-NeoX config given an unused `num_key_value_heads`, a
-    decoder whose heads differ from the encoder's), the cache initializes from the first keys it gets, as upstream's
-    own lazily allocated cache does: exact, at the cost of one more graph on the first compiled call. Under
-    `torch.autocast` too: the keys then come in the autocast dtype, which the model's dtype does not tell.
-
-    Returns whether the cache is allocated before its first forward (here, or already: a cache reused from the last
-    call, `reuse_cache`), which `keep_cache` asks: a cache allocated inside the first forward is not kept, so every
-    call's first forward sees a cache as upstream's.
+    Allocates a lazily initialized static cache for `rows` rows before the first compiled forward (tensors allocated
+    inside it are not the static addresses CUDA graphs need), where upstream's predicted shape is what the attention
+    modules hold (`held_kv_shapes`) and not under `torch.autocast` (the keys come in its dtype); elsewhere it
+    initializes from its first keys, as upstream's does. Returns whether the cache is allocated before its first
+    forward (here, or reused), which `keep_cache` asks.
     """
     if not hasattr(cache, "early_initialization"):
         return False
@@ -228,12 +173,10 @@ class KeptCache:
 
 def keep_cache(model, cache, slots: int, written: int) -> None:
     """
-    Keeps `cache` on `model` for the next call that makes one (`reuse_cache`): a `StaticCache` that upstream's
-    `_prepare_static_cache` made for `slots` slots (0: another step made it, not kept) and a finished call allocated
-    before its first forward (`early_initialize`) or, eager, in it as early initialization would have
-    (`allocated_as_early`), which it did not hand back, and of which it wrote at most the first `written` slots. One
-    cache is kept per model (the last call's); a cache the model holds itself, an offloaded one, or one with layers of
-    another kind is not.
+    Keeps `cache`, a `StaticCache` upstream's `_prepare_static_cache` made for `slots` slots (0: not kept) that a
+    finished call allocated as `early_initialize` does and did not hand back, for the next call (`reuse_cache`); it
+    wrote at most the first `written` slots. One per model; not an offloaded one, one of other layers, or one the model
+    holds itself.
     """
     layers = cache.layers
     if not slots or not is_static_cache(cache) or getattr(cache, "offloading", False) or not layers:
@@ -247,26 +190,20 @@ def keep_cache(model, cache, slots: int, written: int) -> None:
 
 def reuse_cache(model, cache_implementation: str, batch_size: int, slots: int):
     """
-    The cache kept on `model` (`keep_cache`), taken, when it is the one upstream's `_prepare_static_cache` would make
-    (a `StaticCache` for `slots` slots, upstream's length, and `batch_size` rows, not offloaded) in the model's dtype
-    and on its device, made in the call's mode (outside `torch.inference_mode()` torch forbids writing tensors made
-    inside it, and inside it they are other graph inputs than a new cache's, which dynamo compiles again), and not
-    under `torch.autocast` (the keys would come in its dtype). Reset as upstream resets a cache it reuses (each
-    layer's `reset`), on the slots the last call wrote (the others still hold zeros), so it holds what a new one would.
-    Else `None`, and a kept cache that doesn't fit is dropped.
+    The cache kept on `model` (`keep_cache`), taken and reset on the slots the last call wrote, when it is the one
+    upstream's `_prepare_static_cache` would make (`slots` slots, `batch_size` rows, the model's dtype and device, not
+    offloaded), made in the call's `torch.inference_mode()` (torch forbids writing its tensors outside it, and they are
+    other graph inputs) and not under `torch.autocast`. Else `None`, and a kept cache that doesn't fit is dropped.
     """
     state = state_of(model)
     with LOCK:  # two calls in flight never take the same cache
         kept, state.kept_cache = state.kept_cache, None
     if kept is None or kept.slots != slots or "offloaded" in cache_implementation or autocast_enabled():
         return None
-    cache, inference_mode = kept.cache, torch.is_inference_mode_enabled()
-    dtype, device = model.dtype, torch.device(model.device)  # each a walk over the parameters: read once
-    for layer in cache.layers:
-        keys = layer.keys
-        if keys.shape[0] != batch_size or keys.dtype != dtype or keys.device != device:
-            return None
-        if keys.is_inference() != inference_mode:
+    cache = kept.cache
+    expected = (batch_size, model.dtype, torch.device(model.device), torch.is_inference_mode_enabled())
+    for keys in (layer.keys for layer in cache.layers):
+        if (keys.shape[0], keys.dtype, keys.device, keys.is_inference()) != expected:
             return None
     reset_slots(cache, kept.written)
     set_previous_max_cache_length(model, slots)  # as upstream's step records the length of the cache it made
@@ -275,11 +212,8 @@ def reuse_cache(model, cache_implementation: str, batch_size: int, slots: int):
 
 def allocated_as_early(model, cache) -> bool:
     """
-    Whether `cache`, allocated by its first forward (an eager call's: upstream allocates a static layer from the first
-    keys it gets), holds what `early_initialize` would have allocated: on every layer, keys and values of the heads and
-    head size early initialization gives it, in the model's dtype and on its device. Such a cache is kept as one
-    allocated early; one of another shape or dtype (a config that misstates its key/value heads, keys computed in
-    another dtype) is new every call, as upstream's.
+    Whether `cache`, allocated by an eager call's first forward, holds on every layer the keys and values
+    `early_initialize` would have allocated (heads, head size, the model's dtype and device): then it is kept as such.
     """
     shapes = _early_shapes(model, cache, allocated=True) if hasattr(cache, "early_initialization") else None
     if shapes is None:
@@ -304,33 +238,25 @@ def _init_shape(model):
 
 def _early_shapes(model, cache, allocated: bool = False) -> tuple[list, list] | None:
     """
-    The heads and head sizes, per layer, early initialization gives `cache`'s layers, when they are what every
-    attention module holds (`_shape_is_held`; with `allocated`, allocated layers are checked too); else `None`.
+    The heads and head sizes, per layer, early initialization gives `cache`'s layers, when every attention module
+    holds them (`held_kv_shapes`) on each layer it allocates (with `allocated`, or has allocated); else `None`.
     """
     shape = _init_shape(model)
-    if shape is None:
+    shapes = _per_layer(shape, cache.layers) if shape is not None else None
+    if shapes is None:
         return None
-    heads, dims = _per_layer(shape[0], cache.layers), _per_layer(shape[1], cache.layers)
-    return (heads, dims) if _shape_is_held(model, cache, heads, dims, allocated) else None
-
-
-def _per_layer(value, layers) -> list:
-    """A head count or head size upstream gives for every layer (an int) or per layer (a list), as a list per layer."""
-    return list(value) if isinstance(value, (list, tuple)) else [value] * len(layers)
-
-
-def _shape_is_held(model, cache, heads: list, dims: list, allocated: bool = False) -> bool:
-    """Whether every layer early initialization would allocate (with `allocated`, or has allocated) gets the
-    `(heads, head_dim)` its attention holds."""
-    layers = cache.layers
-    if len(heads) != len(layers) or len(dims) != len(layers):
-        return False
     held = held_kv_shapes(model)
-    for index, layer in enumerate(layers):
+    for index, layer in enumerate(cache.layers):
         if not getattr(layer, "supports_early_init", True) or (
             getattr(layer, "is_initialized", False) and not allocated
         ):
             continue
-        if held.get(index, held.get(None)) != {(heads[index], dims[index])}:
-            return False
-    return True
+        if held.get(index, held.get(None)) != {(shapes[0][index], shapes[1][index])}:
+            return None
+    return shapes
+
+
+def _per_layer(shape, layers) -> tuple[list, list] | None:
+    """Upstream's `(num_heads, head_dim)`, each for every layer (an int) or per layer (a list), as a list per layer."""
+    heads, dims = (list(value) if isinstance(value, (list, tuple)) else [value] * len(layers) for value in shape)
+    return (heads, dims) if len(heads) == len(layers) == len(dims) else None

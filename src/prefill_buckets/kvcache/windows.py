@@ -1,33 +1,11 @@
 """Attention windows: every forward of a bucketed call reads only the first `W` slots of its static cache.
 
-Upstream's `StaticLayer.update` writes the new keys and values at the cache position and returns the whole
-allocation, and its `get_mask_sizes` returns `max_cache_len`: the mask and the attention of every forward span every
-slot, however few tokens the cache holds. In a bucketed call a full-attention layer of a `StaticCache` reads a
-*window* instead: the first `W` slots, `W` the smallest window length that holds the tokens cached plus this
-forward's tokens (`window_length`). The slots past the tokens are masked either way, so the result is the same; the
-cost of a step becomes the tokens held, rounded up to a window, not the slots allocated.
-
-- The cache stays one allocation, and writes go where they go today (`StaticLayer.update` itself).
-- `W` is chosen outside the compiled graph, before each forward, from the tokens the forward's 2D attention mask
-  covers (`set_window`), and is a plain int attribute of the layer. A compiled forward guards on it: each
-  `(bucket, window, batch size)` is one graph, and the window of a decode step changes only when the tokens cross a
-  window length (with `dynamic=None`, torch makes it one symbolic size after the second window instead).
-- Sliding-window and chunked-attention layers (exactly `StaticSlidingWindowLayer`) become rings for the call
-  (`ring.py`): upstream's storage of the window and its layout, written at tensor offsets, so their graphs depend on
-  the forward's length, the window and the batch size only, never on the tokens seen. Only with sdpa or eager
-  attention, whose masks read the slots' positions (flash attention reads its keys from the right); elsewhere, and
-  where `checks.sliding_layer_problem` finds upstream's layer changed, they stay upstream's, and a compiled forward
-  retraces at every decode step past the window, as upstream's does. Recurrent, hybrid and cross-attention layers are
-  untouched.
-- `output_attentions=True` leaves the windows on: `attention_keys.py` puts each layer's weights back at the slots
-  upstream's layer returns (zeros where nothing was read), a copy per step after `generate`; windows off would read
-  every slot and compile other graphs.
-- Outside a bucketed call the layers are upstream's again (`close_windows` restores their class and counts): a cache
-  handed back to the user reads every slot, as upstream's does, and continues as upstream's would.
-
-Window lengths (`window_length`): multiples of `MIN_WINDOW` (256) up to 1,024 slots, then `WINDOWS_PER_OCTAVE` (4)
-per doubling: 256, 512, 768, 1024, 1280, 1536, 1792, 2048, 2560, 3072, ... A window reads at most 1.25x the tokens
-it holds past 1,024, and a 131,072-slot cache has 32 of them.
+A full-attention layer of a `StaticCache` becomes a `WindowedStaticLayer` for the call: its `update` returns, and its
+mask spans, the smallest window that holds the tokens cached plus the forward's own (`window_length`), not every
+slot; the slots past the tokens are masked either way. The window is a plain int attribute, set outside the compiled
+graph before each forward (`set_window`), so each `(bucket, window, batch size)` is one graph. Sliding-window layers
+become rings (`ring.py`). `close_windows` makes every layer upstream's again. The reference's "Cache sizing"
+(docs/source/en/usage_reference.md) gives the window lengths and what they cost.
 """
 
 import torch
@@ -66,12 +44,10 @@ def windows_between(first_tokens: int, last_tokens: int, slots: int) -> set[int]
 
 def decode_warmups(bucket: int, shortest: int, new_tokens: int, slots: int) -> list[tuple[int, int]]:
     """
-    `(prompt length, new tokens)` of the warm-up calls that compile the decode graphs of every window that calls of
-    `shortest` to `bucket` tokens, with `new_tokens` new tokens, reach in a cache of `slots` slots (`precompile`).
-
-    Left-padded, every prompt of the bucket decodes from `bucket + 1` tokens on: one exact-fit call with all the new
-    tokens reaches its windows. Right-padded, a shorter prompt decodes from its own length on, in windows below: one
-    2-token call per window inside the bucket, its prompt one token short of the window (the same prefill graph).
+    `(prompt length, new tokens)` of `precompile`'s warm-up calls that compile the decode graph of every window that
+    prompts of `shortest` to `bucket` tokens with `new_tokens` new tokens reach in a cache of `slots` slots: one
+    exact-fit call (left-padded prompts decode from `bucket + 1` on), and, for right-padded shorter prompts, a 2-token
+    call one token short of each window inside the bucket.
     """
     calls = [(bucket, new_tokens if len(windows_between(bucket + 1, bucket + new_tokens - 1, slots)) > 1 else 2)]
     for window in sorted(windows_between(shortest + 1, bucket, slots) - {window_length(bucket + 1, slots)}):
@@ -87,11 +63,7 @@ QUERY_WINDOW = 0
 
 
 class WindowedStaticLayer(transformers_api.StaticLayer):
-    """
-    A `StaticLayer` whose reads and mask cover its first `window` slots (every slot while `window` is `None`; the new
-    tokens' slots with `QUERY_WINDOW`). A bucketed call gives a `StaticCache`'s full-attention layers this class for
-    its duration (`open_windows`).
-    """
+    """A `StaticLayer` whose reads and mask cover its first `window` slots (`None`: every slot; see `QUERY_WINDOW`)."""
 
     window: int | None = None
 
@@ -109,20 +81,12 @@ class WindowedStaticLayer(transformers_api.StaticLayer):
         return (kv_length if self.window is None else self.window), kv_offset
 
 
-def _windowable(cache) -> list:
-    if not transformers_api.is_static_cache(cache):  # an encoder-decoder's cross-attention must read its whole input
-        return []
-    return [layer for layer in cache.layers if type(layer) in (transformers_api.StaticLayer, WindowedStaticLayer)]
-
-
 # The attention implementations whose masks place each slot at `kv_offset + its index`, as rings need.
 RING_ATTENTION = ("sdpa", "eager")
 
 
 def _ring_layers(cache, attention: str | None) -> list:
     """The sliding-window and chunked-attention layers of a static `cache` that become rings for a call."""
-    if not transformers_api.is_static_cache(cache):
-        return []
     layers = [layer for layer in cache.layers if type(layer) is transformers_api.StaticSlidingWindowLayer]
     if any(transformers_api.sliding_window_slots(layer) is not None and layer not in layers for layer in cache.layers):
         logger.warning_once(
@@ -149,7 +113,10 @@ def open_windows(cache, attention: str | None = "sdpa") -> bool:
     with `attention`, its attention implementation); returns whether it has any. A full-attention layer of at most
     `MIN_WINDOW` slots has one window, all of it: it stays upstream's, and shares its graphs with upstream's calls.
     """
-    layers = [layer for layer in _windowable(cache) if layer.max_cache_len > MIN_WINDOW]
+    if not transformers_api.is_static_cache(cache):  # an encoder-decoder's cross-attention must read its whole input
+        return False
+    full = (transformers_api.StaticLayer, WindowedStaticLayer)
+    layers = [layer for layer in cache.layers if type(layer) in full and layer.max_cache_len > MIN_WINDOW]
     for layer in layers:
         layer.__class__ = WindowedStaticLayer
         layer.window = None
@@ -184,11 +151,9 @@ def set_window(cache, tokens: int, query: bool = False) -> None:
 
 def mask_to_window(cache, model_inputs: dict) -> None:
     """
-    Cuts a 2D attention mask in a forward's inputs (`model_inputs`) that spans more slots of `cache` than its windowed
-    layers read to the window: BLOOM's `create_masks_for_generate` (on transformers 5.17, its `prepare_inputs_for_generation`) pads
-    its 2D mask to the cache's `get_max_length()` and builds its ALiBi bias from it, which must match the keys a
-    layer returns. The mask reaches past the tokens the cache holds only with the zeros of that padding, and a window
-    holds every token: the slots cut are past them, and masked either way.
+    Cuts a 2D attention mask of `model_inputs` that spans more slots than `cache`'s windowed layers read to the window:
+    BLOOM pads its 2D mask to the cache's `get_max_length()` and builds its ALiBi bias from it, which must match the
+    keys a layer returns. The slots cut are past the tokens, masked either way.
     """
     mask = model_inputs.get("attention_mask")
     if not isinstance(mask, torch.Tensor) or mask.ndim != 2:
