@@ -23,6 +23,7 @@ from .compile.archive import load_compile_cache, save_compile_cache
 from .compile.precompile import bucket_lengths, precompile
 from .config import PREFILL_BUCKETS
 from .patch import enable
+from .state import state_of
 from .upstream import torch_api, transformers_serve
 from .upstream.transformers_api import max_positions
 
@@ -197,6 +198,7 @@ def prepare_model(model, options: ServeOptions, processor=None) -> WarmUp:
     forward, and a compiled forward called with other keyword arguments than its warm-up's would compile again.
     """
     enable()
+    state_of(model).entry = "serve"  # advice names serve's options (`--max-prompt`), not the Python API's
     start = time.perf_counter()
     graphs_before = torch_api.graphs_compiled()
     config = model.generation_config

@@ -11,6 +11,7 @@ What a call changes for its own duration lives with the step that changes it (`c
 belongs to one call, in context variables (`call/hook_registry.py`).
 """
 
+import contextlib
 import threading
 import weakref
 from contextvars import ContextVar
@@ -35,6 +36,9 @@ class ModelState:
 
     # The compiled graphs a static-cache workload has needed, by shape: a `budget.GraphBudget`, made on first use.
     budget: Any = None
+    # Who calls the model, so that advice names that caller's options (`advice`): "generate", "precompile" (during its
+    # warm-up calls) or "serve" (a model `prefill-buckets serve` prepared).
+    entry: str = "generate"
     # Prompt lengths of unbucketed compiled calls, to warn once a second length recompiles.
     unbucketed_prompt_lengths: set[int] = field(default_factory=set)
     # Bucketed calls in flight on the model, and what their hooks replaced (restored when the last one returns).
@@ -138,6 +142,22 @@ class ProcessState:
 
 
 PROCESS = ProcessState()
+
+
+@contextlib.contextmanager
+def called_by(model, entry: str):
+    """While open, advice about `model` names the options of `entry` (`ModelState.entry`)."""
+    state = state_of(model)
+    previous, state.entry = state.entry, entry
+    try:
+        yield
+    finally:
+        state.entry = previous
+
+
+def advice_for(model, by_entry: dict[str, str]) -> str:
+    """The text of `by_entry` for the caller of `model` (`ModelState.entry`): what to do, in that caller's options."""
+    return by_entry[state_of(model).entry]
 
 
 def state_of(obj) -> ModelState:

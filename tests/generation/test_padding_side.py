@@ -11,6 +11,7 @@ from transformers.testing_utils import CaptureLogger
 from transformers.utils import logging
 
 import prefill_buckets
+from prefill_buckets.state import called_by
 from prefill_buckets.testing_utils import tiny_llama
 
 
@@ -56,6 +57,28 @@ class LongPromptWarningsTest(unittest.TestCase):
         self.assertEqual(len(warnings), 1, warnings)
         self.assertIn("A prompt of 40 tokens is longer than the largest of `prefill_buckets` (32)", warnings[0])
         self.assertIn("padded to 64, the next multiple of 32", warnings[0])
+
+    def test_advice_names_the_options_of_who_calls(self):
+        # The same two warnings, a prompt past the largest bucket and the cache it outgrows, advise the Python API's
+        # fields to a `generate` caller and the command line's options to a model `prefill-buckets serve` prepared
+        # (`ModelState.entry`), which has no `prefill_pad_to_multiple_of` or `max_cache_len` to set.
+        for entry, named, not_named in (
+            ("generate", ["`prefill_pad_to_multiple_of`", "Pin `max_cache_len`"], ["--max-prompt"]),
+            ("serve", ["--max-prompt", "--max-new-tokens"], ["prefill_pad_to_multiple_of", "max_cache_len"]),
+        ):
+            std_logging.Logger.warning_once.cache_clear()
+            self.model = tiny_llama(max_position_embeddings=64)  # a cache of its own, sized by its first call
+            with self.subTest(entry=entry), called_by(self.model, entry):
+                self.generate(10, prefill_buckets=[16, 32])
+                warnings, _ = self.generate(40, prefill_buckets=[16, 32])
+                self.assertEqual(len(warnings), 2, warnings)
+                self.assertIn("is longer than the largest of `prefill_buckets` (32)", warnings[0])
+                self.assertIn("static cache slots, more than the model's cache of", warnings[1])
+                for word in named:
+                    self.assertIn(word, " ".join(warnings))
+                for word in not_named:
+                    self.assertNotIn(word, " ".join(warnings))
+        self.model = type(self).model
 
     def test_past_the_model_positions_is_one_warning_that_says_unpadded(self):
         for length in (70, 100):

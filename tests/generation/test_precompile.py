@@ -15,6 +15,7 @@ import prefill_buckets
 from prefill_buckets import GraphCounter
 from prefill_buckets.buckets import BucketPolicy
 from prefill_buckets.compile.precompile import bucket_lengths
+from prefill_buckets.state import state_of
 
 from .tiny_models import (
     MAX_NEW_TOKENS,
@@ -160,6 +161,17 @@ class PrecompileTest(CompilationTestCase):
         self.assertEqual(counter.graphs, warm, counter.shapes)
         prefill_buckets.generate(model, make_prompt(9), generation_config=config)
         self.assertGreater(counter.graphs, warm)
+
+    def test_warm_up_calls_advise_in_precompiles_words(self):
+        # While its warm-up calls run, advice names what to pass `precompile`, not "call `prefill_buckets.precompile`"
+        # (`ModelState.entry`); the caller's entry is back afterwards.
+        model = make_model()
+        model.compile(backend=GraphCounter(), dynamic=False)
+        entries = []
+        model.register_forward_pre_hook(lambda module, args: entries.append(state_of(module).entry))
+        prefill_buckets.precompile(model, make_config(prefill_buckets=[8, 16]), max_prompt_length=16, progress=False)
+        self.assertEqual(set(entries), {"precompile"})
+        self.assertEqual(state_of(model).entry, "generate")
 
     def test_min_prompt_length_skips_smaller_buckets(self):
         model = make_model()

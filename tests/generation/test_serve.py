@@ -277,6 +277,9 @@ class ServeTest(unittest.TestCase):
                 self.assertEqual(ask(client, self.folder, "chat", False, 100), self.expected_long)
             longer = [m for m in self.records.messages if "longer than the largest of `prefill_buckets`" in m]
             self.assertEqual(len(longer), 1, self.records.messages)
+            # In serve's options: the command line has no `prefill_pad_to_multiple_of`.
+            self.assertIn("--max-prompt", longer[0])
+            self.assertNotIn("prefill_pad_to_multiple_of", longer[0])
         finally:
             server.kill_server()
 

@@ -14,7 +14,7 @@ from transformers import GenerationConfig
 import prefill_buckets
 from prefill_buckets import GraphCounter
 from prefill_buckets.compile import aot_forward
-from prefill_buckets.state import PROCESS, SELF_TEST_PENDING, state_of
+from prefill_buckets.state import PROCESS, SELF_TEST_PENDING, advice_for, called_by, state_of
 from prefill_buckets.testing_utils import as_new_process
 from prefill_buckets.upstream import checks
 
@@ -45,6 +45,20 @@ def module_holders(path: Path) -> set[str]:
             names = (target.id for target in targets if isinstance(target, ast.Name))
             holders.update(name for name in names if not (name.startswith("__") or name.strip("_").isupper()))
     return holders
+
+
+class EntryTest(unittest.TestCase):
+    def test_called_by_names_the_caller_while_open_and_restores_it(self):
+        # Advice about a model names the options of who calls it; `called_by` sets that for a block, and puts the
+        # previous caller back, after an error too.
+        model = tiny_llama()
+        by_entry = {"generate": "a field", "precompile": "an argument", "serve": "an option"}
+        self.assertEqual(advice_for(model, by_entry), "a field")
+        state_of(model).entry = "serve"
+        with self.assertRaises(RuntimeError), called_by(model, "precompile"):
+            self.assertEqual(advice_for(model, by_entry), "an argument")
+            raise RuntimeError
+        self.assertEqual(advice_for(model, by_entry), "an option")
 
 
 class StateInOnePlaceTest(unittest.TestCase):

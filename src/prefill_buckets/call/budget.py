@@ -15,7 +15,7 @@ import torch
 from transformers.utils import logging
 
 from ..kvcache.windows import QUERY_WINDOW, window_length, windows_between
-from ..state import PROCESS, SavedLimits, state_of
+from ..state import PROCESS, SavedLimits, advice_for, state_of
 from ..upstream import candidates, torch_api
 from ..upstream.torch_api import recompile_limit
 
@@ -137,7 +137,7 @@ class GraphBudget:
             # or several, make room for each other's too.
             in_flight = PROCESS.graphs_in_flight
             generic = any(length is None for length, _ in prefill_shapes)
-            make_room(model, held + in_flight, len(new), "Bucketed calls", not fullgraph, _advice(generic))
+            make_room(model, held + in_flight, len(new), "Bucketed calls", not fullgraph, _advice(model, generic))
             PROCESS.graphs_in_flight += len(new)
             PROCESS.graphs_accounted += len(new)
             accounted = PROCESS.graphs_accounted
@@ -192,7 +192,12 @@ def account_candidates(plan, generator, max_length: int) -> None:
     with _LIMIT_LOCK:  # `graphs_in_flight` holds this call's own new graphs too
         held = expected.held_before + PROCESS.graphs_in_flight
         make_room(
-            plan.model, held, len(new), "Bucketed calls", not plan.run.fullgraph, _advice(expected.generic_prefill)
+            plan.model,
+            held,
+            len(new),
+            "Bucketed calls",
+            not plan.run.fullgraph,
+            _advice(plan.model, expected.generic_prefill),
         )
         PROCESS.graphs_in_flight += len(new)
         PROCESS.graphs_accounted += len(new)
@@ -245,8 +250,21 @@ def budget_of(model) -> "GraphBudget":
     return state.budget
 
 
-def _advice(generic: bool) -> str:
+# What to do when the forward is at torch's limit with graphs a call did not expect, in the options of who calls.
+_AT_THE_LIMIT = {
+    "generate": "Raise `torch._dynamo.config.recompile_limit`, or call `prefill_buckets.precompile`.",
+    "precompile": "Raise `torch._dynamo.config.recompile_limit` and call `precompile` again.",
+    "serve": "Start `prefill-buckets serve` with `--precompile`, and with fewer `--buckets` or a smaller `--max-prompt`.",
+}
+
+
+def _advice(model, generic: bool) -> str:
     """What to do to need fewer graphs, for a call whose prefill is shape-generic or static per bucket."""
+    entry = state_of(model).entry
+    if entry == "serve":
+        return "To need fewer graphs: start `prefill-buckets serve` with `--precompile`, or with fewer `--buckets`."
+    if entry == "precompile":
+        return "To need fewer graphs: pass `precompile` fewer batch sizes, or a bucket set with fewer buckets."
     if generic:
         return (
             "To need fewer graphs: pin `max_cache_len` (one cache, a decode graph per window it reads), use fewer batch "
@@ -282,7 +300,7 @@ def make_room(model, held: int, graphs: int, who: str, breaks_graph: bool = Fals
                 f"graphs of every model whose forward is the same code, as torch counts them), more than torch's "
                 f"`torch._dynamo.config.recompile_limit` ({effective}{_in_this_thread()}), past which torch silently "
                 f"runs the forward eagerly. Raised the limit to {raised}{_room(frames_room)}. "
-                f"{_advice(False) if advice is None else advice}"
+                f"{_advice(model, False) if advice is None else advice}"
             )
             PROCESS.raised_recompile_limit = (user_limit, raised)
         # While calls run, the limit is the highest it was raised to: a call doesn't lower it under graphs another
@@ -337,7 +355,7 @@ def check_compiled(model, expected: CallGraphs | None, limit: int | None = None,
             f"The compiled forward of `{model_name(model)}` holds {held} graphs, torch's "
             f"`torch._dynamo.config.recompile_limit` ({limit}), where this call expected {expected.held_before} plus "
             f"{len(expected.new_shapes)} new ({shapes}){others}: torch may have run some of its forwards eagerly (same "
-            "outputs, uncompiled). Raise `torch._dynamo.config.recompile_limit`, or call `prefill_buckets.precompile`."
+            f"outputs, uncompiled). {advice_for(model, _AT_THE_LIMIT)}"
         )
 
 

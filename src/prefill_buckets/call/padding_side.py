@@ -314,6 +314,14 @@ def capped_bucket(settings: CallSettings, prompt_length: int, warn: bool = True)
     return padded_length
 
 
+# What to do about prompts longer than the largest bucket, in the options of who calls (`CallSettings.entry`).
+_LONGER_THAN_THE_BUCKETS = {
+    "generate": f"add a larger bucket, or set `{PREFILL_PAD_TO_MULTIPLE_OF}` to choose the length for long prompts.",
+    "precompile": f"add a larger bucket, or set `{PREFILL_PAD_TO_MULTIPLE_OF}` to choose the length for long prompts.",
+    "serve": "start `prefill-buckets serve` with a `--max-prompt` that holds your longest prompt.",
+}
+
+
 def warn_long_prompt(settings: CallSettings, prompt_length: int, padded_length: int, uncapped: int | None = None):
     """
     The one warning for a prompt outside the buckets (longer than `max_position_embeddings`, a bucket longer than that
@@ -338,8 +346,7 @@ def warn_long_prompt(settings: CallSettings, prompt_length: int, padded_length: 
         logger.warning_once(
             f"A prompt of {prompt_length} tokens is longer than the largest of `{PREFILL_BUCKETS}` "
             f"({policy.largest_bucket}), so it is padded to {padded_length}, the next multiple of {multiple}. Each such "
-            f"length compiles a new graph: add a larger bucket, or set `{PREFILL_PAD_TO_MULTIPLE_OF}` to choose the "
-            "length for long prompts."
+            f"length compiles a new graph: {_LONGER_THAN_THE_BUCKETS[settings.entry]}"
         )
 
 

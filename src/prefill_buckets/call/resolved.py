@@ -19,6 +19,7 @@ from ..buckets import BucketPolicy
 from ..compile.compiled_calls import compiled_forward
 from ..config import FIELDS, batch_policy_from_fields, padding_side_from_fields, policy_from_fields
 from ..kvcache.record import CachePadding, PassedCache
+from ..state import state_of
 from ..upstream import transformers_api
 from ..upstream.transformers_api import max_positions, reserved_token_ids, vocabulary_size
 
@@ -59,6 +60,8 @@ class CallSettings:
     # generation fields the call passed as keyword arguments, which that step took out of the model's inputs.
     generation_config: Any = dataclasses.field(default=None, compare=False, repr=False)
     generation_kwargs: frozenset = dataclasses.field(default=frozenset(), compare=False, repr=False)
+    # Who calls the model (`state.ModelState.entry`): the advice of a warning names that caller's options.
+    entry: str = dataclasses.field(default="generate", compare=False)
 
     @functools.cached_property
     def reserved_token_ids(self) -> frozenset[int]:
@@ -378,6 +381,7 @@ def settings_of(
         model_config=model.config,
         generation_config=config,
         generation_kwargs=generation_kwargs,
+        entry=state_of(model).entry,
     )
 
 

@@ -20,6 +20,7 @@ from ..config import PREFILL_BUCKETS, PREFILL_PAD_TO_MULTIPLE_OF
 from ..forgotten_enable import generation_configs, warn_if_enable_forgotten
 from ..kvcache.sizing import aligned_cache_length
 from ..kvcache.windows import decode_warmups
+from ..state import called_by
 from ..upstream import torch_api, transformers_api
 from ..upstream.torch_api import graphs_compiled
 from .compiled_calls import compiled_forward, forward_compiled_generic
@@ -232,9 +233,14 @@ def precompile(
             # Batches usually come with rows of different lengths: where they take the left side (its own prefill
             # graph per bucket; decode shares the graph), warm that one too, with a last row one token shorter.
             attention_mask[-1, 0] = 0
-        generate(
-            wrapper, input_ids, attention_mask=attention_mask, generation_config=generation_config, **generate_kwargs
-        )
+        with called_by(module, "precompile"):  # advice in precompile's words, not "call precompile"
+            generate(
+                wrapper,
+                input_ids,
+                attention_mask=attention_mask,
+                generation_config=generation_config,
+                **generate_kwargs,
+            )
         cache_length = transformers_api.previous_max_cache_length(module) if static else -1
         cache_length = cache_length if cache_length >= 0 else None
         graphs = graphs_compiled() - call_graphs

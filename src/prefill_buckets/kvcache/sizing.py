@@ -49,6 +49,17 @@ def aligned_cache_length(policy: BucketPolicy, slots: int) -> int:
     return round_up(slots, policy.pad_to_multiple_of or CACHE_ALIGNMENT)
 
 
+# How to allocate the cache once, in the options of who calls (`CallSettings.entry`).
+_TO_ALLOCATE_ONCE = {
+    "generate": f"Pin `max_cache_len` for your longest prompt, list your largest bucket in `{PREFILL_BUCKETS}`, or call "
+    "`prefill_buckets.precompile` with your longest prompt, to allocate the cache once.",
+    "precompile": f"Pin `max_cache_len` for your longest prompt, or list your largest bucket in `{PREFILL_BUCKETS}`, to "
+    "allocate the cache once.",
+    "serve": "Start `prefill-buckets serve` with a `--max-prompt` and `--max-new-tokens` that hold your longest "
+    "request, to allocate the cache once.",
+}
+
+
 def static_cache_length(model, settings, needed: int, prompt_slots: int) -> int:
     """The static cache's length for a call that needs `needed` slots, `prompt_slots` of them for the padded prompt."""
     policy = settings.policy
@@ -75,9 +86,7 @@ def static_cache_length(model, settings, needed: int, prompt_slots: int) -> int:
     logger.warning_once(
         f"A call needs {needed} static cache slots, more than the model's cache of {previous}, so the cache grows to "
         f"{grown} slots ({_megabytes(model, grown)} per row): a compiled model compiles its prefill and decode graphs "
-        f"again for the new length. Pin `max_cache_len` for your longest prompt, list your largest "
-        f"bucket in `{PREFILL_BUCKETS}`, or call `prefill_buckets.precompile` with your longest prompt, to allocate "
-        "the cache once."
+        f"again for the new length. {_TO_ALLOCATE_ONCE[settings.entry]}"
     )
     return grown
 
