@@ -155,9 +155,9 @@ def called_by(model, entry: str):
         state.entry = previous
 
 
-def advice_for(model, by_entry: dict[str, str]) -> str:
-    """The text of `by_entry` for the caller of `model` (`ModelState.entry`): what to do, in that caller's options."""
-    return by_entry[state_of(model).entry]
+def advice_for(entry: str, by_entry: dict[str, str]) -> str:
+    """The text of `by_entry` for the caller `entry` (`ModelState.entry`): its own, else the `"generate"` text."""
+    return by_entry.get(entry, by_entry["generate"])
 
 
 def state_of(obj) -> ModelState:

@@ -258,23 +258,22 @@ _AT_THE_LIMIT = {
 }
 
 
+# What to do to need fewer graphs, by caller; a `generate` call's depends on whether its prefill is shape-generic.
+_FEWER_GRAPHS = {
+    "generate": "To need fewer graphs: compile with `model.compile()` (`dynamic=None`: one prefill graph for every "
+    "bucket, where `dynamic=False` compiles one per bucket), pin `max_cache_len` (one decode graph per batch size), use "
+    "fewer buckets, or call `prefill_buckets.precompile` to compile them all up front.",
+    "generic": "To need fewer graphs: pin `max_cache_len` (one cache, a decode graph per window it reads), use fewer "
+    "batch sizes, or call `prefill_buckets.precompile` to compile them all up front.",
+    "precompile": "To need fewer graphs: pass `precompile` fewer batch sizes, or a bucket set with fewer buckets.",
+    "serve": "To need fewer graphs: start `prefill-buckets serve` with `--precompile`, or with fewer `--buckets`.",
+}
+
+
 def _advice(model, generic: bool) -> str:
     """What to do to need fewer graphs, for a call whose prefill is shape-generic or static per bucket."""
     entry = state_of(model).entry
-    if entry == "serve":
-        return "To need fewer graphs: start `prefill-buckets serve` with `--precompile`, or with fewer `--buckets`."
-    if entry == "precompile":
-        return "To need fewer graphs: pass `precompile` fewer batch sizes, or a bucket set with fewer buckets."
-    if generic:
-        return (
-            "To need fewer graphs: pin `max_cache_len` (one cache, a decode graph per window it reads), use fewer batch "
-            "sizes, or call `prefill_buckets.precompile` to compile them all up front."
-        )
-    return (
-        "To need fewer graphs: compile with `model.compile()` (`dynamic=None`: one prefill graph for every bucket, "
-        "where `dynamic=False` compiles one per bucket), pin `max_cache_len` (one decode graph per batch size), use "
-        "fewer buckets, or call `prefill_buckets.precompile` to compile them all up front."
-    )
+    return advice_for("generic" if generic and entry == "generate" else entry, _FEWER_GRAPHS)
 
 
 def make_room(model, held: int, graphs: int, who: str, breaks_graph: bool = False, advice: str | None = None) -> None:
@@ -355,7 +354,7 @@ def check_compiled(model, expected: CallGraphs | None, limit: int | None = None,
             f"The compiled forward of `{model_name(model)}` holds {held} graphs, torch's "
             f"`torch._dynamo.config.recompile_limit` ({limit}), where this call expected {expected.held_before} plus "
             f"{len(expected.new_shapes)} new ({shapes}){others}: torch may have run some of its forwards eagerly (same "
-            f"outputs, uncompiled). {advice_for(model, _AT_THE_LIMIT)}"
+            f"outputs, uncompiled). {advice_for(state_of(model).entry, _AT_THE_LIMIT)}"
         )
 
 

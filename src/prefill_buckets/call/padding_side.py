@@ -13,6 +13,7 @@ from transformers.utils import logging
 from ..compile.compiled_calls import is_aot_forward
 from ..config import PREFILL_BATCH_BUCKETS, PREFILL_BUCKETS, PREFILL_PAD_TO_MULTIPLE_OF
 from ..kvcache.sizing import room_reason
+from ..state import advice_for
 from ..upstream import candidates, transformers_api
 from ..upstream.transformers_api import forward_takes
 from .plan import PER_TOKEN_KWARGS
@@ -317,7 +318,6 @@ def capped_bucket(settings: CallSettings, prompt_length: int, warn: bool = True)
 # What to do about prompts longer than the largest bucket, in the options of who calls (`CallSettings.entry`).
 _LONGER_THAN_THE_BUCKETS = {
     "generate": f"add a larger bucket, or set `{PREFILL_PAD_TO_MULTIPLE_OF}` to choose the length for long prompts.",
-    "precompile": f"add a larger bucket, or set `{PREFILL_PAD_TO_MULTIPLE_OF}` to choose the length for long prompts.",
     "serve": "start `prefill-buckets serve` with a `--max-prompt` that holds your longest prompt.",
 }
 
@@ -346,7 +346,7 @@ def warn_long_prompt(settings: CallSettings, prompt_length: int, padded_length: 
         logger.warning_once(
             f"A prompt of {prompt_length} tokens is longer than the largest of `{PREFILL_BUCKETS}` "
             f"({policy.largest_bucket}), so it is padded to {padded_length}, the next multiple of {multiple}. Each such "
-            f"length compiles a new graph: {_LONGER_THAN_THE_BUCKETS[settings.entry]}"
+            f"length compiles a new graph: {advice_for(settings.entry, _LONGER_THAN_THE_BUCKETS)}"
         )
 
 

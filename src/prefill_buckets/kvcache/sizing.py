@@ -14,7 +14,7 @@ from transformers.utils import logging
 
 from ..buckets import BucketPolicy, round_up
 from ..config import PREFILL_BUCKETS
-from ..state import LOCK, state_of
+from ..state import LOCK, advice_for, state_of
 from ..upstream.torch_api import autocast_enabled
 from ..upstream.transformers_api import (
     holds_static_storage,
@@ -86,7 +86,7 @@ def static_cache_length(model, settings, needed: int, prompt_slots: int) -> int:
     logger.warning_once(
         f"A call needs {needed} static cache slots, more than the model's cache of {previous}, so the cache grows to "
         f"{grown} slots ({_megabytes(model, grown)} per row): a compiled model compiles its prefill and decode graphs "
-        f"again for the new length. {_TO_ALLOCATE_ONCE[settings.entry]}"
+        f"again for the new length. {advice_for(settings.entry, _TO_ALLOCATE_ONCE)}"
     )
     return grown
 
