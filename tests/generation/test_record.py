@@ -12,7 +12,7 @@ from transformers.utils import logging
 import prefill_buckets
 from prefill_buckets import GraphCounter
 from prefill_buckets.kvcache.record import cache_record
-from prefill_buckets.state import state_of
+from prefill_buckets.state import PROCESS, state_of
 
 from .test_compile_counts import make_model, make_prompt
 from .tiny_models import CACHE, tiny_llama
@@ -309,6 +309,9 @@ class ConversationStaysBucketedTest(unittest.TestCase):
     def setUp(self):
         torch._dynamo.reset()
         self.addCleanup(torch._dynamo.reset)
+        # The highest limit raised is said once per process: start from none, whatever tests ran before in it.
+        self.addCleanup(setattr, PROCESS, "raised_recompile_limit", PROCESS.raised_recompile_limit)
+        PROCESS.raised_recompile_limit = (None, 0)
 
     def converse(self, bucketed: bool, side: str, later_fields: dict | None = None):
         """Runs the conversation; returns each turn's sequences, graphs compiled so far and the package's warnings."""
