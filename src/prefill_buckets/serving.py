@@ -48,7 +48,8 @@ Example:
   prefill-buckets serve ./my-model --max-prompt 2048 --max-new-tokens 256 --precompile \\
       --compile-cache compile-cache.zip --port 8000
 
-A first launch compiles every bucket and saves the file; a later launch loads it and traces and compiles nothing.
+A first launch compiles the graphs and saves the file; a later launch loads it and compiles nothing (with
+--compile-with model, dynamo traces each graph again; with aot, nothing is traced).
 """
 
 

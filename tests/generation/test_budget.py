@@ -19,6 +19,7 @@ from transformers.testing_utils import CaptureLogger
 import prefill_buckets
 from prefill_buckets import GraphCounter
 from prefill_buckets.buckets import BucketPolicy
+from prefill_buckets.call.budget import ANY_WINDOW, decode_graphs
 from prefill_buckets.testing_utils import as_new_process
 from prefill_buckets.upstream import torch_api
 from prefill_buckets.upstream.transformers_api import compile_on_all_devices
@@ -470,6 +471,33 @@ class SharedRecompileLimitTest(CompilationTestCase):
                 make_config(),
             )
         self.assertEqual(counter.graphs, len(self.BUCKETS) + 1, counter.shapes)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The decode graphs a call's windows compile (`decode_graphs`); test_compiled_calls counts them on real graphs
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+class DecodeGraphsTest(unittest.TestCase):
+    def test_static_shapes_compile_a_graph_per_window(self):
+        self.assertEqual(decode_graphs(set(), {256, 512, 1024}, 1024, generic=False), [1024, 256, 512])
+        self.assertEqual(decode_graphs({256}, {256, 512}, 1024, generic=False), [512])
+
+    def test_generic_windows_past_the_first_share_a_graph(self):
+        # The first window read is static; the next is symbolic in its length and serves every other one.
+        self.assertEqual(decode_graphs(set(), {512, 256, 768}, 2048, generic=True), [256, ANY_WINDOW])
+        self.assertEqual(decode_graphs(set(), {256}, 2048, generic=True), [256])
+        self.assertEqual(decode_graphs({256}, {512}, 2048, generic=True), [ANY_WINDOW])
+        self.assertEqual(decode_graphs({256, 512}, {768, 1024}, 2048, generic=True), [])
+
+    def test_generic_window_of_the_whole_cache_is_its_own(self):
+        # Torch specializes a length equal to the cache's: its own graph, besides the others.
+        self.assertEqual(decode_graphs(set(), {256, 512}, 512, generic=True), [512, 256])
+        self.assertEqual(decode_graphs({256, 512}, {384, 512}, 512, generic=True), [ANY_WINDOW])
+
+    def test_no_windows(self):
+        self.assertEqual(decode_graphs(set(), {None}, 64, generic=True), [None])
+        self.assertEqual(decode_graphs({None}, {None}, 64, generic=True), [])
 
 
 if __name__ == "__main__":

@@ -30,6 +30,15 @@ from .tiny_models import (
 )
 
 
+class LengthLoop(torch.nn.Embedding):
+    """Embeddings that loop over the prompt length: a graph is traced for one length."""
+
+    def forward(self, input_ids):
+        for _ in range(input_ids.shape[1]):
+            pass
+        return super().forward(input_ids)
+
+
 class PrecompileTest(CompilationTestCase):
     def test_pow2_then_random_traffic_compiles_nothing(self):
         self.enable()
@@ -141,6 +150,55 @@ class PrecompileTest(CompilationTestCase):
                 make_config(),
             )
         self.assertEqual(counter.graphs, len(buckets) + 1, f"graphs: {counter.shapes}")
+
+    def test_shape_generic_graphs_are_warmed_at_the_ends(self):
+        # `dynamic=None`: one prefill graph serves every bucket and one decode graph the windows past the first (the
+        # cache is pinned at 256 + 4 -> 320 slots: windows 256 and 320), so only the buckets at both ends are warmed
+        # (the 1-token bucket is a decode step); after them, no prompt of 1 to 200 tokens compiles.
+        model = make_model()
+        reference = make_reference(model)
+        counter = GraphCounter()
+        model.compile(backend=counter, dynamic=None, fullgraph=True)
+        config = make_config(prefill_buckets="pow2")
+
+        compiled = prefill_buckets.precompile(model, config, max_prompt_length=200, progress=False)
+
+        self.assertEqual([shape.prompt_length for shape in compiled], [256, 2, 1])
+        warm = counter.graphs
+        self.assertLessEqual(warm, 1 + 3, counter.shapes)  # prefill; decode: first window, symbolic, whole cache
+        for length in range(1, 201):
+            self.check_call(
+                counter,
+                lambda ids: prefill_buckets.generate(model, ids, generation_config=config),
+                make_prompt(length),
+                reference,
+                make_config(),
+            )
+        self.assertEqual(counter.graphs, warm, f"graphs: {counter.shapes}")
+
+    def test_a_model_that_fixes_the_length_is_warmed_per_bucket(self):
+        # Compiled shape-generic, but the model's code fixes the prompt length: the warm-ups at the ends find it, and
+        # every bucket is warmed after all, so later calls compile nothing.
+        model = make_model()
+        reference = make_reference(model)
+        model.model.embed_tokens.__class__ = LengthLoop
+        counter = GraphCounter()
+        model.compile(backend=counter, dynamic=None, fullgraph=True)
+        config = make_config(prefill_buckets=[4, 8, 16, 32])
+
+        compiled = prefill_buckets.precompile(model, config, progress=False)
+
+        self.assertEqual([shape.prompt_length for shape in compiled], [32, 16, 8, 4])
+        warm = counter.graphs
+        for length in range(1, 33):
+            self.check_call(
+                counter,
+                lambda ids: prefill_buckets.generate(model, ids, generation_config=config),
+                make_prompt(length),
+                reference,
+                make_config(),
+            )
+        self.assertEqual(counter.graphs, warm, f"graphs: {counter.shapes}")
 
     def test_precompile_in_the_mode_calls_run_in(self):
         # The guide: precompile in the mode you serve in. Under `torch.inference_mode()`, calls after a warm-up in that

@@ -55,9 +55,9 @@ class CallGraphs:
 class GraphBudget:
     """
     The graphs a compiled model has needed so far, by shape: a prefill graph per `(rows, prompt length, cache length,
-    side, window, variant)` and a decode graph per `(rows, cache length, window, variant)`; a 1-token prefill is a
-    decode step. Prefill shapes are recorded when accounted for; decode windows once the call has run (`reached`), as a
-    call that stops at eos reads fewer windows than it predicted.
+    side, window, variant)` and decode graphs per `(rows, cache length, variant)` by the windows read
+    (`decode_graphs`); a 1-token prefill is a decode step. Prefill shapes are recorded when accounted for; decode
+    windows once the call has run (`reached`), as a call that stops at eos reads fewer windows than it predicted.
     """
 
     def __init__(self):
@@ -82,10 +82,12 @@ class GraphBudget:
         side: str = "left",
         decode_windows=(None,),
         variant=GraphVariant(),
+        generic: bool = False,
     ) -> list[str]:
         """
         Records one call's prefill shapes, `(prompt length, window)` per prefill forward, and returns, in words, those
-        and the `decode_windows` its decode steps may read that no call has compiled yet (see `reached`).
+        and the graphs of the `decode_windows` its decode steps may read that no call has compiled yet (see `reached`;
+        `generic`: the forward is compiled with any `dynamic` but `False`, see `decode_graphs`).
         """
         new = []
         decode_windows = set(decode_windows)
@@ -99,9 +101,9 @@ class GraphBudget:
                 new.append(
                     f"prefill [{rows}, {length}] with a {cache_length}-slot cache ({side}{_read(window)}{returning})"
                 )
-        for window in sorted(decode_windows, key=str):
-            if (rows, cache_length, window, variant) not in self.decode:
-                new.append(f"decode [{rows}, 1] with a {cache_length}-slot cache{_read(window)}{returning}")
+        held = {window for r, c, window, v in self.decode if (r, c, v) == (rows, cache_length, variant)}
+        for window in decode_graphs(held, decode_windows, cache_length, generic):
+            new.append(f"decode [{rows}, 1] with a {cache_length}-slot cache{_read(window)}{returning}")
         return new
 
     def reached(self, rows: int, cache_length: int, decode_windows, variant=GraphVariant()) -> None:
@@ -125,6 +127,7 @@ class GraphBudget:
         decode_windows=(None,),
         variant=GraphVariant(),
         fullgraph: bool = True,
+        generic: bool = False,
     ) -> CallGraphs:
         """
         A bucketed call's shapes (as `add` takes them), with the recompile limit raised above the graphs the process
@@ -132,11 +135,10 @@ class GraphBudget:
         """
         with _LIMIT_LOCK:
             held = self.held_graphs(model)
-            new = self.add(rows, prefill_shapes, cache_length, side, decode_windows, variant)
+            new = self.add(rows, prefill_shapes, cache_length, side, decode_windows, variant, generic)
             # New graphs of calls still running, which torch's count may not hold yet: concurrent calls, on one model
             # or several, make room for each other's too.
             in_flight = PROCESS.graphs_in_flight
-            generic = any(length is None for length, _ in prefill_shapes)
             make_room(model, held + in_flight, len(new), "Bucketed calls", not fullgraph, _advice(model, generic))
             PROCESS.graphs_in_flight += len(new)
             PROCESS.graphs_accounted += len(new)
@@ -155,14 +157,16 @@ def account_call(plan, chunk: int | None, max_cache_length: int, embeds: bool) -
     rows, prefill, cached = plan.padded_rows, plan.prefill_tokens, plan.call.past_length
     cache_length = plan.run.static_cache_length
     chunks = [prefill] if chunk is None else [min(chunk, prefill - start) for start in range(0, prefill, chunk)]
-    # A shape-generic prefill is one graph for every length (`None`), unless the model's code fixed it.
+    # A shape-generic prefill is one graph for every length (`None`), unless the model's code fixed it; a bucket of the
+    # cache's length is a graph of its own (torch specializes a length equal to the cache's).
     generic = plan.run.generic_prefill and not budget_of(plan.model).prefill_specializes
     shapes, filled = set(), cached
     for length in chunks:
         filled += length
         query = filled == plan.run.query_window_tokens and filled == length and plan.run.reads_windows
         window = QUERY_WINDOW if query else window_of(plan, filled, cache_length)
-        shapes.add((None if generic and length == prefill > 1 else length, window))
+        symbolic = generic and length == prefill > 1 and length != cache_length
+        shapes.add((None if symbolic else length, window))
     decode_windows = {None}
     if plan.run.reads_windows:  # from the first decode step (at least) to the last
         first = (plan.prompt_slots if plan.right is None else cached) + 1
@@ -172,8 +176,43 @@ def account_call(plan, chunk: int | None, max_cache_length: int, embeds: bool) -
     side += ", from embeddings" if embeds else ""
     variant = graph_variant(plan.settings.returned_outputs)
     return budget_of(plan.model).account(
-        plan.model, rows, shapes, cache_length, side, decode_windows, variant, plan.run.fullgraph
+        plan.model,
+        rows,
+        shapes,
+        cache_length,
+        side,
+        decode_windows,
+        variant,
+        plan.run.fullgraph,
+        plan.run.generic_prefill,
     )
+
+
+# A decode graph symbolic in the window it reads (`decode_graphs`).
+ANY_WINDOW = -1
+
+
+def decode_graphs(held, windows, cache_length: int, generic: bool) -> list[int | None]:
+    """
+    The decode graphs reading `windows` of a `cache_length`-slot cache compiles where those reading `held` exist: one
+    per window (`None`: no windows) compiled with `dynamic=False`; else the first window's, one symbolic in the window
+    for the others (`ANY_WINDOW`, torch's automatic dynamic shapes), and one for a window of the whole cache, whose
+    length torch specializes. At most one too many: torch may make the first already symbolic (`dynamic=True`).
+    """
+    windows = set(windows) - set(held)
+    if not generic:
+        return sorted(windows, key=str)
+    new = [cache_length] if cache_length in windows else []
+    windows.discard(cache_length)
+    others = set(held) - {cache_length}
+    if windows and not others:  # the first window compiled: static
+        first = None if None in windows else min(windows)
+        new.append(first)
+        windows.discard(first)
+        others.add(first)
+    if windows and len(others) == 1:
+        new.append(ANY_WINDOW)
+    return new
 
 
 def account_candidates(plan, generator, max_length: int) -> None:
@@ -238,6 +277,8 @@ def _in_this_thread() -> str:
 def _read(window: int | None) -> str:
     if window == QUERY_WINDOW:
         return ", reading its own tokens' slots"
+    if window == ANY_WINDOW:
+        return ", reading any other window (symbolic in its length)"
     return "" if window is None else f", reading {window} slots"
 
 
@@ -263,7 +304,8 @@ _FEWER_GRAPHS = {
     "generate": "To need fewer graphs: compile with `model.compile()` (`dynamic=None`: one prefill graph for every "
     "bucket, where `dynamic=False` compiles one per bucket), pin `max_cache_len` (one decode graph per batch size), use "
     "fewer buckets, or call `prefill_buckets.precompile` to compile them all up front.",
-    "generic": "To need fewer graphs: pin `max_cache_len` (one cache, a decode graph per window it reads), use fewer "
+    "generic": "To need fewer graphs: pin `max_cache_len` (one cache, a decode graph for its first window and one for "
+    "the others), use fewer "
     "batch sizes, or call `prefill_buckets.precompile` to compile them all up front.",
     "precompile": "To need fewer graphs: pass `precompile` fewer batch sizes, or a bucket set with fewer buckets.",
     "serve": "To need fewer graphs: start `prefill-buckets serve` with `--precompile`, or with fewer `--buckets`.",

@@ -29,7 +29,6 @@ from ..compile.compiled_calls import (
     call_compilation,
     install_fallbacks,
     is_aot_forward,
-    mark_decode_static,
     mark_prefill_dynamic,
     remove_fallbacks,
 )
@@ -289,8 +288,6 @@ def _before_forward(plan, model_inputs: dict, tokens: int | None, new: int | Non
     plan.run.decoding = decode
     if decode:
         plan.run.decode_windows_read.add(window_of(plan, tokens, plan.run.static_cache_length))
-        if plan.run.generic_prefill:  # a graph per window, as it was: only the prefill's length is symbolic
-            mark_decode_static(model_inputs)
 
 
 def _materialize_recurrent_masks(model_inputs: dict, attention_mask, new: int | None) -> None:

@@ -153,17 +153,6 @@ def mark_prefill_dynamic(inputs: dict, new_tokens: int, tokens: int) -> None:
         inputs["attention_mask"] = _marked_mask(masks, new_tokens, tokens)
 
 
-def mark_decode_static(inputs: dict) -> None:
-    """
-    Makes the attention masks of a decode step's `inputs` static (`torch_api.mark_static`): each window a step reads
-    is a graph of its own, where `dynamic=None` would make the window symbolic from its second on.
-    """
-    masks = inputs.get("attention_mask")
-    for mask in masks.values() if isinstance(masks, dict) else (masks,):
-        if isinstance(mask, torch.Tensor):
-            torch_api.mark_static(mask)
-
-
 def _marked(tensor: torch.Tensor, *dims: int) -> torch.Tensor:
     tensor = tensor.detach()
     for dim in dims:

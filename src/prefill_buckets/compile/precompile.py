@@ -4,7 +4,7 @@ import copy
 import sys
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import GenerationConfig
@@ -12,14 +12,14 @@ from transformers.generation.configuration_utils import ALL_STATIC_CACHE_IMPLEME
 from transformers.utils import logging
 
 from ..buckets import BucketPolicy, check_positive_int, is_positive_int
-from ..call.budget import budget_of, make_room
+from ..call.budget import budget_of, decode_graphs, make_room
 from ..call.decision import capped_bucket
 from ..call.generation import generate
 from ..call.resolved import resolve_fields, resolve_settings
 from ..config import PREFILL_BUCKETS, PREFILL_PAD_TO_MULTIPLE_OF
 from ..forgotten_enable import generation_configs, warn_if_enable_forgotten
 from ..kvcache.sizing import aligned_cache_length
-from ..kvcache.windows import decode_warmups
+from ..kvcache.windows import decode_warmups, windows_between
 from ..state import called_by
 from ..upstream import torch_api, transformers_api
 from ..upstream.torch_api import graphs_compiled
@@ -73,10 +73,11 @@ def precompile(
     different lengths). With a static cache and no `max_cache_len`, the cache is pinned to what the longest bucket
     needs with `max_new_tokens`, rounded up to a multiple of 64 (or of `prefill_pad_to_multiple_of`), so every later
     call uses that one cache shape; where decode crosses attention windows of that cache, more warm-up calls compile a
-    decode graph per window. With `dynamic=False`, per batch size, each bucket is a prefill graph of its own; with any
-    other `dynamic`, one prefill graph serves every bucket. The reference's "Compile every graph up front" counts the
-    graphs. As in `generate`, a bucket past the model's `max_position_embeddings` is capped there, and longer prompts
-    are not padded, so none is warmed up.
+    decode graph per window. That is with `dynamic=False`. With any other `dynamic`, the graphs are shape-generic:
+    one prefill graph serves every bucket and one decode graph every window past the first, so only the buckets at
+    both ends are warmed up (every bucket if the model's code fixes the prompt length). The reference's "Compile every
+    graph up front" counts the graphs. As in `generate`, a bucket past the model's `max_position_embeddings` is capped
+    there, and longer prompts are not padded, so none is warmed up.
 
     Args:
         model ([`PreTrainedModel`]):
@@ -105,8 +106,8 @@ def precompile(
             `input_ids`, `attention_mask` or `generation_config`.
 
     Returns:
-        `list[CompiledShape]`: one entry per batch size and bucket, longest first, with the graphs torch compiled for
-        it. Torch's recompile limit is raised to hold them all first.
+        `list[CompiledShape]`: one entry per batch size and bucket warmed up, longest first, with the graphs torch
+        compiled for it. Torch's recompile limit is raised to hold them all first.
 
     Example:
 
@@ -140,6 +141,7 @@ def precompile(
         )
     wrapper = model
     module = torch_api.unwrap(model)
+    original = generation_config
     generation_config = copy.deepcopy(generation_config if generation_config is not None else module.generation_config)
     warn_if_enable_forgotten("precompile", [generation_config, *generation_configs(module)])
     fields = resolve_fields(module, generation_config, {})
@@ -191,23 +193,35 @@ def precompile(
     if min_prompt_length is not None:
         shortest[lengths[-1]] = max(shortest[lengths[-1]], min_prompt_length)
 
-    def warmups(length: int) -> list[tuple[int, int]]:
-        if not static or slots is None:
-            return [(length, 2)]
-        return decode_warmups(length, shortest[length], max_new_tokens, slots)
-
-    both_sides = len([b for b in batch_sizes if b > 1]) if settings.padding_side == "auto" else 0
-    # A shape-generic prefill (`compiled_calls.call_compilation`) is one graph for every bucket, unless the model's
-    # code fixes the length (the budget learns it).
+    # Compiled with any `dynamic` but `False` (`compiled_calls.call_compilation`), the graphs are shape-generic: one
+    # prefill graph for every bucket, unless the model's code fixes the length (the budget learns it), and one decode
+    # graph for the windows past the first (`budget.decode_graphs`).
     if compiled_forward(module) is not None:
         generic = forward_compiled_generic(module)
     else:  # compiled by upstream, with `compile_config`'s `dynamic` (`False` without one too)
         generic = getattr(generation_config.compile_config, "dynamic", False) is not False
     generic = generic and not budget_of(module).prefill_specializes
+    if generic:
+        # The buckets at both ends compile those graphs (the longest's decode reading every window it reaches, a
+        # 1-token bucket a decode step's); a model that fixes the length is found there and warmed per bucket below.
+        lengths = sorted({lengths[0], lengths[-1], min((n for n in lengths if n > 1), default=1)}, reverse=True)
+
+    def warmups(length: int) -> list[tuple[int, int]]:
+        if not static or slots is None:
+            return [(length, 2)]
+        calls = decode_warmups(length, shortest[length], max_new_tokens, slots)
+        return calls[:1] if generic else calls  # generic: the windows inside the bucket share the symbolic graph
+
+    both_sides = len([b for b in batch_sizes if b > 1]) if settings.padding_side == "auto" else 0
     # (a 1-token bucket's prefill is a decode step: decode's graph)
-    prefill_graphs = 1 if generic else len([length for length in lengths if length > 1])
-    window_graphs = sum(len(warmups(length)) - 1 for length in lengths)  # the decode windows past the first
-    expected = (len(batch_sizes) + both_sides) * prefill_graphs + len(batch_sizes) * (1 + window_graphs)
+    prefill_graphs = 1 + (slots in lengths) if generic else len([length for length in lengths if length > 1])
+    if generic:
+        calls = [call for length in lengths for call in warmups(length)]
+        windows = {w for n, new in calls for w in windows_between(n + 1, n + new - 1, slots)} if static else {None}
+        decode_graphs_per_batch = len(decode_graphs(set(), windows, slots, True))
+    else:
+        decode_graphs_per_batch = 1 + sum(len(warmups(length)) - 1 for length in lengths)  # a graph per window
+    expected = (len(batch_sizes) + both_sides) * prefill_graphs + len(batch_sizes) * decode_graphs_per_batch
     held = budget_of(module).held_graphs(module)
     # Room for every graph before the first call, in precompile's words: the budget then never warns mid-warm-up.
     make_room(module, held, expected, "precompile's calls", advice="They are compiled now, before any other call.")
@@ -219,7 +233,7 @@ def precompile(
             calls += [(batch_size, length, n, new_tokens, False) for n, new_tokens in warmups(length)]
             if batch_size > 1 and length > 1 and settings.padding_side == "auto":
                 calls.append((batch_size, length, length, 2, True))
-    _say(progress, _plan(calls, lengths, batch_sizes, slots if static else None, expected))
+    _say(progress, _plan(calls, lengths, batch_sizes, slots if static else None, expected, len(shortest)))
 
     device = module.device
     compiled, compiled_before = [], graphs_compiled()
@@ -263,18 +277,33 @@ def precompile(
         f"precompile: done, {len(calls)} warm-up calls compiled {graphs} graph{'' if graphs == 1 else 's'} in "
         f"{time.perf_counter() - total_start:.1f} s",
     )
+    if generic and budget_of(module).prefill_specializes:
+        _say(
+            progress, "precompile: the model's code fixes the prompt length (a graph per bucket): warming every bucket"
+        )
+        again = precompile(
+            model, original, batch_sizes, max_prompt_length, progress, min_prompt_length, None, generate_kwargs
+        )
+        first = {(shape.batch_size, shape.prompt_length): shape for shape in compiled}  # the ends' warm-ups, merged
+        return [
+            replace(shape, graphs=shape.graphs + warmed.graphs, seconds=shape.seconds + warmed.seconds)
+            if (warmed := first.get((shape.batch_size, shape.prompt_length)))
+            else shape
+            for shape in again
+        ]
     return compiled
 
 
-def _plan(calls: list, lengths: list[int], batch_sizes: list[int], slots: int | None, expected: int) -> str:
+def _plan(calls: list, lengths: list[int], batch_sizes: list[int], slots: int | None, expected: int, of: int) -> str:
     """What `precompile` is about to do, in one line: its warm-up calls, and the graphs it expects."""
     cache = f"a static cache of {slots} slots" if slots is not None else "a dynamic cache"
+    ends = f" of {of}, the ends: shape-generic graphs serve the buckets between" if len(lengths) < of else ""
     return (
         f"precompile: {len(calls)} warm-up call{'' if len(calls) == 1 else 's'} for batch size"
         f"{'' if len(batch_sizes) == 1 else 's'} {', '.join(map(str, batch_sizes))} and bucket"
-        f"{'' if len(lengths) == 1 else 's'} {', '.join(map(str, lengths))} (longest first), {cache}: {expected} "
-        f"graph{'' if expected == 1 else 's'} at most (`model.compile()`: one prefill graph for every bucket; "
-        "`dynamic=False`: one per bucket). Each call that compiles takes seconds to minutes."
+        f"{'' if len(lengths) == 1 else 's'} {', '.join(map(str, lengths))} (longest first{ends}), {cache}: "
+        f"{expected} graph{'' if expected == 1 else 's'} at most (`model.compile()`: one prefill graph for every "
+        "bucket; `dynamic=False`: one per bucket). Each call that compiles takes seconds to minutes."
     )
 
 

@@ -3,7 +3,8 @@
 A full-attention layer of a `StaticCache` becomes a `WindowedStaticLayer` for the call: its `update` returns, and its
 mask spans, the smallest window that holds the tokens cached plus the forward's own (`window_length`), not every
 slot; the slots past the tokens are masked either way. The window is a plain int attribute, set outside the compiled
-graph before each forward (`set_window`), so each `(bucket, window, batch size)` is one graph. Sliding-window layers
+graph before each forward (`set_window`): compiled with `dynamic=False`, each `(bucket, window, batch size)` is one
+graph; otherwise torch makes the window symbolic from the second one read (`budget.decode_graphs`). Sliding-window layers
 become rings (`ring.py`). `close_windows` makes every layer upstream's again. The reference's "Cache sizing"
 (docs/source/en/usage_reference.md) gives the window lengths and what they cost.
 """
@@ -19,7 +20,8 @@ from .ring import SlidingWindowRing
 logger = logging.get_logger(__name__)
 
 
-# The shortest window: below it a step's reads are a small fixed cost, and every window is one more decode graph.
+# The shortest window: below it a step's reads are a small fixed cost, and with `dynamic=False` every window is one
+# more decode graph.
 MIN_WINDOW = 256
 # Past 4 * MIN_WINDOW, windows are geometric: this many per doubling of the tokens held.
 WINDOWS_PER_OCTAVE = 4

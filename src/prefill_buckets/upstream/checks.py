@@ -56,7 +56,6 @@ PRIVATE_TORCH_NAMES = (
     "torch._dynamo.exc.BackendCompilerFailed",
     "torch._dynamo.lookup_backend",
     "torch._dynamo.maybe_mark_dynamic",
-    "torch._dynamo.mark_static",
     "torch._dynamo.utils.counters",
     "torch._dynamo.eval_frame._debug_get_cache_entry_list",
     "torch._TorchCompileInductorWrapper",

@@ -259,11 +259,6 @@ def mark_dynamic(tensor: torch.Tensor, dim: int) -> None:
     torch._dynamo.maybe_mark_dynamic(tensor, dim)
 
 
-def mark_static(tensor: torch.Tensor) -> None:
-    """Compiles every dimension of `tensor` static, whatever torch's `dynamic` says."""
-    torch._dynamo.mark_static(tensor)
-
-
 def compile_counters():
     """dynamo's counters for this process, by kind (`"stats"`, `"graph_break"`, `"inductor"`): `.clear()` resets them."""
     return torch._dynamo.utils.counters
