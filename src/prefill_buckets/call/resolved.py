@@ -68,11 +68,6 @@ class CallSettings:
         """Ids the config gives another job (an image or audio placeholder): never a fill, which would count as one."""
         return reserved_token_ids(self.model_config) if self.model_config is not None else frozenset()
 
-    @property
-    def bucketing(self) -> tuple:
-        """The bucket fields as resolved (`policy, batch_policy, padding_side`): what a cache records for a later turn."""
-        return self.policy, self.batch_policy, self.padding_side
-
     def new_tokens(self, prompt_length: int) -> int:
         """The most tokens the call generates after a prompt of `prompt_length`, as upstream resolves it."""
         if self.max_new_tokens is not None:
