@@ -339,7 +339,7 @@ DECISION = (
         "a cache passed in that holds dummy rows (`prefill_batch_buckets`) this call can't bring back",
         "raise",
         "beam search, a per-row input, `negative_prompt_ids` or PEFT's per-row arguments",
-        lambda call: _dummy_rows_lost(call),
+        _dummy_rows_lost,
         "{found}",
     ),
     Row(

@@ -189,16 +189,20 @@ class RuleFacts:
     @cached_property
     def ids_outside_vocabulary(self) -> str | None:
         """The error for `input_ids` the embedding can't look up, when the call is padded on either side, or `None`."""
-        ids = self.call.input_ids
-        if ids is None or not (
+        ids, vocab_size = self.call.input_ids, self.settings.vocab_size
+        embedded = ids is not None and (  # the padded call looks them up
             self.not_right or (self.call.inputs_embeds is None and ids.dtype in (torch.long, torch.int))
-        ):
+        )
+        if not embedded or vocab_size is None or ids.numel() == 0:
             return None
-        try:
-            self.settings.check_ids_in_vocabulary(ids)
-        except ValueError as error:
-            return str(error)
-        return None
+        low, high = torch.stack(torch.aminmax(ids)).tolist()  # one device sync for both
+        if low >= 0 and high < vocab_size:
+            return None
+        return (
+            f"`input_ids` holds the id {low if low < 0 else high}, outside the model's vocabulary (valid ids: 0 to "
+            f"{vocab_size - 1}). If those positions are padding, fill them with a `pad_token_id` in the vocabulary "
+            "and mask them with `attention_mask`."
+        )
 
     @cached_property
     def padded_length(self) -> int:

@@ -96,18 +96,6 @@ class CallSettings:
     def in_vocabulary(self, token_id) -> bool:
         return isinstance(token_id, int) and token_id >= 0 and (self.vocab_size is None or token_id < self.vocab_size)
 
-    def check_ids_in_vocabulary(self, input_ids: torch.Tensor) -> None:
-        """Raises `ValueError` for an id the embedding can't look up (an index error on CPU, a device assert on CUDA)."""
-        if self.vocab_size is None or input_ids.numel() == 0:
-            return
-        low, high = torch.stack(torch.aminmax(input_ids)).tolist()  # one device sync for both
-        if low < 0 or high >= self.vocab_size:
-            raise ValueError(
-                f"`input_ids` holds the id {low if low < 0 else high}, outside the model's vocabulary (valid ids: 0 to "
-                f"{self.vocab_size - 1}). If those positions are padding, fill them with a `pad_token_id` in the "
-                "vocabulary and mask them with `attention_mask`."
-            )
-
     def _first_free(self, candidates) -> int | None:
         """The first of `candidates` in the vocabulary that the model's config does not reserve, or `None`."""
         return next((c for c in candidates if self.in_vocabulary(c) and c not in self.reserved_token_ids), None)
