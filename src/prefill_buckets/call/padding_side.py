@@ -334,15 +334,12 @@ def capped_bucket(settings: CallSettings, prompt_length: int, warn: bool = True)
     The bucket of a prompt, capped at the model's `max_position_embeddings` (a longer prompt is not padded). With
     `warn`, logs what happened to a prompt outside the buckets (`warn_long_prompt`).
     """
-    padded_length = settings.policy.bucket(prompt_length)
+    padded_length, uncapped = settings.policy.bucket(prompt_length), None
     max_positions = settings.max_positions
     if max_positions is not None and padded_length > max_positions:
-        capped = max(prompt_length, max_positions)
-        if warn:
-            warn_long_prompt(settings, prompt_length, capped, uncapped=padded_length)
-        return capped
+        padded_length, uncapped = max(prompt_length, max_positions), padded_length
     if warn:
-        warn_long_prompt(settings, prompt_length, padded_length)
+        warn_long_prompt(settings, prompt_length, padded_length, uncapped=uncapped)
     return padded_length
 
 
