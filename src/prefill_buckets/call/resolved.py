@@ -305,8 +305,6 @@ def _token_ids(value) -> tuple[int, ...]:
     """A special token id, list of ids or tensor of ids, as a tuple of plain ints (empty when unset)."""
     if value is None:
         return ()
-    if type(value) is int:
-        return (value,)
     if isinstance(value, torch.Tensor):
         value = value.flatten().tolist()
     if isinstance(value, (list, tuple)):
