@@ -206,7 +206,8 @@ def _pad_prompt(call: ResolvedCall, padded_length: int):
     if streamer is not None and added_id_columns > 0:
         arguments["streamer"] = PromptStrippingStreamer(streamer, added_id_columns)
 
-    return _plan_of(call, padded_length, added_id_columns), arguments, model_kwargs
+    plan = Plan(call, padded_length, added_id_columns, padded_batch=call.rows, padded_rows=call.output_rows)
+    return plan, arguments, model_kwargs
 
 
 def _line_up_with_ragged_rows(attention_mask: torch.Tensor, ragged: torch.Tensor) -> torch.Tensor:
@@ -239,19 +240,8 @@ def _plan_right(call: ResolvedCall, side: PaddingSide) -> tuple:
     if call.rows_mask is not None:  # passed, or inferred from pad tokens as upstream infers it
         model_kwargs["attention_mask"] = call.rows_mask
     right = RightPadding(bucket=side.bucket, ragged=call.ragged)
-    return _plan_of(call, call.prompt_length, 0, right), arguments, model_kwargs
-
-
-def _plan_of(call: ResolvedCall, padded_length: int, added_id_columns: int, right=None) -> Plan:
-    """The plan of `call`, its prompt padded as given, its batch as passed (`_pad_rows` adds dummy rows)."""
-    return Plan(
-        call,
-        padded_length=padded_length,
-        added_id_columns=added_id_columns,
-        padded_batch=call.rows,
-        padded_rows=call.output_rows,
-        right=right,
-    )
+    plan = Plan(call, call.prompt_length, 0, padded_batch=call.rows, padded_rows=call.output_rows, right=right)
+    return plan, arguments, model_kwargs
 
 
 def _pad_rows(plan: Plan, arguments: dict, model_kwargs: dict, padded_batch: int):
