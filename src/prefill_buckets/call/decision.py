@@ -147,9 +147,7 @@ DECISION = (
         "assisted or prompt-lookup decoding with `output_hidden_states` or `output_attentions`",
         "unpadded",
         "upstream returns the first positions' states, which padding fills",
-        lambda call: (
-            call.decodes_candidates and (call.settings.output_hidden_states or call.settings.output_attentions)
-        ),
+        lambda call: call.decodes_candidates and call.settings.returned_outputs,
         "upstream returns, for the tokens its first candidate check accepts after the first, the states of the "
         "sequence's first positions (`_split_model_outputs` slices from 0), which padding fills",
     ),
@@ -339,7 +337,7 @@ DECISION = (
         "a cache passed in that holds dummy rows (`prefill_batch_buckets`) this call can't bring back",
         "raise",
         "beam search, a per-row input, `negative_prompt_ids` or PEFT's per-row arguments",
-        lambda call: _dummy_rows_lost(call),
+        _dummy_rows_lost,
         "{found}",
     ),
     Row(
@@ -396,7 +394,7 @@ DECISION = (
         "`output_hidden_states`, `output_attentions`",
         "left",
         "per-position prefill outputs, which the left path strips",
-        lambda call: call.settings.output_hidden_states or call.settings.output_attentions,
+        lambda call: call.settings.returned_outputs,
         "`output_hidden_states` and `output_attentions` return the prefill's per-position outputs",
     ),
     Row(

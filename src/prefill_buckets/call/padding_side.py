@@ -111,7 +111,36 @@ class RuleFacts:
 
     @cached_property
     def ragged_reason(self) -> str | None:
-        return _ragged_reason(self.model, self.call.rows_mask, self.prompt, self.past_length, self.cache, self.slots)
+        """Why rows of different lengths (zeros in the call's `rows_mask`) can't be right-padded, or `None`."""
+        mask = self.call.rows_mask
+        if not isinstance(mask, torch.Tensor) or bool(mask.all()):
+            return None
+        if mask.ndim != 2 or self.prompt is None or mask.shape != self.prompt.shape[:2]:
+            return "the attention mask is not a [batch, length] mask of the prompt"
+        if self.past_length:
+            return (
+                "rows of different lengths continuing from a cache need the mask to line them up with the cached rows"
+            )
+        if not bool(((mask == 0) | (mask == 1)).all()):
+            return "the attention mask holds values other than 0 and 1"
+        mask = mask.long()
+        if not bool(mask.any(dim=-1).all()):
+            return "a row of the batch has no token (its attention mask is all zeros)"
+        if not bool((mask[:, 1:] >= mask[:, :-1]).all()):  # left padding: each row's zeros, then its ones
+            if bool((mask[:, 1:] <= mask[:, :-1]).all()):
+                return (
+                    "the batch is padded on the right: upstream reads a short row's first new token at a pad "
+                    "position, which only its mask reproduces (decoder-only batches are padded on the left)"
+                )
+            return "the attention mask has zeros between a row's tokens"
+        if not forward_takes(self.model, "position_ids"):
+            return (
+                f"`{type(self.model).__name__}.forward` takes no `position_ids`: each row's positions must follow its "
+                "tokens"
+            )
+        if cache_has_sliding_layers(self.model, self.cache, self.slots):
+            return "a sliding window counts cache slots, and a short row's pads would sit after its tokens, not before"
+        return None
 
     @cached_property
     def ragged(self) -> bool:
@@ -160,16 +189,20 @@ class RuleFacts:
     @cached_property
     def ids_outside_vocabulary(self) -> str | None:
         """The error for `input_ids` the embedding can't look up, when the call is padded on either side, or `None`."""
-        ids = self.call.input_ids
-        if ids is None or not (
+        ids, vocab_size = self.call.input_ids, self.settings.vocab_size
+        embedded = ids is not None and (  # the padded call looks them up
             self.not_right or (self.call.inputs_embeds is None and ids.dtype in (torch.long, torch.int))
-        ):
+        )
+        if not embedded or vocab_size is None or ids.numel() == 0:
             return None
-        try:
-            self.settings.check_ids_in_vocabulary(ids)
-        except ValueError as error:
-            return str(error)
-        return None
+        low, high = torch.stack(torch.aminmax(ids)).tolist()  # one device sync for both
+        if low >= 0 and high < vocab_size:
+            return None
+        return (
+            f"`input_ids` holds the id {low if low < 0 else high}, outside the model's vocabulary (valid ids: 0 to "
+            f"{vocab_size - 1}). If those positions are padding, fill them with a `pad_token_id` in the vocabulary "
+            "and mask them with `attention_mask`."
+        )
 
     @cached_property
     def padded_length(self) -> int:
@@ -190,8 +223,26 @@ class RuleFacts:
 
     @cached_property
     def continued_rows(self) -> int | str | None:
-        """The rows a call continuing a bucketed call's cache runs with, why they can't (a string), or `None`."""
-        return _continued_rows(self) if self.continued is not None else None
+        """
+        The rows a call that continues a bucketed call's cache runs with: the cache's, where it passes the rows that
+        call generated (its dummy rows come back) or the ones selected since (`batch_select_indices`); else the error
+        message. `None` when it continues no bucketed call's cache.
+        """
+        if self.continued is None:
+            return None
+        continued, expand = self.continued, self.settings.rows_per_prompt  # upstream runs a prompt as `expand` rows
+        held = self.passed.rows if self.passed.rows is not None else continued.padded_rows
+        as_filled = held == continued.padded_rows  # else a selection of them
+        if held % expand == 0 and self.call.output_rows == (continued.rows if as_filled else held):
+            return held // expand
+        dummy_rows = continued.padded_rows - continued.rows if as_filled else 0
+        dummies = f", then {count(dummy_rows, 'dummy row')} of `{PREFILL_BATCH_BUCKETS}`" if dummy_rows else ""
+        each = f" of {expand} rows each" if expand > 1 else ""
+        return (
+            f"The cache passed in holds {held} rows (the {count(held - dummy_rows, 'row')} of the call that filled "
+            f"it{dummies}), but this call has {count(self.rows, 'prompt')}{each}. Continue a cache with the rows "
+            "that filled it, one prompt each (a returned `sequences`, with your new tokens)."
+        )
 
     @cached_property
     def wanted_batch(self) -> int:
@@ -274,26 +325,6 @@ class RuleFacts:
         return None
 
 
-def _continued_rows(facts: "RuleFacts") -> int | str:
-    """
-    The rows a call that continues a bucketed call's cache runs with: the cache's, where it passes the rows that call
-    generated (its dummy rows come back) or the ones selected since (`batch_select_indices`); else the error message.
-    """
-    continued, expand = facts.continued, facts.settings.rows_per_prompt  # upstream runs each prompt as `expand` rows
-    held = facts.passed.rows if facts.passed.rows is not None else continued.padded_rows
-    as_filled = held == continued.padded_rows  # else a selection of them
-    if held % expand == 0 and facts.call.output_rows == (continued.rows if as_filled else held):
-        return held // expand
-    dummy_rows = continued.padded_rows - continued.rows if as_filled else 0
-    dummies = f", then {count(dummy_rows, 'dummy row')} of `{PREFILL_BATCH_BUCKETS}`" if dummy_rows else ""
-    each = f" of {expand} rows each" if expand > 1 else ""
-    return (
-        f"The cache passed in holds {held} rows (the {count(held - dummy_rows, 'row')} of the call that filled it"
-        f"{dummies}), but this call has {count(facts.rows, 'prompt')}{each}. Continue a cache with the rows that "
-        "filled it, one prompt each (a returned `sequences`, with your new tokens)."
-    )
-
-
 def count(number: int, thing: str) -> str:
     return f"{number} {thing}" + ("" if number == 1 else "s")
 
@@ -303,15 +334,12 @@ def capped_bucket(settings: CallSettings, prompt_length: int, warn: bool = True)
     The bucket of a prompt, capped at the model's `max_position_embeddings` (a longer prompt is not padded). With
     `warn`, logs what happened to a prompt outside the buckets (`warn_long_prompt`).
     """
-    padded_length = settings.policy.bucket(prompt_length)
+    padded_length, uncapped = settings.policy.bucket(prompt_length), None
     max_positions = settings.max_positions
     if max_positions is not None and padded_length > max_positions:
-        capped = max(prompt_length, max_positions)
-        if warn:
-            warn_long_prompt(settings, prompt_length, capped, uncapped=padded_length)
-        return capped
+        padded_length, uncapped = max(prompt_length, max_positions), padded_length
     if warn:
-        warn_long_prompt(settings, prompt_length, padded_length)
+        warn_long_prompt(settings, prompt_length, padded_length, uncapped=uncapped)
     return padded_length
 
 
@@ -348,30 +376,3 @@ def warn_long_prompt(settings: CallSettings, prompt_length: int, padded_length: 
             f"({policy.largest_bucket}), so it is padded to {padded_length}, the next multiple of {multiple}. Each such "
             f"length compiles a new graph: {advice_for(settings.entry, _LONGER_THAN_THE_BUCKETS)}"
         )
-
-
-def _ragged_reason(model, mask, prompt, past_length: int, cache, slots: int) -> str | None:
-    """Why rows of different lengths (zeros in `mask`, the call's `rows_mask`) can't be right-padded, or `None`."""
-    if not isinstance(mask, torch.Tensor) or bool(mask.all()):
-        return None
-    if mask.ndim != 2 or prompt is None or mask.shape != prompt.shape[:2]:
-        return "the attention mask is not a [batch, length] mask of the prompt"
-    if past_length:
-        return "rows of different lengths continuing from a cache need the mask to line them up with the cached rows"
-    if not bool(((mask == 0) | (mask == 1)).all()):
-        return "the attention mask holds values other than 0 and 1"
-    mask = mask.long()
-    if not bool(mask.any(dim=-1).all()):
-        return "a row of the batch has no token (its attention mask is all zeros)"
-    if not bool((mask[:, 1:] >= mask[:, :-1]).all()):  # left padding: each row's zeros, then its ones
-        if bool((mask[:, 1:] <= mask[:, :-1]).all()):
-            return (
-                "the batch is padded on the right: upstream reads a short row's first new token at a pad position, "
-                "which only its mask reproduces (decoder-only batches are padded on the left)"
-            )
-        return "the attention mask has zeros between a row's tokens"
-    if not forward_takes(model, "position_ids"):
-        return f"`{type(model).__name__}.forward` takes no `position_ids`: each row's positions must follow its tokens"
-    if cache_has_sliding_layers(model, cache, slots):
-        return "a sliding window counts cache slots, and a short row's pads would sit after its tokens, not before"
-    return None

@@ -146,15 +146,6 @@ def plan_call(call: ResolvedCall, side: PaddingSide) -> tuple[Plan, dict, dict]:
     return plan, arguments, model_kwargs
 
 
-def _default_attention_mask(call: ResolvedCall, input_ids: torch.Tensor) -> torch.Tensor:
-    """
-    The mask upstream infers for `input_ids` passed without one (`resolved.inferred_mask`; for the prompt the call
-    passes, its `rows_mask`), or all ones where it infers none.
-    """
-    mask = call.rows_mask if input_ids is call.prompt else inferred_mask(call.settings, input_ids)
-    return mask if mask is not None else torch.ones(input_ids.shape[:2], dtype=torch.long, device=input_ids.device)
-
-
 def _pad_prompt(call: ResolvedCall, padded_length: int):
     """Left-pads the prompt and every per-token input to `padded_length`. Returns the plan and new call arguments."""
     model, settings = call.model, call.settings
@@ -170,9 +161,12 @@ def _pad_prompt(call: ResolvedCall, padded_length: int):
     fill_token_id = settings.fill_token_id if added_positions else None  # a prompt that fits its bucket needs none
 
     if model_kwargs.get("attention_mask") is None:
+        # The mask upstream infers for ids passed without one (for the prompt the call passes, its `rows_mask`), or
+        # all ones where it infers none.
         mask_source = input_ids if input_ids is not None and input_ids.shape[1] == prompt_length else None
+        mask = None
         if mask_source is not None:
-            model_kwargs["attention_mask"] = _default_attention_mask(call, mask_source)
+            mask = call.rows_mask if mask_source is call.prompt else inferred_mask(settings, mask_source)
             if mask_source.shape[0] > 1 and not settings.pad_token_is_inferable:
                 # Upstream warns about this itself, but only when no mask is passed: this call passes one.
                 logger.warning_once(
@@ -180,10 +174,10 @@ def _pad_prompt(call: ResolvedCall, padded_length: int):
                     "because the pad token is not set or is the eos token, so every prompt token is attended (as "
                     "upstream `generate` does). If the batch is padded, pass its `attention_mask`."
                 )
-        else:
-            model_kwargs["attention_mask"] = torch.ones(
-                call.rows, prompt_length, dtype=torch.long, device=inputs_embeds.device
-            )
+        if mask is None:
+            source = mask_source if mask_source is not None else inputs_embeds
+            mask = torch.ones(source.shape[0], prompt_length, dtype=torch.long, device=source.device)
+        model_kwargs["attention_mask"] = mask
 
     added_id_columns = 0
     if input_ids is not None:
@@ -212,7 +206,8 @@ def _pad_prompt(call: ResolvedCall, padded_length: int):
     if streamer is not None and added_id_columns > 0:
         arguments["streamer"] = PromptStrippingStreamer(streamer, added_id_columns)
 
-    return _plan_of(call, padded_length, added_id_columns), arguments, model_kwargs
+    plan = Plan(call, padded_length, added_id_columns, padded_batch=call.rows, padded_rows=call.output_rows)
+    return plan, arguments, model_kwargs
 
 
 def _line_up_with_ragged_rows(attention_mask: torch.Tensor, ragged: torch.Tensor) -> torch.Tensor:
@@ -245,19 +240,8 @@ def _plan_right(call: ResolvedCall, side: PaddingSide) -> tuple:
     if call.rows_mask is not None:  # passed, or inferred from pad tokens as upstream infers it
         model_kwargs["attention_mask"] = call.rows_mask
     right = RightPadding(bucket=side.bucket, ragged=call.ragged)
-    return _plan_of(call, call.prompt_length, 0, right), arguments, model_kwargs
-
-
-def _plan_of(call: ResolvedCall, padded_length: int, added_id_columns: int, right=None) -> Plan:
-    """The plan of `call`, its prompt padded as given, its batch as passed (`_pad_rows` adds dummy rows)."""
-    return Plan(
-        call,
-        padded_length=padded_length,
-        added_id_columns=added_id_columns,
-        padded_batch=call.rows,
-        padded_rows=call.output_rows,
-        right=right,
-    )
+    plan = Plan(call, call.prompt_length, 0, padded_batch=call.rows, padded_rows=call.output_rows, right=right)
+    return plan, arguments, model_kwargs
 
 
 def _pad_rows(plan: Plan, arguments: dict, model_kwargs: dict, padded_batch: int):

@@ -56,8 +56,8 @@ class CallSettings:
     guidance_scale: float | None = None  # classifier-free guidance: on unless `None` or 1
     token_healing: bool = False  # the prompt decoded and tokenized again inside `generate`
     model_config: Any = dataclasses.field(default=None, compare=False, repr=False)  # read for `reserved_token_ids`
-    # The call's generation config, as upstream's preparation step made it (`prepare_generation_config`), and the
-    # generation fields the call passed as keyword arguments, which that step took out of the model's inputs.
+    # The call's generation config, as upstream's preparation step made it (`settings_of`), and the generation fields
+    # the call passed as keyword arguments, which that step took out of the model's inputs.
     generation_config: Any = dataclasses.field(default=None, compare=False, repr=False)
     generation_kwargs: frozenset = dataclasses.field(default=frozenset(), compare=False, repr=False)
     # Who calls the model (`state.ModelState.entry`): the advice of a warning names that caller's options.
@@ -67,11 +67,6 @@ class CallSettings:
     def reserved_token_ids(self) -> frozenset[int]:
         """Ids the config gives another job (an image or audio placeholder): never a fill, which would count as one."""
         return reserved_token_ids(self.model_config) if self.model_config is not None else frozenset()
-
-    @property
-    def bucketing(self) -> tuple:
-        """The bucket fields as resolved (`policy, batch_policy, padding_side`): what a cache records for a later turn."""
-        return self.policy, self.batch_policy, self.padding_side
 
     def new_tokens(self, prompt_length: int) -> int:
         """The most tokens the call generates after a prompt of `prompt_length`, as upstream resolves it."""
@@ -100,18 +95,6 @@ class CallSettings:
 
     def in_vocabulary(self, token_id) -> bool:
         return isinstance(token_id, int) and token_id >= 0 and (self.vocab_size is None or token_id < self.vocab_size)
-
-    def check_ids_in_vocabulary(self, input_ids: torch.Tensor) -> None:
-        """Raises `ValueError` for an id the embedding can't look up (an index error on CPU, a device assert on CUDA)."""
-        if self.vocab_size is None or input_ids.numel() == 0:
-            return
-        low, high = torch.stack(torch.aminmax(input_ids)).tolist()  # one device sync for both
-        if low < 0 or high >= self.vocab_size:
-            raise ValueError(
-                f"`input_ids` holds the id {low if low < 0 else high}, outside the model's vocabulary (valid ids: 0 to "
-                f"{self.vocab_size - 1}). If those positions are padding, fill them with a `pad_token_id` in the "
-                "vocabulary and mask them with `attention_mask`."
-            )
 
     def _first_free(self, candidates) -> int | None:
         """The first of `candidates` in the vocabulary that the model's config does not reserve, or `None`."""
@@ -164,9 +147,7 @@ class ResolvedCall:
     @functools.cached_property
     def settings(self) -> CallSettings:
         """The call's `CallSettings`, from the generation config upstream's own step prepares, made when first read."""
-        generation_config = self.arguments.get("generation_config")
-        prepared = prepare_generation_config(self.model, generation_config, self.model_kwargs)
-        return settings_of(self.model, *prepared, bucketing=self.bucketing)
+        return settings_of(self.model, self.arguments.get("generation_config"), self.model_kwargs, self.bucketing)
 
     @functools.cached_property
     def compiled_forward(self) -> str | None:
@@ -324,8 +305,6 @@ def _token_ids(value) -> tuple[int, ...]:
     """A special token id, list of ids or tensor of ids, as a tuple of plain ints (empty when unset)."""
     if value is None:
         return ()
-    if type(value) is int:
-        return (value,)
     if isinstance(value, torch.Tensor):
         value = value.flatten().tolist()
     if isinstance(value, (list, tuple)):
@@ -333,30 +312,21 @@ def _token_ids(value) -> tuple[int, ...]:
     return (int(value),)
 
 
-def prepare_generation_config(
-    model, generation_config: GenerationConfig | None, model_kwargs: dict
-) -> tuple[GenerationConfig, frozenset[str]]:
-    """
-    The call's generation config, a private copy made by upstream's `model._prepare_generation_config`, and the names
-    of the generation fields that step takes out of `model_kwargs`.
-    """
-    prepared, model_inputs = model._prepare_generation_config(generation_config, **model_kwargs)
-    return prepared, frozenset(model_kwargs.keys() - model_inputs.keys())
-
-
 def settings_of(
-    model, generation_config: GenerationConfig, generation_kwargs: frozenset[str] = frozenset(), bucketing=None
+    model, generation_config: GenerationConfig | None, model_kwargs: dict, bucketing: tuple
 ) -> CallSettings:
-    """What padding reads of a prepared generation config, with the bucket fields (`bucketing_of`; `None`: unset)."""
-    config = generation_config
-    policy, batch_policy, padding_side = bucketing if bucketing is not None else (None, None, "auto")
-    pad_token_ids, bos_token_ids = _token_ids(config.pad_token_id), _token_ids(config.bos_token_id)
+    """
+    What padding reads of the call's generation config, with the bucket fields (`bucketing_of`): the private copy
+    upstream's `model._prepare_generation_config` makes, which takes the generation fields out of `model_kwargs`.
+    """
+    config, model_inputs = model._prepare_generation_config(generation_config, **model_kwargs)
+    policy, batch_policy, padding_side = bucketing
     return CallSettings(
         policy=policy,
         batch_policy=batch_policy,
-        pad_token_id=pad_token_ids[0] if pad_token_ids else None,
+        pad_token_id=next(iter(_token_ids(config.pad_token_id)), None),
         eos_token_ids=_token_ids(config.eos_token_id),
-        bos_token_id=bos_token_ids[0] if bos_token_ids else None,
+        bos_token_id=next(iter(_token_ids(config.bos_token_id)), None),
         num_beams=config.num_beams or 1,
         num_return_sequences=config.num_return_sequences or 1,
         cache_implementation=config.cache_implementation,
@@ -380,7 +350,7 @@ def settings_of(
         token_healing=bool(getattr(config, "token_healing", False)),
         model_config=model.config,
         generation_config=config,
-        generation_kwargs=generation_kwargs,
+        generation_kwargs=frozenset(model_kwargs.keys() - model_inputs.keys()),
         entry=state_of(model).entry,
     )
 
@@ -390,7 +360,7 @@ def resolve_settings(
 ) -> CallSettings:
     """The settings of a call made with these arguments (`settings_of`). Raises `ValueError` for an invalid field."""
     bucketing = bucketing_of(resolve_fields(model, generation_config, field_kwargs))
-    return settings_of(model, *prepare_generation_config(model, generation_config, model_kwargs), bucketing)
+    return settings_of(model, generation_config, model_kwargs, bucketing)
 
 
 def inferred_mask(settings: CallSettings, prompt) -> torch.Tensor | None:

@@ -8,6 +8,7 @@ import sys
 
 import torch
 
+from ..kvcache.kv_shapes import projection_features
 from ..state import state_of
 from ..upstream import torch_api, transformers_api
 from ..upstream.transformers_api import forward_takes, max_positions
@@ -128,12 +129,10 @@ def compresses_the_cache(model) -> bool:
 
 def _latent_key_heads(module) -> int | None:
     """The key heads a multi-head latent attention module builds (`kv_b_proj`: nope and value parts per head)."""
-    projection = getattr(module, "kv_b_proj", None)
-    weight = getattr(projection, "weight", None)
+    rows = projection_features(getattr(module, "kv_b_proj", None))
     part = [module.__dict__.get(name) for name in ("qk_nope_head_dim", "v_head_dim")]
-    if not isinstance(weight, torch.Tensor) or weight.ndim != 2 or not all(isinstance(p, int) and p > 0 for p in part):
+    if rows is None or not all(isinstance(p, int) and p > 0 for p in part):
         return None
-    rows = weight.to_local().shape[0] if hasattr(weight, "to_local") else weight.shape[0]
     return rows // sum(part) if rows % sum(part) == 0 else None
 
 

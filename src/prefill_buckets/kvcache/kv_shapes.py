@@ -29,7 +29,7 @@ def _int_attribute(module, names) -> int | None:
     return None
 
 
-def _features(projection, output: bool = True) -> int | None:
+def projection_features(projection, output: bool = True) -> int | None:
     """The output (or input) features of a linear projection on this rank (a tensor-parallel shard's), or `None`."""
     weight = getattr(projection, "weight", None)
     if not isinstance(weight, torch.Tensor) or weight.ndim != 2:
@@ -46,17 +46,17 @@ def _module_kv_shape(module) -> tuple[int, int] | None:
     if head_dim is None:
         return None
     for name in _KEY_PROJECTIONS:
-        rows = _features(submodule(module, name))
+        rows = projection_features(submodule(module, name))
         if rows is not None:
             return (rows // head_dim, head_dim) if rows % head_dim == 0 else None
     query_heads = _int_attribute(module, _QUERY_HEAD_COUNTS)
     query_rows = query_heads * head_dim if query_heads is not None else None
     for name in _OUTPUT_PROJECTIONS if query_rows is None else ():  # its inputs: the query heads times `head_dim`
-        query_rows = _features(submodule(module, name), output=False)
+        query_rows = projection_features(submodule(module, name), output=False)
         if query_rows is not None:
             break
     for name in _FUSED_PROJECTIONS:
-        rows = _features(submodule(module, name))
+        rows = projection_features(submodule(module, name))
         if rows is not None and query_rows is not None:
             kv_rows = rows - query_rows  # queries first, then keys and values of one size
             if kv_rows <= 0 or kv_rows % (2 * head_dim):

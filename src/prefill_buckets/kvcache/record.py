@@ -49,7 +49,7 @@ class CacheRecord:
     # (left-padded). Row i's `L_i` prompt tokens sit in slots `0..L_i-1`, its generated tokens in the slots of their
     # columns: a later call lines its mask up with that.
     ragged_rows: torch.Tensor | None = None
-    # The bucket fields the call ran with (`CallSettings.bucketing`), which a later call that sets none continues with.
+    # The bucket fields the call ran with (`ResolvedCall.bucketing`), which a later call that sets none continues with.
     bucketing: tuple | None = None
 
 
@@ -134,7 +134,7 @@ def record_call(cache, plan, attention_mask, continues: bool) -> None:
     else:
         # The mask of the call's own rows: after them, the dummy rows of `prefill_batch_buckets` are all ones.
         ragged_rows = attention_mask[: plan.call.rows] if right is not None and right.ragged else None
-    cache.__dict__[_CACHE_RECORD] = CacheRecord(padding, ragged_rows, plan.settings.bucketing)
+    cache.__dict__[_CACHE_RECORD] = CacheRecord(padding, ragged_rows, plan.call.bucketing)
 
 
 def sequence_length(input_ids, kwargs: dict) -> int:

@@ -91,24 +91,20 @@ def static_cache_length(model, settings, needed: int, prompt_slots: int) -> int:
     return grown
 
 
-def cache_bytes_per_row(model, slots: int) -> int | None:
-    """The bytes a static cache of `slots` slots takes per row (sliding layers hold their window), or `None`."""
+def _megabytes(model, slots: int) -> str:
+    """
+    The size per row of a static cache of `slots` slots (sliding layers hold their window), in MB (in KB under 1 MB:
+    a tiny model's cache is not "0 MB").
+    """
     shape = _init_shape(model)
     if shape is None:
-        return None
+        return "size unknown"
     layers = lazy_static_cache(model, slots).layers
     shapes = _per_layer(shape, layers)
     if shapes is None or not all(isinstance(n, int) for n in (*shapes[0], *shapes[1])):
-        return None
-    item = torch.finfo(model.dtype).bits // 8 if model.dtype.is_floating_point else 4
-    return sum(2 * getattr(layer, "max_cache_len", 0) * h * d * item for layer, h, d in zip(layers, *shapes))
-
-
-def _megabytes(model, slots: int) -> str:
-    """A cache's size per row, in MB (in KB under 1 MB: a tiny model's cache is not "0 MB")."""
-    size = cache_bytes_per_row(model, slots)
-    if size is None:
         return "size unknown"
+    item = torch.finfo(model.dtype).bits // 8 if model.dtype.is_floating_point else 4
+    size = sum(2 * getattr(layer, "max_cache_len", 0) * h * d * item for layer, h, d in zip(layers, *shapes))
     return f"{size / 2**20:,.0f} MB" if size >= 2**20 else f"{max(1, round(size / 2**10)):,} KB"
 
 
