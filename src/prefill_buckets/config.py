@@ -33,7 +33,7 @@ FIELD_DOCS = """
             (8192 slots for `"pow2"`), and a prompt that outgrows it grows it (see the reference's "Cache sizing"), so
             prompts of different lengths share one cache shape. Every forward reads only an attention window of the
             cache, the slots that hold tokens rounded up to a window length: with `dynamic=False` one decode graph per
-            window it reaches; with `model.compile()`, one for the first and one for every other.
+            window it reaches; with `model.compile()`, one symbolic in the window for all of them.
         prefill_batch_buckets (`list[int]` or `str`, *optional*):
             Pad the batch up to the smallest of these sizes that holds it, with dummy rows (one masked-in pad token
             each) that are finished from the first step and stripped from the output. Same values as

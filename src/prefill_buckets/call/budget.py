@@ -195,24 +195,17 @@ ANY_WINDOW = -1
 def decode_graphs(held, windows, cache_length: int, generic: bool) -> list[int | None]:
     """
     The decode graphs reading `windows` of a `cache_length`-slot cache compiles where those reading `held` exist: one
-    per window (`None`: no windows) compiled with `dynamic=False`; else the first window's, one symbolic in the window
-    for the others (`ANY_WINDOW`, torch's automatic dynamic shapes), and one for a window of the whole cache, whose
-    length torch specializes. At most one too many: torch may make the first already symbolic (`dynamic=True`).
+    per window (`None`: no windows) compiled with `dynamic=False`; else one symbolic in the window for every window
+    (`ANY_WINDOW`, `compiled_calls.mark_window_dynamic`) and one for a window of the whole cache, a length torch may
+    specialize (one too many where it doesn't).
     """
-    windows = set(windows) - set(held)
-    if not generic:
-        return sorted(windows, key=str)
-    new = [cache_length] if cache_length in windows else []
-    windows.discard(cache_length)
-    others = set(held) - {cache_length}
-    if windows and not others:  # the first window compiled: static
-        first = None if None in windows else min(windows)
-        new.append(first)
-        windows.discard(first)
-        others.add(first)
-    if windows and len(others) == 1:
-        new.append(ANY_WINDOW)
-    return new
+    new = set(windows) - set(held)
+    if not generic or new <= {None}:
+        return sorted(new, key=str)
+    graphs = [cache_length] if cache_length in new else []
+    if new - {cache_length} and not set(held) - {cache_length}:
+        graphs.append(ANY_WINDOW)
+    return graphs
 
 
 def account_candidates(plan, generator, max_length: int) -> None:
@@ -304,8 +297,7 @@ _FEWER_GRAPHS = {
     "generate": "To need fewer graphs: compile with `model.compile()` (`dynamic=None`: one prefill graph for every "
     "bucket, where `dynamic=False` compiles one per bucket), pin `max_cache_len` (one decode graph per batch size), use "
     "fewer buckets, or call `prefill_buckets.precompile` to compile them all up front.",
-    "generic": "To need fewer graphs: pin `max_cache_len` (one cache, a decode graph for its first window and one for "
-    "the others), use fewer "
+    "generic": "To need fewer graphs: pin `max_cache_len` (one cache, one decode graph for its windows), use fewer "
     "batch sizes, or call `prefill_buckets.precompile` to compile them all up front.",
     "precompile": "To need fewer graphs: pass `precompile` fewer batch sizes, or a bucket set with fewer buckets.",
     "serve": "To need fewer graphs: start `prefill-buckets serve` with `--precompile`, or with fewer `--buckets`.",

@@ -30,6 +30,7 @@ from ..compile.compiled_calls import (
     install_fallbacks,
     is_aot_forward,
     mark_prefill_dynamic,
+    mark_window_dynamic,
     remove_fallbacks,
 )
 from ..config import PREFILL_PAD_TO_MULTIPLE_OF, PREFILL_PADDING_SIDE
@@ -287,7 +288,10 @@ def _before_forward(plan, model_inputs: dict, tokens: int | None, new: int | Non
         restore_recompile_limit(plan.run.recompile_limit)
     plan.run.decoding = decode
     if decode:
-        plan.run.decode_windows_read.add(window_of(plan, tokens, plan.run.static_cache_length))
+        window = window_of(plan, tokens, plan.run.static_cache_length)
+        plan.run.decode_windows_read.add(window)
+        if plan.run.generic_prefill and window is not None:  # one graph for every window (`budget.decode_graphs`)
+            mark_window_dynamic(model_inputs, window)
 
 
 def _materialize_recurrent_masks(model_inputs: dict, attention_mask, new: int | None) -> None:

@@ -153,6 +153,25 @@ def mark_prefill_dynamic(inputs: dict, new_tokens: int, tokens: int) -> None:
         inputs["attention_mask"] = _marked_mask(masks, new_tokens, tokens)
 
 
+def mark_window_dynamic(inputs: dict, window: int) -> None:
+    """
+    Makes the window dimension of a decode step's attention masks symbolic (`[B, window]`, `[B, heads, 1, window]`),
+    so one graph reads every window (torch's automatic dynamic shapes would compile the first window's graph static,
+    and a second graph from the second window on). Each is marked on a new tensor (`detach`): the user's stay unmarked.
+    """
+
+    def marked(mask):
+        if isinstance(mask, torch.Tensor) and mask.ndim in (2, 4) and mask.shape[-1] == window:
+            return _marked(mask, mask.ndim - 1)
+        return mask
+
+    masks = inputs.get("attention_mask")
+    if isinstance(masks, dict):
+        inputs["attention_mask"] = {key: marked(mask) for key, mask in masks.items()}
+    elif masks is not None:
+        inputs["attention_mask"] = marked(masks)
+
+
 def _marked(tensor: torch.Tensor, *dims: int) -> torch.Tensor:
     tensor = tensor.detach()
     for dim in dims:

@@ -4,7 +4,7 @@ A full-attention layer of a `StaticCache` becomes a `WindowedStaticLayer` for th
 mask spans, the smallest window that holds the tokens cached plus the forward's own (`window_length`), not every
 slot; the slots past the tokens are masked either way. The window is a plain int attribute, set outside the compiled
 graph before each forward (`set_window`): compiled with `dynamic=False`, each `(bucket, window, batch size)` is one
-graph; otherwise torch makes the window symbolic from the second one read (`budget.decode_graphs`). Sliding-window layers
+graph; otherwise decode marks the window symbolic, one graph for every window (`budget.decode_graphs`). Sliding-window layers
 become rings (`ring.py`). `close_windows` makes every layer upstream's again. The reference's "Cache sizing"
 (docs/source/en/usage_reference.md) gives the window lengths and what they cost.
 """
