@@ -40,6 +40,19 @@ class LengthLoop(torch.nn.Embedding):
 
 
 class PrecompileTest(CompilationTestCase):
+    def check_lengths_compile_nothing(self, counter, model, reference, config, lengths):
+        """After `precompile`: a prompt of each of `lengths` runs compiled, with the reference's tokens, compiling none."""
+        graphs = counter.graphs
+        for length in lengths:
+            self.check_call(
+                counter,
+                lambda ids: prefill_buckets.generate(model, ids, generation_config=config),
+                make_prompt(length),
+                reference,
+                make_config(),
+            )
+        self.assertEqual(counter.graphs, graphs, f"graphs: {counter.shapes}")
+
     def test_pow2_then_random_traffic_compiles_nothing(self):
         self.enable()
         model = make_model()
@@ -141,20 +154,13 @@ class PrecompileTest(CompilationTestCase):
 
         self.assertEqual(sorted(shape.prompt_length for shape in compiled), buckets)
         self.assertEqual(counter.graphs, len(buckets) + 1, f"graphs: {counter.shapes}")
-        for length in range(1, max_prompt_length + 1):
-            self.check_call(
-                counter,
-                lambda ids: prefill_buckets.generate(model, ids, generation_config=config),
-                make_prompt(length),
-                reference,
-                make_config(),
-            )
-        self.assertEqual(counter.graphs, len(buckets) + 1, f"graphs: {counter.shapes}")
+        self.check_lengths_compile_nothing(counter, model, reference, config, range(1, max_prompt_length + 1))
 
     def test_shape_generic_graphs_are_warmed_at_the_ends(self):
-        # `dynamic=None`: one prefill graph serves every bucket and one decode graph the windows past the first (the
-        # cache is pinned at 256 + 4 -> 320 slots: windows 256 and 320), so only the buckets at both ends are warmed
-        # (the 1-token bucket is a decode step); after them, no prompt of 1 to 200 tokens compiles.
+        # `dynamic=None`: one prefill graph serves every bucket and one decode graph every window (the cache is pinned
+        # at 256 + 4 -> 320 slots: windows 256 and 320, the whole cache's counted apart), so only the buckets at both
+        # ends are warmed (the 1-token bucket is a decode step); after them, no prompt at either end of a bucket
+        # compiles.
         model = make_model()
         reference = make_reference(model)
         counter = GraphCounter()
@@ -164,17 +170,9 @@ class PrecompileTest(CompilationTestCase):
         compiled = prefill_buckets.precompile(model, config, max_prompt_length=200, progress=False)
 
         self.assertEqual([shape.prompt_length for shape in compiled], [256, 2, 1])
-        warm = counter.graphs
-        self.assertLessEqual(warm, 1 + 2, counter.shapes)  # prefill; decode: every window, the whole cache's
-        for length in range(1, 201):
-            self.check_call(
-                counter,
-                lambda ids: prefill_buckets.generate(model, ids, generation_config=config),
-                make_prompt(length),
-                reference,
-                make_config(),
-            )
-        self.assertEqual(counter.graphs, warm, f"graphs: {counter.shapes}")
+        self.assertLessEqual(counter.graphs, 1 + 2, counter.shapes)  # prefill; decode: every window, the whole cache's
+        ends = {n for bucket in bucket_lengths(BucketPolicy(buckets="pow2"), 200) for n in (bucket // 2 + 1, bucket)}
+        self.check_lengths_compile_nothing(counter, model, reference, config, sorted(n for n in ends if n <= 200))
 
     def test_a_model_that_fixes_the_length_is_warmed_per_bucket(self):
         # Compiled shape-generic, but the model's code fixes the prompt length: the warm-ups at the ends find it, and
@@ -189,16 +187,7 @@ class PrecompileTest(CompilationTestCase):
         compiled = prefill_buckets.precompile(model, config, progress=False)
 
         self.assertEqual([shape.prompt_length for shape in compiled], [32, 16, 8, 4])
-        warm = counter.graphs
-        for length in range(1, 33):
-            self.check_call(
-                counter,
-                lambda ids: prefill_buckets.generate(model, ids, generation_config=config),
-                make_prompt(length),
-                reference,
-                make_config(),
-            )
-        self.assertEqual(counter.graphs, warm, f"graphs: {counter.shapes}")
+        self.check_lengths_compile_nothing(counter, model, reference, config, range(1, 33))
 
     def test_precompile_in_the_mode_calls_run_in(self):
         # The guide: precompile in the mode you serve in. Under `torch.inference_mode()`, calls after a warm-up in that
