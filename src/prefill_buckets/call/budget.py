@@ -271,7 +271,7 @@ def _read(window: int | None) -> str:
     if window == QUERY_WINDOW:
         return ", reading its own tokens' slots"
     if window == ANY_WINDOW:
-        return ", reading any other window (symbolic in its length)"
+        return ", reading any window (symbolic in its length)"
     return "" if window is None else f", reading {window} slots"
 
 
