@@ -314,15 +314,8 @@ class SharedRecompileLimitTest(CompilationTestCase):
             compiled = prefill_buckets.precompile(model, config, progress=False)
             self.assertEqual(sum(shape.graphs for shape in compiled), counter.graphs, type(model).__name__)
             self.assertEqual(counter.graphs, per_model, f"{type(model).__name__}: {counter.shapes}")
-            for length in self.LENGTHS:  # every forward a compiled call, and upstream's tokens
-                self.check_call(
-                    counter,
-                    lambda ids: prefill_buckets.generate(model, ids, generation_config=config),
-                    make_prompt(length),
-                    reference,
-                    make_config(),
-                )
-            self.assertEqual(counter.graphs, per_model, f"{type(model).__name__}: {counter.shapes}")
+            # Every forward a compiled call, and upstream's tokens.
+            self.check_lengths_compile_nothing(counter, model, reference, config, self.LENGTHS)
         # Each call raised the limit for the graphs it needed (3 models' on one code object); none is in flight now.
         self.assertEqual(torch._dynamo.config.recompile_limit, 8)
 

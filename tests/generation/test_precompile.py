@@ -40,19 +40,6 @@ class LengthLoop(torch.nn.Embedding):
 
 
 class PrecompileTest(CompilationTestCase):
-    def check_lengths_compile_nothing(self, counter, model, reference, config, lengths):
-        """After `precompile`: a prompt of each of `lengths` runs compiled, with the reference's tokens, compiling none."""
-        graphs = counter.graphs
-        for length in lengths:
-            self.check_call(
-                counter,
-                lambda ids: prefill_buckets.generate(model, ids, generation_config=config),
-                make_prompt(length),
-                reference,
-                make_config(),
-            )
-        self.assertEqual(counter.graphs, graphs, f"graphs: {counter.shapes}")
-
     def test_pow2_then_random_traffic_compiles_nothing(self):
         self.enable()
         model = make_model()

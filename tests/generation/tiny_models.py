@@ -220,6 +220,19 @@ class CompilationTestCase(unittest.TestCase):
         _active_counter["counter"] = counter
         return counter
 
+    def check_lengths_compile_nothing(self, counter, model, reference, config, lengths):
+        """After `precompile`: a prompt of each of `lengths` runs compiled, with the reference's tokens, compiling none."""
+        graphs = counter.graphs
+        for length in lengths:
+            self.check_call(
+                counter,
+                lambda ids: prefill_buckets.generate(model, ids, generation_config=config),
+                make_prompt(length),
+                reference,
+                make_config(),
+            )
+        self.assertEqual(counter.graphs, graphs, f"graphs: {counter.shapes}")
+
     def check_call(
         self,
         counter: GraphCounter,

@@ -74,10 +74,10 @@ def precompile(
     needs with `max_new_tokens`, rounded up to a multiple of 64 (or of `prefill_pad_to_multiple_of`), so every later
     call uses that one cache shape; where decode crosses attention windows of that cache, more warm-up calls compile a
     decode graph per window. That is with `dynamic=False`. With any other `dynamic`, the graphs are shape-generic:
-    one prefill graph serves every bucket and one decode graph every window past the first, so only the buckets at
-    both ends are warmed up (every bucket if the model's code fixes the prompt length). The reference's "Compile every
-    graph up front" counts the graphs. As in `generate`, a bucket past the model's `max_position_embeddings` is capped
-    there, and longer prompts are not padded, so none is warmed up.
+    one prefill graph serves every bucket and one decode graph every window (one more for a window of the whole
+    cache), so only the buckets at both ends are warmed up (every bucket if the model's code fixes the prompt
+    length). The reference's "Compile every graph up front" counts the graphs. As in `generate`, a bucket past the
+    model's `max_position_embeddings` is capped there, and longer prompts are not padded, so none is warmed up.
 
     Args:
         model ([`PreTrainedModel`]):
@@ -195,7 +195,7 @@ def precompile(
 
     # Compiled with any `dynamic` but `False` (`compiled_calls.call_compilation`), the graphs are shape-generic: one
     # prefill graph for every bucket, unless the model's code fixes the length (the budget learns it), and one decode
-    # graph for the windows past the first (`budget.decode_graphs`).
+    # graph for every window (`budget.decode_graphs`).
     if compiled_forward(module) is not None:
         generic = forward_compiled_generic(module)
     else:  # compiled by upstream, with `compile_config`'s `dynamic` (`False` without one too)
@@ -216,8 +216,8 @@ def precompile(
     # (a 1-token bucket's prefill is a decode step: decode's graph)
     prefill_graphs = 1 + (slots in lengths) if generic else len([length for length in lengths if length > 1])
     if generic:
-        calls = [call for length in lengths for call in warmups(length)]
-        windows = {w for n, new in calls for w in windows_between(n + 1, n + new - 1, slots)} if static else {None}
+        warm = [call for length in lengths for call in warmups(length)]
+        windows = {w for n, new in warm for w in windows_between(n + 1, n + new - 1, slots)} if static else {None}
         decode_graphs_per_batch = len(decode_graphs(set(), windows, slots, True))
     else:
         decode_graphs_per_batch = 1 + sum(len(warmups(length)) - 1 for length in lengths)  # a graph per window
