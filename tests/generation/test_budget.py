@@ -334,6 +334,7 @@ class SharedRecompileLimitTest(CompilationTestCase):
         self.assertEqual([counter.calls for counter in counters[:2]], [forwards, forwards])
         self.assertLess(counters[2].calls, forwards)  # the premise: torch ran some forwards eagerly
         self.assertIn("The compiled forward of `Qwen2ForCausalLM` holds 8 graphs", captured.out)
+        self.assertIn("(torch refused to compile past it once during the call)", captured.out)
         self.assertIn("may have run some of its forwards eagerly", captured.out)
         self.assertIn("prefill [1, 4] with a 128-slot cache", captured.out)
 
@@ -464,6 +465,25 @@ class SharedRecompileLimitTest(CompilationTestCase):
                 make_config(),
             )
         self.assertEqual(counter.graphs, len(self.BUCKETS) + 1, counter.shapes)
+
+    def test_frames_that_fill_the_limit_exactly_are_not_said_to_run_eagerly(self):
+        # `output_attentions` on sdpa breaks the forward's graph (transformers warns from inside it): its 2 predicted
+        # graphs, shape-generic (`dynamic=None`), and the room for frames (8, torch's limit) fill the raised limit of
+        # 10 exactly. Torch refused no compile, so every forward ran compiled: nothing is said of eager forwards,
+        # though the forward's code is at the limit with more graphs than predicted.
+        model = make_model()
+        reference = make_reference(model)
+        counter = GraphCounter()
+        model.compile(backend=counter)
+        config = make_config(return_dict_in_generate=True, output_attentions=True, prefill_buckets="pow2-quarters")
+        refused = torch_api.limit_refusals()
+        with CaptureLogger(logger) as captured:
+            got = prefill_buckets.generate(model, make_prompt(9), generation_config=config)
+        expected = reference.generate(make_prompt(9), generation_config=config)
+        torch.testing.assert_close(got.sequences, expected.sequences, rtol=0, atol=0)
+        self.assertEqual(torch_api.limit_refusals(), refused, "the premise: torch refused no compile")
+        self.assertGreater(torch_api.forward_graphs(model), 2, "the premise: graph breaks added entries")
+        self.assertNotIn("may have run some of its forwards eagerly", captured.out)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -50,6 +50,7 @@ class CallGraphs:
     # `torch_api.graphs_compiled()` then: if dynamo compiled nothing since, a forward without graph breaks holds as many.
     compiled_before: int = -1
     generic_prefill: bool = False  # whether its prefill shapes were accounted as one graph symbolic in their length
+    refused_before: int = 0  # `torch_api.limit_refusals()` then: a refusal since ran a frame eagerly
 
 
 class GraphBudget:
@@ -145,7 +146,17 @@ class GraphBudget:
             accounted = PROCESS.graphs_accounted
         compiled = torch_api.graphs_compiled()
         return CallGraphs(
-            held, new, rows, cache_length, variant, not fullgraph, in_flight, accounted, compiled, generic
+            held,
+            new,
+            rows,
+            cache_length,
+            variant,
+            not fullgraph,
+            in_flight,
+            accounted,
+            compiled,
+            generic,
+            torch_api.limit_refusals(),
         )
 
 
@@ -360,7 +371,8 @@ def make_room(model, held: int, graphs: int, who: str, breaks_graph: bool = Fals
 def check_compiled(model, expected: CallGraphs | None, limit: int | None = None, decode_windows_read=()) -> None:
     """
     Ends a bucketed call's accounting: records the windows its decode steps read, and warns when torch may have run
-    some of its forwards eagerly (its code objects at the limit, with other graphs than expected).
+    some of its forwards eagerly: it refused a compile at its limit during the call, or the forward's code is at the
+    limit without graphs the call expected (refused in an earlier call, after which torch compiles none on that code).
     """
     if expected is None:
         return
@@ -381,14 +393,18 @@ def check_compiled(model, expected: CallGraphs | None, limit: int | None = None,
             "symbolic: the model's code fixes it. Each bucket is counted as a graph of its own from now on."
         )
     limit = recompile_limit() if limit is None else limit  # the call's own, once it has put the user's back
-    if held >= limit and not own <= held <= own + beside:
+    # At the limit with more graphs than expected is not enough: a forward that breaks its graph may fill it exactly.
+    refused = torch_api.limit_refusals() - expected.refused_before
+    if refused > 0 or (held >= limit and held < own):
         shapes = "; ".join(expected.new_shapes) or "shapes the package did not predict"
         others = f" (and up to {beside} of calls beside it)" if beside else ""
+        times = "once" if refused == 1 else f"{refused} times"
+        refusals = f" (torch refused to compile past it {times} during the call)" if refused > 0 else ""
         logger.warning(
             f"The compiled forward of `{model_name(model)}` holds {held} graphs, torch's "
-            f"`torch._dynamo.config.recompile_limit` ({limit}), where this call expected {expected.held_before} plus "
-            f"{len(expected.new_shapes)} new ({shapes}){others}: torch may have run some of its forwards eagerly (same "
-            f"outputs, uncompiled). {advice_for(state_of(model).entry, _AT_THE_LIMIT)}"
+            f"`torch._dynamo.config.recompile_limit` is {limit}{refusals}, where this call expected "
+            f"{expected.held_before} plus {len(expected.new_shapes)} new ({shapes}){others}: torch may have run some "
+            f"of its forwards eagerly (same outputs, uncompiled). {advice_for(state_of(model).entry, _AT_THE_LIMIT)}"
         )
 
 

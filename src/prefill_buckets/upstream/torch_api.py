@@ -269,6 +269,15 @@ def graphs_compiled() -> int:
     return compile_counters()["stats"]["unique_graphs"]
 
 
+def limit_refusals() -> int:
+    """
+    The compiles dynamo refused in this process so far at its recompile limits (it then runs the frame eagerly, and
+    never compiles that code object again): counted under `"unimplemented"` by the reason's first line.
+    """
+    refused = compile_counters()["unimplemented"]
+    return sum(count for reason, count in refused.items() if reason.startswith("Dynamo recompile limit exceeded"))
+
+
 def eager_callable(compiled):
     """The original function of a `torch.compile`d function, or `None` when `compiled` is not one."""
     return getattr(compiled, "_torchdynamo_orig_callable", None)
