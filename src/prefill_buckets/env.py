@@ -5,7 +5,6 @@ Paste its output into the issue. Every line is `name: value`, so a report can be
 
 import importlib.metadata
 import platform
-import sys
 
 
 DISTRIBUTION = "transformers-prefill-buckets"
@@ -58,7 +57,3 @@ def main() -> int:
     for name, value in environment().items():
         print(f"{name}: {value}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
