@@ -73,9 +73,8 @@ def generate_call(model, arguments: dict, model_kwargs: dict, field_kwargs: dict
     `input_ids`), and everything else that shapes the call (the generation config, the model's when none is passed).
     """
     inputs = {"input_ids": None, "inputs_embeds": None, "attention_mask": None}
-    settings = {}
     config = arguments.get("generation_config")
-    settings["generation_config"] = config if config is not None else getattr(model, "generation_config", None)
+    settings = {"generation_config": config if config is not None else getattr(model, "generation_config", None)}
     for name, value in {**arguments, **model_kwargs, **field_kwargs}.items():
         if name in _NOT_COMPARED:
             continue
@@ -169,9 +168,8 @@ def _agree(group, summary: dict, error: Exception | None) -> None:
             f"{text}\n(Raised by tensor-parallel {by}; every rank of the group raises it, so that none waits for the "
             f"others in a collective.){others}"
         ) from error
-    if all(record == gathered[0] for record in gathered[1:]):
-        return
-    raise ValueError(_different_calls(gathered))
+    if any(record != gathered[0] for record in gathered[1:]):
+        raise ValueError(_different_calls(gathered))
 
 
 def _different_calls(gathered: list[dict]) -> str:
