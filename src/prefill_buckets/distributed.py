@@ -177,11 +177,8 @@ def _different_calls(gathered: list[dict]) -> str:
     names = list(gathered[0]["inputs"])
     lines = [f"rank {rank}: {_describe(names, record['inputs'])}" for rank, record in enumerate(gathered)]
     inputs_differ = any(record["inputs"] != gathered[0]["inputs"] for record in gathered[1:])
-    same_shapes = all(
-        [None if row is None else row[:2] for row in record["inputs"].values()]
-        == [None if row is None else row[:2] for row in gathered[0]["inputs"].values()]
-        for record in gathered[1:]
-    )
+    shapes = [[None if row is None else row[:2] for row in record["inputs"].values()] for record in gathered]
+    same_shapes = all(shape == shapes[0] for shape in shapes[1:])
     text = "The tensor-parallel ranks of this model called `generate` with different "
     text += "inputs" if inputs_differ else "settings"
     if inputs_differ and same_shapes:
