@@ -34,7 +34,6 @@ DEFAULT_BUCKETS = "pow2-quarters"
 # What upstream's server gives a request that sends no `max_tokens`: at least this many new tokens
 # (`BaseHandler._build_generation_config`). The served default, so such a request fits the precompiled cache.
 UPSTREAM_MIN_NEW_TOKENS = 1024
-COMPILE_WITH = ("model", "static", "aot", "none")
 
 SERVE_HELP = """\
 Serve MODEL with transformers' own server (`transformers serve`: OpenAI-compatible chat completions, completions and
@@ -148,7 +147,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--compile-with",
-        choices=COMPILE_WITH,
+        choices=("model", "static", "aot", "none"),
         default="model",
         help="how the forward is compiled: model (model.compile(): one prefill graph for every bucket; default), "
         "static (model.compile(dynamic=False): a prefill graph per bucket), aot (prefill_buckets.aot_forward: a "
@@ -187,8 +186,7 @@ def served_buckets(model, options: ServeOptions) -> "str | list[int]":
     """The `prefill_buckets` the model serves with: with `max_prompt`, the policy's buckets up to the one holding it."""
     if options.max_prompt is None:
         return options.buckets
-    policy = BucketPolicy(buckets=options.buckets)
-    return sorted(set(bucket_lengths(policy, options.max_prompt, max_positions(model))))
+    return bucket_lengths(BucketPolicy(buckets=options.buckets), options.max_prompt, max_positions(model))
 
 
 def prepare_model(model, options: ServeOptions, processor=None) -> WarmUp:

@@ -131,7 +131,7 @@ def smollm2_folder() -> Path:
 class TokenClock:
     """
     A `generate` streamer that only notes when new tokens arrive. `generate` puts the prompt first, then each new
-    token (one row); `times` holds the arrival of the new tokens only, and `start` when the clock was made.
+    token (one row); `times` holds the arrival of the new tokens only.
 
     Args:
         synchronize (`Callable`, *optional*):
@@ -140,7 +140,6 @@ class TokenClock:
 
     def __init__(self, synchronize: Callable[[], None] | None = None):
         self.synchronize = synchronize
-        self.start = time.perf_counter()
         self.times: list[float] = []
         self.prompt_seen = False
 
@@ -155,9 +154,9 @@ class TokenClock:
     def end(self):
         pass
 
-    def first_token_seconds(self, since: float | None = None) -> float | None:
-        """From `since` (default: the clock's creation) to the first new token."""
-        return self.times[0] - (self.start if since is None else since) if self.times else None
+    def first_token_seconds(self, since: float) -> float | None:
+        """From `since` (a `time.perf_counter()` reading) to the first new token."""
+        return self.times[0] - since if self.times else None
 
     def decode_seconds_per_token(self) -> float | None:
         """From the first new token to the last, per token after the first: the decode steps."""
