@@ -14,8 +14,6 @@ import sys
 import time
 from dataclasses import dataclass
 
-from transformers.utils import logging
-
 from . import serving_loads
 from .buckets import BucketPolicy, validate_buckets
 from .compile.aot_forward import aot_forward
@@ -27,8 +25,6 @@ from .state import state_of
 from .upstream import torch_api, transformers_serve
 from .upstream.transformers_api import max_positions
 
-
-logger = logging.get_logger(__name__)
 
 DEFAULT_BUCKETS = "pow2-quarters"
 # What upstream's server gives a request that sends no `max_tokens`: at least this many new tokens
