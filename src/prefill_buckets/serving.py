@@ -240,31 +240,24 @@ def _print_ready(model, warm: WarmUp) -> None:
     )
 
 
-def refused_serve_args(serve_args) -> str | None:
-    """Why `transformers serve` options passed on can't be served bucketed, or `None`."""
-    if "--continuous-batching" in serve_args:
-        return (
-            "--continuous-batching schedules requests' tokens itself (`generate_batch`, with paged attention), not "
-            "through `generate`, so there is no prompt to pad to a bucket: its requests would run unbucketed, on a "
-            "forward this command compiled for `generate`'s calls. Serve it with `transformers serve "
-            "--continuous-batching`, or leave the option out here."
-        )
-    return None
-
-
 def serve_problem(serve_args) -> "tuple[type[Exception], str] | None":
     """
     Why this command can't serve here with `serve_args`, as `(error class, message)`: no `serving` extra
     (`ImportError`), a server it can't prepare (`RuntimeError`), an option it can't serve bucketed (`ValueError`).
     """
-    for error_class, why in (  # in this order: the server's module can't be read without the extra
-        (ImportError, transformers_serve.serve_unavailable),
-        (RuntimeError, serving_loads.unsupported_server),
-        (ValueError, lambda: refused_serve_args(serve_args)),
-    ):
-        message = why()
-        if message is not None:
-            return error_class, message
+    missing_extra = transformers_serve.serve_unavailable()  # first: without it, the server's module can't be read
+    if missing_extra is not None:
+        return ImportError, missing_extra
+    unsupported = serving_loads.unsupported_server()
+    if unsupported is not None:
+        return RuntimeError, unsupported
+    if "--continuous-batching" in serve_args:
+        return ValueError, (
+            "--continuous-batching schedules requests' tokens itself (`generate_batch`, with paged attention), not "
+            "through `generate`, so there is no prompt to pad to a bucket: its requests would run unbucketed, on a "
+            "forward this command compiled for `generate`'s calls. Serve it with `transformers serve "
+            "--continuous-batching`, or leave the option out here."
+        )
     return None
 
 
