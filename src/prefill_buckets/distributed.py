@@ -219,12 +219,10 @@ def rank_path(path: str | os.PathLike) -> str:
     """
     path = os.fspath(path)
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-    if _RANK_FIELD not in path:
-        if distributed:
-            raise ValueError(
-                f"The compile cache path {path!r} must contain `{_RANK_FIELD}` under torch.distributed (world size "
-                f"{dist.get_world_size()}): each rank saves its own graphs, and ranks writing one file overwrite "
-                "each other."
-            )
-        return path
+    if distributed and _RANK_FIELD not in path:
+        raise ValueError(
+            f"The compile cache path {path!r} must contain `{_RANK_FIELD}` under torch.distributed (world size "
+            f"{dist.get_world_size()}): each rank saves its own graphs, and ranks writing one file overwrite each "
+            "other."
+        )
     return path.replace(_RANK_FIELD, str(dist.get_rank() if distributed else 0))
