@@ -156,20 +156,16 @@ def _check_lengths(lengths: Iterable[int], function: str) -> list[int]:
     lengths = list(lengths)
     if not lengths:
         raise ValueError(f"`{function}` needs at least one length, got an empty `lengths`.")
-    checked = []
     for position, length in enumerate(lengths):
         if not is_positive_int(length, integral=True):
             raise ValueError(
                 f"`lengths` must hold positive ints (prompt lengths in tokens), got {length!r} at position {position}."
             )
-        checked.append(int(length))
-    return checked
+    return [int(length) for length in lengths]
 
 
 def _check_positive_int(value, name: str, optional: bool = False) -> None:
-    if optional and value is None:
-        return
-    if not is_positive_int(value, integral=True):
+    if not is_positive_int(value, integral=True) and not (optional and value is None):
         valid = "an int >= 1" + (" or None" if optional else "")
         raise ValueError(f"`{name}` must be {valid}, got {value!r}.")
 

@@ -7,7 +7,6 @@ precompiled generate, `serving.py`); see `prefill-buckets COMMAND --help`.
 
 import argparse
 import copy
-import sys
 
 import torch
 
@@ -129,7 +128,3 @@ def main(argv=None) -> int:
     if args.command == "env":
         return env.main()
     return demo(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

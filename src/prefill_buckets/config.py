@@ -69,27 +69,21 @@ def validate_fields(
     validate_buckets(prefill_batch_buckets, PREFILL_BATCH_BUCKETS, example="[1, 2, 4, 8]")
 
 
-def policy_from_fields(
+def bucketing_from_fields(
     prefill_pad_to_multiple_of: Any = None,
     prefill_buckets: Any = None,
     prefill_batch_buckets: Any = None,
     prefill_padding_side: Any = None,
-) -> BucketPolicy | None:
+) -> tuple[BucketPolicy | None, BucketPolicy | None, str]:
     """
-    Validates every field, and returns the `BucketPolicy` for the prompt length, or `None` when no field is set (plain
-    upstream generate). With only `prefill_batch_buckets` set, prompt lengths are kept (an alignment of 1).
+    Validates every field, and returns `(the BucketPolicy for the prompt length, the one for the batch size, the
+    padding side)`. A policy is `None` when no field sets it (no field at all: plain upstream generate); with only
+    `prefill_batch_buckets` set, prompt lengths are kept (an alignment of 1). A padding side of `None` is `"auto"`.
     """
     validate_fields(prefill_pad_to_multiple_of, prefill_buckets, prefill_batch_buckets, prefill_padding_side)
+    batch_policy = None if prefill_batch_buckets is None else BucketPolicy(buckets=prefill_batch_buckets)
     if prefill_pad_to_multiple_of is None and prefill_buckets is None:
-        return None if prefill_batch_buckets is None else BucketPolicy(pad_to_multiple_of=1)
-    return BucketPolicy(buckets=prefill_buckets, pad_to_multiple_of=prefill_pad_to_multiple_of)
-
-
-def batch_policy_from_fields(prefill_batch_buckets: Any = None, **_) -> BucketPolicy | None:
-    """The `BucketPolicy` for the batch size, or `None`; the fields are validated by `policy_from_fields`."""
-    return None if prefill_batch_buckets is None else BucketPolicy(buckets=prefill_batch_buckets)
-
-
-def padding_side_from_fields(prefill_padding_side: Any = None, **_) -> str:
-    """The padding side, `None` being `"auto"`; the fields are validated by `policy_from_fields`."""
-    return prefill_padding_side or "auto"
+        policy = None if batch_policy is None else BucketPolicy(pad_to_multiple_of=1)
+    else:
+        policy = BucketPolicy(buckets=prefill_buckets, pad_to_multiple_of=prefill_pad_to_multiple_of)
+    return policy, batch_policy, prefill_padding_side or "auto"

@@ -73,9 +73,8 @@ def generate_call(model, arguments: dict, model_kwargs: dict, field_kwargs: dict
     `input_ids`), and everything else that shapes the call (the generation config, the model's when none is passed).
     """
     inputs = {"input_ids": None, "inputs_embeds": None, "attention_mask": None}
-    settings = {}
     config = arguments.get("generation_config")
-    settings["generation_config"] = config if config is not None else getattr(model, "generation_config", None)
+    settings = {"generation_config": config if config is not None else getattr(model, "generation_config", None)}
     for name, value in {**arguments, **model_kwargs, **field_kwargs}.items():
         if name in _NOT_COMPARED:
             continue
@@ -169,9 +168,8 @@ def _agree(group, summary: dict, error: Exception | None) -> None:
             f"{text}\n(Raised by tensor-parallel {by}; every rank of the group raises it, so that none waits for the "
             f"others in a collective.){others}"
         ) from error
-    if all(record == gathered[0] for record in gathered[1:]):
-        return
-    raise ValueError(_different_calls(gathered))
+    if any(record != gathered[0] for record in gathered[1:]):
+        raise ValueError(_different_calls(gathered))
 
 
 def _different_calls(gathered: list[dict]) -> str:
@@ -179,11 +177,8 @@ def _different_calls(gathered: list[dict]) -> str:
     names = list(gathered[0]["inputs"])
     lines = [f"rank {rank}: {_describe(names, record['inputs'])}" for rank, record in enumerate(gathered)]
     inputs_differ = any(record["inputs"] != gathered[0]["inputs"] for record in gathered[1:])
-    same_shapes = all(
-        [None if row is None else row[:2] for row in record["inputs"].values()]
-        == [None if row is None else row[:2] for row in gathered[0]["inputs"].values()]
-        for record in gathered[1:]
-    )
+    shapes = [[None if row is None else row[:2] for row in record["inputs"].values()] for record in gathered]
+    same_shapes = all(shape == shapes[0] for shape in shapes[1:])
     text = "The tensor-parallel ranks of this model called `generate` with different "
     text += "inputs" if inputs_differ else "settings"
     if inputs_differ and same_shapes:
@@ -224,12 +219,10 @@ def rank_path(path: str | os.PathLike) -> str:
     """
     path = os.fspath(path)
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-    if _RANK_FIELD not in path:
-        if distributed:
-            raise ValueError(
-                f"The compile cache path {path!r} must contain `{_RANK_FIELD}` under torch.distributed (world size "
-                f"{dist.get_world_size()}): each rank saves its own graphs, and ranks writing one file overwrite "
-                "each other."
-            )
-        return path
+    if distributed and _RANK_FIELD not in path:
+        raise ValueError(
+            f"The compile cache path {path!r} must contain `{_RANK_FIELD}` under torch.distributed (world size "
+            f"{dist.get_world_size()}): each rank saves its own graphs, and ranks writing one file overwrite each "
+            "other."
+        )
     return path.replace(_RANK_FIELD, str(dist.get_rank() if distributed else 0))

@@ -5,17 +5,6 @@ Paste its output into the issue. Every line is `name: value`, so a report can be
 
 import importlib.metadata
 import platform
-import sys
-
-
-DISTRIBUTION = "transformers-prefill-buckets"
-
-
-def _distribution_version(name: str) -> str:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return "not installed"
 
 
 def environment() -> dict[str, str]:
@@ -27,6 +16,10 @@ def environment() -> dict[str, str]:
     from .upstream import gate, versions
     from .version import __version__
 
+    try:
+        distribution = importlib.metadata.version("transformers-prefill-buckets")
+    except importlib.metadata.PackageNotFoundError:
+        distribution = "not installed"
     tested, tested_torch = versions.TESTED_TRANSFORMERS, versions.TESTED_TORCH
     outside = "NO: outside the tested range (the self-test runs first)"
     if torch.cuda.is_available():
@@ -39,7 +32,7 @@ def environment() -> dict[str, str]:
     else:
         device = f"cpu only ({torch.get_num_threads()} torch threads)"
     return {
-        "prefill_buckets": f"{__version__} (distribution {_distribution_version(DISTRIBUTION)}, at {package_file})",
+        "prefill_buckets": f"{__version__} (distribution {distribution}, at {package_file})",
         "transformers": transformers.__version__,
         f"transformers in the tested range ({tested[0]} to {tested[-1]})": (
             "yes" if gate.is_tested_transformers() else outside
@@ -58,7 +51,3 @@ def main() -> int:
     for name, value in environment().items():
         print(f"{name}: {value}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -14,8 +14,6 @@ import sys
 import time
 from dataclasses import dataclass
 
-from transformers.utils import logging
-
 from . import serving_loads
 from .buckets import BucketPolicy, validate_buckets
 from .compile.aot_forward import aot_forward
@@ -28,13 +26,10 @@ from .upstream import torch_api, transformers_serve
 from .upstream.transformers_api import max_positions
 
 
-logger = logging.get_logger(__name__)
-
 DEFAULT_BUCKETS = "pow2-quarters"
 # What upstream's server gives a request that sends no `max_tokens`: at least this many new tokens
 # (`BaseHandler._build_generation_config`). The served default, so such a request fits the precompiled cache.
 UPSTREAM_MIN_NEW_TOKENS = 1024
-COMPILE_WITH = ("model", "static", "aot", "none")
 
 SERVE_HELP = """\
 Serve MODEL with transformers' own server (`transformers serve`: OpenAI-compatible chat completions, completions and
@@ -148,7 +143,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--compile-with",
-        choices=COMPILE_WITH,
+        choices=("model", "static", "aot", "none"),
         default="model",
         help="how the forward is compiled: model (model.compile(): one prefill graph for every bucket; default), "
         "static (model.compile(dynamic=False): a prefill graph per bucket), aot (prefill_buckets.aot_forward: a "
@@ -187,8 +182,7 @@ def served_buckets(model, options: ServeOptions) -> "str | list[int]":
     """The `prefill_buckets` the model serves with: with `max_prompt`, the policy's buckets up to the one holding it."""
     if options.max_prompt is None:
         return options.buckets
-    policy = BucketPolicy(buckets=options.buckets)
-    return sorted(set(bucket_lengths(policy, options.max_prompt, max_positions(model))))
+    return bucket_lengths(BucketPolicy(buckets=options.buckets), options.max_prompt, max_positions(model))
 
 
 def prepare_model(model, options: ServeOptions, processor=None) -> WarmUp:
@@ -246,31 +240,24 @@ def _print_ready(model, warm: WarmUp) -> None:
     )
 
 
-def refused_serve_args(serve_args) -> str | None:
-    """Why `transformers serve` options passed on can't be served bucketed, or `None`."""
-    if "--continuous-batching" in serve_args:
-        return (
-            "--continuous-batching schedules requests' tokens itself (`generate_batch`, with paged attention), not "
-            "through `generate`, so there is no prompt to pad to a bucket: its requests would run unbucketed, on a "
-            "forward this command compiled for `generate`'s calls. Serve it with `transformers serve "
-            "--continuous-batching`, or leave the option out here."
-        )
-    return None
-
-
 def serve_problem(serve_args) -> "tuple[type[Exception], str] | None":
     """
     Why this command can't serve here with `serve_args`, as `(error class, message)`: no `serving` extra
     (`ImportError`), a server it can't prepare (`RuntimeError`), an option it can't serve bucketed (`ValueError`).
     """
-    for error_class, why in (  # in this order: the server's module can't be read without the extra
-        (ImportError, transformers_serve.serve_unavailable),
-        (RuntimeError, serving_loads.unsupported_server),
-        (ValueError, lambda: refused_serve_args(serve_args)),
-    ):
-        message = why()
-        if message is not None:
-            return error_class, message
+    missing_extra = transformers_serve.serve_unavailable()  # first: without it, the server's module can't be read
+    if missing_extra is not None:
+        return ImportError, missing_extra
+    unsupported = serving_loads.unsupported_server()
+    if unsupported is not None:
+        return RuntimeError, unsupported
+    if "--continuous-batching" in serve_args:
+        return ValueError, (
+            "--continuous-batching schedules requests' tokens itself (`generate_batch`, with paged attention), not "
+            "through `generate`, so there is no prompt to pad to a bucket: its requests would run unbucketed, on a "
+            "forward this command compiled for `generate`'s calls. Serve it with `transformers serve "
+            "--continuous-batching`, or leave the option out here."
+        )
     return None
 
 

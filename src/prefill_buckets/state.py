@@ -5,7 +5,6 @@
 - `PROCESS`: what bucketed calls on every model share (calls in flight, the one global patch, torch's recompile
   limits, which count graphs per code object) and what is decided once per process (the version gate's verdicts,
   what `enable()` replaced, compiled forwards read from a file). `testing_utils.as_new_process` resets it for a test.
-- The locks: `LOCK` (states, in-flight counters), `PATCH_LOCK` (`enable()` / `disable()`).
 
 What a call changes for its own duration lives with the step that changes it (`call/hooks.py`, `kvcache/`), and what
 belongs to one call, in context variables (`call/hook_registry.py`).

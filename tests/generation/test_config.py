@@ -198,7 +198,7 @@ class FieldsValidatedOnceTest(unittest.TestCase):
 
     def test_the_same_fields_are_validated_once(self):
         resolved._bucketing_of_key.cache_clear()
-        with mock.patch.object(resolved, "policy_from_fields", wraps=resolved.policy_from_fields) as validated:
+        with mock.patch.object(resolved, "bucketing_from_fields", wraps=resolved.bucketing_from_fields) as validated:
             first = resolved.bucketing_of(self.fields(prefill_buckets=[16, 64]))
             again = resolved.bucketing_of(self.fields(prefill_buckets=[16, 64]))
             resolved.bucketing_of(self.fields(prefill_buckets=(16, 64)))  # a tuple: another key

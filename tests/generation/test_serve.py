@@ -358,7 +358,7 @@ class UnsupportedServerTest(unittest.TestCase):
             cli.main(["serve", "a-model", "--continuous-batching"])
         self.assertEqual(exited.exception.code, 2)  # a usage error, before any model loads
         self.assertIn("--continuous-batching schedules", stderr.getvalue())
-        self.assertIsNone(serving.refused_serve_args(["--no-continuous-batching", "--port", "8000"]))
+        self.assertIsNone(serving.serve_problem(["--no-continuous-batching", "--port", "8000"]))
 
 
 class ServeOptionsTest(unittest.TestCase):

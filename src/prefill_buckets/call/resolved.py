@@ -17,7 +17,7 @@ from transformers import GenerationConfig
 
 from ..buckets import BucketPolicy
 from ..compile.compiled_calls import compiled_forward
-from ..config import FIELDS, batch_policy_from_fields, padding_side_from_fields, policy_from_fields
+from ..config import FIELDS, bucketing_from_fields
 from ..kvcache.record import CachePadding, PassedCache
 from ..state import state_of
 from ..upstream import transformers_api
@@ -268,7 +268,7 @@ def bucketing_of(fields: dict[str, Any]) -> tuple[BucketPolicy | None, BucketPol
     """
     key = tuple(_typed(fields[field]) for field in FIELDS)
     if _UNKEYED in key:  # a value of another type (a tensor, a subclass): validated on every call
-        return _bucketing(fields)
+        return bucketing_from_fields(**fields)
     return _bucketing_of_key(key)
 
 
@@ -293,12 +293,8 @@ def _untyped(key):
 
 @functools.lru_cache(maxsize=64)
 def _bucketing_of_key(key: tuple):
-    """`_bucketing` of the fields whose typed values are `key` (in `FIELDS` order): validated once per key."""
-    return _bucketing({field: _untyped(typed) for field, typed in zip(FIELDS, key)})
-
-
-def _bucketing(fields: dict[str, Any]):
-    return policy_from_fields(**fields), batch_policy_from_fields(**fields), padding_side_from_fields(**fields)
+    """`bucketing_from_fields` of the fields with the typed values `key` (in `FIELDS` order): validated once per key."""
+    return bucketing_from_fields(**{field: _untyped(typed) for field, typed in zip(FIELDS, key)})
 
 
 def _token_ids(value) -> tuple[int, ...]:
