@@ -138,15 +138,15 @@ class GenericPrefillTest(unittest.TestCase):
     @parameterized.expand(
         [
             ("windows_inside_the_cache", 2048, (100, 300, 600), 4, 2, (2,)),
-            ("window_of_the_cache", 512, (200,), 300, 3, (2, 3)),
+            ("windows_up_to_the_cache", 512, (200,), 300, 2, (2,)),
         ]
     )
     def test_decode_windows_share_a_graph(self, _, slots, lengths, new_tokens, limit, graphs):
         # Decode reads windows of 256, 512 and 768 slots (one per call): one graph symbolic in the window, besides the
-        # prefill's. Or 256 and the whole 512-slot cache (in one call): the budget counts one more for the cache's
-        # length, which torch may specialize (SmolLM2's forward does, this one doesn't). With torch's limit at what
-        # the budget counts it needs no room (no warning), and every forward runs compiled (`fullgraph=True` would
-        # raise past the limit).
+        # prefill's. Or 256 and 511 of a 512-slot cache (in one call): a window stops a slot short of the cache while
+        # one is free, so no window is the whole cache, a length inductor specializes (on SmolLM2), and the budget
+        # counts no graph for it. With torch's limit at what the budget counts it needs no room (no warning), and every
+        # forward runs compiled (`fullgraph=True` would raise past the limit).
         model, reference = model_and_reference()
         counter = GraphCounter()
         model.compile(backend=counter, dynamic=None, fullgraph=True)

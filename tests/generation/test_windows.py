@@ -83,10 +83,14 @@ def config(**fields) -> GenerationConfig:
 
 class WindowLengthTest(unittest.TestCase):
     def test_window_lengths(self):
-        # Multiples of 256 up to 1024, then 4 per doubling; never more than the cache.
+        # Multiples of 256 up to 1024, then 4 per doubling; never more than the cache, and never all of it while a
+        # slot is free (a window of every slot is a graph of its own).
         cases = [(1, 256), (256, 256), (257, 512), (1000, 1024), (1025, 1280), (2049, 2560), (4097, 5120)]
         self.assertEqual([windows.window_length(t, 10**6) for t, _ in cases], [w for _, w in cases])
-        self.assertEqual(windows.window_length(300, 320), 320)
+        self.assertEqual(windows.window_length(300, 320), 319)
+        self.assertEqual(windows.window_length(319, 320), 319)
+        self.assertEqual(windows.window_length(320, 320), 320)
+        self.assertEqual(windows.window_length(2080, 2112), 2111)
         self.assertEqual(sorted(windows.windows_between(250, 800, 10**6)), [256, 512, 768, 1024])
 
 

@@ -207,8 +207,8 @@ def decode_graphs(held, windows, cache_length: int, generic: bool) -> list[int |
     """
     The decode graphs reading `windows` of a `cache_length`-slot cache compiles where those reading `held` exist: one
     per window (`None`: no windows) compiled with `dynamic=False`; else one symbolic in the window for every window
-    (`ANY_WINDOW`, `compiled_calls.mark_window_dynamic`) and one for a window of the whole cache, a length torch may
-    specialize (one too many where it doesn't).
+    (`ANY_WINDOW`, `compiled_calls.mark_window_dynamic`) and one for a window of the whole cache, which only a call
+    that fills the cache to its last slot reads (`windows.window_length`) and inductor specializes.
     """
     new = set(windows) - set(held)
     if not generic or new <= {None}:

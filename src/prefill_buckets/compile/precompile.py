@@ -74,9 +74,8 @@ def precompile(
     needs with `max_new_tokens`, rounded up to a multiple of 64 (or of `prefill_pad_to_multiple_of`), so every later
     call uses that one cache shape; where decode crosses attention windows of that cache, more warm-up calls compile a
     decode graph per window. That is with `dynamic=False`. With any other `dynamic`, the graphs are shape-generic:
-    one prefill graph serves every bucket and one decode graph every window (one more for a window of the whole
-    cache), so only the buckets at both ends are warmed up (every bucket if the model's code fixes the prompt
-    length). The reference's "Compile every graph up front" counts the graphs. As in `generate`, a bucket past the
+    one prefill graph serves every bucket and one decode graph every window, so only the buckets at both ends are
+    warmed up (every bucket if the model's code fixes the prompt length). The reference's "Compile every graph up front" counts the graphs. As in `generate`, a bucket past the
     model's `max_position_embeddings` is capped there, and longer prompts are not padded, so none is warmed up.
 
     Args:

@@ -28,10 +28,17 @@ WINDOWS_PER_OCTAVE = 4
 
 
 def window_length(tokens: int, slots: int) -> int:
-    """The window a forward reads when, after it, the cache holds `tokens` tokens of its `slots` slots."""
+    """
+    The window a forward reads when, after it, the cache holds `tokens` tokens of its `slots` slots. Never every slot
+    while one is free: a window of every slot is contiguous, which inductor guards on (`64*W != 64*slots`), so it would
+    be a graph of its own where every shorter window shares one.
+    """
     octave = next_power_of_two(tokens)
     step = max(MIN_WINDOW, octave // (2 * WINDOWS_PER_OCTAVE))
-    return min(round_up(max(tokens, 1), step), slots)
+    window = round_up(max(tokens, 1), step)
+    if window < slots:
+        return window
+    return slots if tokens >= slots else slots - 1
 
 
 def windows_between(first_tokens: int, last_tokens: int, slots: int) -> set[int]:
