@@ -152,12 +152,11 @@ class AOTForward(AheadOfTimeForward):
         The guards a saved graph keeps: none on the code (`aot_key.is_on_code`) or that torch can't serialize
         (`torch_api.guard_can_be_saved`). The dropped ones on the state of the inputs go to `state_guards`.
         """
-        unsupported = torch_api.unserializable_guard_types()
         freevars = set(type(self.model).forward.__code__.co_freevars)
         keep = []
         for entry in entries:
             on_code = is_on_code(entry.name, entry.is_global, freevars)
-            serializable = torch_api.guard_can_be_saved(entry, unsupported)
+            serializable = torch_api.guard_can_be_saved(entry)
             keep.append(serializable and not on_code)
             if not serializable and not on_code:
                 state_guards.append(entry.name)

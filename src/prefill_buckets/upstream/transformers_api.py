@@ -143,14 +143,13 @@ def holds_only_recurrent_layers(cache) -> bool:
 
 def uncount_recurrent_tokens(cache, tokens: int) -> None:
     """
-    Takes `tokens` off the count of a cache of only recurrent layers (5.25's `cumulative_length_linear`; before, they
-    count none): the count upstream slices a later turn's ids by.
+    Takes `tokens` off the count of a cache of only recurrent layers (`holds_only_recurrent_layers`; 5.25's
+    `cumulative_length_linear`, before which they count none): the count upstream slices a later turn's ids by.
     """
-    if tokens and holds_only_recurrent_layers(cache):
-        for layer in cache.layers:
-            count = getattr(layer, "cumulative_length_linear", None)
-            if isinstance(count, torch.Tensor):
-                count.sub_(tokens)
+    for layer in cache.layers:
+        count = getattr(layer, "cumulative_length_linear", None)
+        if isinstance(count, torch.Tensor):
+            count.sub_(tokens)
 
 
 def reports_its_length(cache) -> bool:
