@@ -18,6 +18,7 @@ from transformers.utils import logging
 
 from ..buckets import check_positive_int
 from ..forgotten_enable import generation_configs, warn_if_enable_forgotten
+from ..state import PROCESS
 from ..upstream import torch_api
 from . import aot_forward
 
@@ -82,7 +83,9 @@ def save_compile_cache(path: str | os.PathLike) -> CompileCacheFile | None:
         [`CompileCacheFile`] or `None`: the file written, with its size and SHA-256; `None` (and no file) when nothing
         was compiled with inductor in this process.
     """
-    warn_if_enable_forgotten("save_compile_cache", generation_configs(*aot_forward.live_models()))
+    warn_if_enable_forgotten(
+        "save_compile_cache", generation_configs(*[forward.model for forward in list(PROCESS.aot_forwards)])
+    )
     saved = torch.compiler.save_cache_artifacts()
     forwards = aot_forward.compiled_functions()
     if saved is None and not forwards:
