@@ -1,5 +1,6 @@
 """The compile-cache archive: what inductor compiled in one process, in a file that another process loads."""
 
+import contextlib
 import glob
 import hashlib
 import io
@@ -314,11 +315,8 @@ def _kernels(root: str) -> list[str]:
     # compiler's command line. Most kernels are loaded as Python extension modules (in `sys.modules`), some with
     # `ctypes`: on Linux, `/proc/self/maps` lists both.
     files = {getattr(module, "__file__", None) for module in list(sys.modules.values())}
-    try:
-        with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
-            files.update(line.split(maxsplit=5)[-1].strip() for line in f if line.count(" ") >= 5)
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
+        files.update(line.split(maxsplit=5)[-1].strip() for line in f if line.count(" ") >= 5)
     prefix = os.path.join(root, "")
     kernels = {
         file
@@ -374,12 +372,9 @@ def _restore_kernels(kernels: dict[str, bytes], root: str) -> int:
 def _cpu_fingerprint() -> str:
     """What the C++ kernels depend on besides their compiler command line: the architecture and its CPU features."""
     features = platform.processor()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    features = " ".join(sorted(line.split(":", 1)[1].split()))
-                    break
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as f:
+        for line in f:
+            if line.startswith(("flags", "Features")):
+                features = " ".join(sorted(line.split(":", 1)[1].split()))
+                break
     return hashlib.sha256(f"{platform.machine()} {features}".encode()).hexdigest()[:16]

@@ -292,15 +292,11 @@ def parameters_of(function):
     """`inspect.signature(function).parameters`, read once per function."""
     bound = getattr(function, "__func__", None)
     known, key = (_BOUND_PARAMETERS, bound) if bound is not None else (_PARAMETERS, function)
-    try:
+    with contextlib.suppress(KeyError, TypeError):  # TypeError: a callable that can't be a weak key; read every time
         return known[key]
-    except (KeyError, TypeError):  # TypeError: a callable that can't be a weak key; read every time
-        pass
     parameters = inspect.signature(function).parameters
-    try:
+    with contextlib.suppress(TypeError):
         known[key] = parameters
-    except TypeError:
-        pass
     return parameters
 
 
