@@ -235,8 +235,7 @@ def compiled_with_fullgraph(compiled) -> bool:
 
 def compiled_dynamic(compiled) -> bool | None:
     """The `dynamic` argument `compiled` (as `compiled_with_fullgraph` takes it) was compiled with; `False` if unknown."""
-    context = _dynamo_context(compiled)
-    return getattr(context, "_dynamic", False) if context is not None else False
+    return getattr(_dynamo_context(compiled), "_dynamic", False)  # `None` has none
 
 
 def mark_dynamic(tensor: torch.Tensor, dim: int) -> None:
