@@ -97,8 +97,7 @@ def tensor_parallel_group(model) -> "dist.ProcessGroup | None":
     mesh = getattr(module, "_device_mesh", None)
     if mesh is None:
         return dist.group.WORLD
-    names = mesh.mesh_dim_names or ()
-    if "tp" in names:
+    if "tp" in (mesh.mesh_dim_names or ()):
         return mesh["tp"].get_group()
     return mesh.get_group() if mesh.ndim == 1 else dist.group.WORLD
 
