@@ -120,15 +120,6 @@ def cache_seq_length(cache) -> int | None:
         return None
 
 
-def cache_rows(cache) -> int | None:
-    """The rows a cache holds (its first layer with keys), or `None` when none holds keys yet."""
-    for layer in getattr(cache, "layers", ()):
-        keys = getattr(layer, "keys", None)
-        if isinstance(keys, torch.Tensor) and keys.ndim >= 2:
-            return keys.shape[0]
-    return None
-
-
 def holds_only_recurrent_layers(cache) -> bool:
     """
     Whether every layer of `cache` is recurrent (Mamba's cache), holding a state and no keys. Read from the layers too:
