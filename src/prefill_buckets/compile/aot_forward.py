@@ -152,12 +152,11 @@ class AOTForward(AheadOfTimeForward):
         The guards a saved graph keeps: none on the code (`aot_key.is_on_code`) or that torch can't serialize
         (`torch_api.guard_can_be_saved`). The dropped ones on the state of the inputs go to `state_guards`.
         """
-        unsupported = torch_api.unserializable_guard_types()
         freevars = set(type(self.model).forward.__code__.co_freevars)
         keep = []
         for entry in entries:
             on_code = is_on_code(entry.name, entry.is_global, freevars)
-            serializable = torch_api.guard_can_be_saved(entry, unsupported)
+            serializable = torch_api.guard_can_be_saved(entry)
             keep.append(serializable and not on_code)
             if not serializable and not on_code:
                 state_guards.append(entry.name)
@@ -270,11 +269,6 @@ def compiled_functions() -> list[tuple[dict, bytes]]:
     return [entry for forward in list(PROCESS.aot_forwards) for entry in forward.serialized()]
 
 
-def live_models() -> list:
-    """The models of this process's `AOTForward`s."""
-    return [forward.model for forward in list(PROCESS.aot_forwards)]
-
-
 def stage(entries: list[tuple[dict, bytes]], source: str) -> None:
     """Keeps compiled functions read from the file `source` until an `AOTForward` of their model loads them."""
     for meta, data in entries:
@@ -285,9 +279,8 @@ def stage(entries: list[tuple[dict, bytes]], source: str) -> None:
 
 def _external_data(model_class: type) -> dict[str, object]:
     """The functions the decorators of `model_class.forward` wrap: pickled as references to this process's."""
-    external, function, depth = {}, model_class.forward, 0
+    external, function = {}, model_class.forward
     while hasattr(function, "__wrapped__"):
         function = function.__wrapped__
-        external[f"forward.__wrapped__.{depth}"] = function
-        depth += 1
+        external[f"forward.__wrapped__.{len(external)}"] = function
     return external

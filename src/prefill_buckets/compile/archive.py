@@ -1,5 +1,6 @@
 """The compile-cache archive: what inductor compiled in one process, in a file that another process loads."""
 
+import contextlib
 import glob
 import hashlib
 import io
@@ -18,6 +19,7 @@ from transformers.utils import logging
 
 from ..buckets import check_positive_int
 from ..forgotten_enable import generation_configs, warn_if_enable_forgotten
+from ..state import PROCESS
 from ..upstream import torch_api
 from . import aot_forward
 
@@ -82,7 +84,9 @@ def save_compile_cache(path: str | os.PathLike) -> CompileCacheFile | None:
         [`CompileCacheFile`] or `None`: the file written, with its size and SHA-256; `None` (and no file) when nothing
         was compiled with inductor in this process.
     """
-    warn_if_enable_forgotten("save_compile_cache", generation_configs(*aot_forward.live_models()))
+    warn_if_enable_forgotten(
+        "save_compile_cache", generation_configs(*[forward.model for forward in list(PROCESS.aot_forwards)])
+    )
     saved = torch.compiler.save_cache_artifacts()
     forwards = aot_forward.compiled_functions()
     if saved is None and not forwards:
@@ -311,11 +315,8 @@ def _kernels(root: str) -> list[str]:
     # compiler's command line. Most kernels are loaded as Python extension modules (in `sys.modules`), some with
     # `ctypes`: on Linux, `/proc/self/maps` lists both.
     files = {getattr(module, "__file__", None) for module in list(sys.modules.values())}
-    try:
-        with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
-            files.update(line.split(maxsplit=5)[-1].strip() for line in f if line.count(" ") >= 5)
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
+        files.update(line.split(maxsplit=5)[-1].strip() for line in f if line.count(" ") >= 5)
     prefix = os.path.join(root, "")
     kernels = {
         file
@@ -371,12 +372,9 @@ def _restore_kernels(kernels: dict[str, bytes], root: str) -> int:
 def _cpu_fingerprint() -> str:
     """What the C++ kernels depend on besides their compiler command line: the architecture and its CPU features."""
     features = platform.processor()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    features = " ".join(sorted(line.split(":", 1)[1].split()))
-                    break
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as f:
+        for line in f:
+            if line.startswith(("flags", "Features")):
+                features = " ".join(sorted(line.split(":", 1)[1].split()))
+                break
     return hashlib.sha256(f"{platform.machine()} {features}".encode()).hexdigest()[:16]

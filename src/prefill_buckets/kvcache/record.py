@@ -13,7 +13,6 @@ import torch
 
 from ..upstream.transformers_api import (
     cache_argument,
-    cache_rows,
     cache_seq_length,
     holds_only_recurrent_layers,
     uncount_recurrent_tokens,
@@ -87,8 +86,12 @@ class PassedCache:
 
     @cached_property
     def rows(self) -> int | None:
-        """The rows the cache holds (`None`: it can't tell, or no cache is passed)."""
-        return cache_rows(self.cache) if self.cache is not None else None
+        """The rows the cache holds (its first layer with keys; `None`: none holds keys yet, or no cache is passed)."""
+        for layer in getattr(self.cache, "layers", ()):
+            keys = getattr(layer, "keys", None)
+            if isinstance(keys, torch.Tensor) and keys.ndim >= 2:
+                return keys.shape[0]
+        return None
 
     @cached_property
     def record(self) -> CacheRecord | None:

@@ -5,6 +5,7 @@ loudly instead of running with a hook silently skipped.
 
 import functools
 import inspect
+import pkgutil
 
 import torch
 import transformers
@@ -85,7 +86,7 @@ def _missing_torch_names(paths: tuple[str, ...]) -> list[str]:
     missing = []
     for path in paths:
         try:
-            torch_api.resolve_torch_name(path)
+            pkgutil.resolve_name(path)  # imports the modules on the way
         except AttributeError:
             missing.append(f"`{path}` does not exist (torch {torch.__version__})")
     return missing
@@ -113,12 +114,10 @@ def _torch_object_problems() -> list[str]:
             problems.append("`torch.compile(module)._orig_mod` is not the module")
         if not callable(getattr(wrapper, "dynamo_ctx", None)):
             problems.append("`torch.compile(module).dynamo_ctx` does not exist")
-        if getattr(torch.compile(_probe_function, backend="eager"), "_torchdynamo_orig_callable", None) is not (
-            _probe_function
-        ):
+        if torch_api.eager_callable(torch.compile(_probe_function, backend="eager")) is not _probe_function:
             problems.append("`torch.compile(function)._torchdynamo_orig_callable` is not the function")
         module.compile(backend="eager")
-        if not callable(module.__dict__.get("_compiled_call_impl")):
+        if not callable(torch_api.compiled_call_impl(module)):
             problems.append("`module.compile()` sets no `_compiled_call_impl`")
     except Exception as error:  # a reshaped torch.compile: reported, not raised from the check
         problems.append(f"`torch.compile` can't be probed ({type(error).__name__}: {error})")

@@ -94,14 +94,8 @@ def _self_test_failure(generate, verdicts) -> str | None:
     if verdict is not SELF_TEST_PENDING:
         return verdict
     tested, tested_torch = versions.TESTED_TRANSFORMERS, versions.TESTED_TORCH
-    outside = [
-        f"{name} {installed}"
-        for name, installed, within in (
-            ("transformers", transformers.__version__, is_tested_transformers()),
-            ("torch", torch.__version__, is_tested_torch()),
-        )
-        if not within
-    ]
+    outside = [f"transformers {transformers.__version__}"] if not is_tested_transformers() else []
+    outside += [f"torch {torch.__version__}"] if not is_tested_torch() else []
     logger.warning(
         f"prefill_buckets is tested on transformers {tested[0]} to {tested[-1]} and torch {tested_torch[0]} to "
         f"{tested_torch[-1]}, and this is {' with '.join(outside) or 'outside them'}. Every private step it hooks is "

@@ -7,24 +7,9 @@ gate naming it (`tests/generation/test_checks.py` checks the lists hold every na
 import contextlib
 import contextvars
 import functools
-import importlib
+import pkgutil
 
 import torch
-
-
-def resolve_torch_name(path: str):
-    """The object a dotted path from `torch` names, importing its modules; `AttributeError` when it does not exist."""
-    parts = path.split(".")
-    target = importlib.import_module(parts[0])
-    for index, part in enumerate(parts[1:], start=1):
-        if hasattr(target, part):
-            target = getattr(target, part)
-            continue
-        try:  # a submodule not imported yet
-            target = importlib.import_module(".".join(parts[: index + 1]))
-        except ImportError:
-            raise AttributeError(f"`{path}` does not exist") from None
-    return target
 
 
 class _Missing(Exception):
@@ -33,7 +18,7 @@ class _Missing(Exception):
 
 def _torch_class(path: str) -> type:
     try:
-        return resolve_torch_name(path)
+        return pkgutil.resolve_name(path)
     except AttributeError:
         return _Missing
 
@@ -250,8 +235,7 @@ def compiled_with_fullgraph(compiled) -> bool:
 
 def compiled_dynamic(compiled) -> bool | None:
     """The `dynamic` argument `compiled` (as `compiled_with_fullgraph` takes it) was compiled with; `False` if unknown."""
-    context = _dynamo_context(compiled)
-    return getattr(context, "_dynamic", False) if context is not None else False
+    return getattr(_dynamo_context(compiled), "_dynamic", False)  # `None` has none
 
 
 def mark_dynamic(tensor: torch.Tensor, dim: int) -> None:
@@ -312,23 +296,20 @@ def skip_guard_check(function) -> None:
     function.disable_guard_check()
 
 
-def unserializable_guard_types() -> set[str]:
-    """The guard types torch can't save with an ahead-of-time compiled function (object identity and the like)."""
-    from torch._dynamo.guards import CheckFunctionManager
-
-    return set(CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES)
-
-
 # The guards that check an object's type, which torch saves by the type's qualified name (`TYPE_MATCH` in
 # `torch._dynamo.guards`): it raises a `TypeError` on saving one whose type is defined in a function or a class.
 _TYPE_GUARDS = ("TYPE_MATCH", "BUILTIN_MATCH", "FAKE_SCRIPT_TYPE_MATCH")
 
 
-def guard_can_be_saved(entry, unserializable: set[str]) -> bool:
+def guard_can_be_saved(entry) -> bool:
     """
-    Whether torch can save a guard (an entry of a `guard_filter_fn`): none of the `unserializable` kinds, nor a type
-    check of an object whose type is local (transformers from 5.25, with `kernels`, has such `_kernel_funcs`).
+    Whether torch can save a guard (an entry of a `guard_filter_fn`) with an ahead-of-time compiled function: none of
+    the kinds it can't save (object identity and the like), nor a type check of an object whose type is local
+    (transformers from 5.25, with `kernels`, has such `_kernel_funcs`).
     """
+    from torch._dynamo.guards import CheckFunctionManager
+
+    unserializable = set(CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES)
     if entry.guard_type in unserializable or unserializable.intersection(entry.derived_guard_types):
         return False
     return not (entry.guard_type in _TYPE_GUARDS and entry.has_value and is_local_type(type(entry.value)))

@@ -97,8 +97,7 @@ def tensor_parallel_group(model) -> "dist.ProcessGroup | None":
     mesh = getattr(module, "_device_mesh", None)
     if mesh is None:
         return dist.group.WORLD
-    names = mesh.mesh_dim_names or ()
-    if "tp" in names:
+    if "tp" in (mesh.mesh_dim_names or ()):
         return mesh["tp"].get_group()
     return mesh.get_group() if mesh.ndim == 1 else dist.group.WORLD
 
@@ -121,15 +120,6 @@ def cache_seq_length(cache) -> int | None:
         return None
 
 
-def cache_rows(cache) -> int | None:
-    """The rows a cache holds (its first layer with keys), or `None` when none holds keys yet."""
-    for layer in getattr(cache, "layers", ()):
-        keys = getattr(layer, "keys", None)
-        if isinstance(keys, torch.Tensor) and keys.ndim >= 2:
-            return keys.shape[0]
-    return None
-
-
 def holds_only_recurrent_layers(cache) -> bool:
     """
     Whether every layer of `cache` is recurrent (Mamba's cache), holding a state and no keys. Read from the layers too:
@@ -143,14 +133,13 @@ def holds_only_recurrent_layers(cache) -> bool:
 
 def uncount_recurrent_tokens(cache, tokens: int) -> None:
     """
-    Takes `tokens` off the count of a cache of only recurrent layers (5.25's `cumulative_length_linear`; before, they
-    count none): the count upstream slices a later turn's ids by.
+    Takes `tokens` off the count of a cache of only recurrent layers (`holds_only_recurrent_layers`; 5.25's
+    `cumulative_length_linear`, before which they count none): the count upstream slices a later turn's ids by.
     """
-    if tokens and holds_only_recurrent_layers(cache):
-        for layer in cache.layers:
-            count = getattr(layer, "cumulative_length_linear", None)
-            if isinstance(count, torch.Tensor):
-                count.sub_(tokens)
+    for layer in cache.layers:
+        count = getattr(layer, "cumulative_length_linear", None)
+        if isinstance(count, torch.Tensor):
+            count.sub_(tokens)
 
 
 def reports_its_length(cache) -> bool:
@@ -293,15 +282,11 @@ def parameters_of(function):
     """`inspect.signature(function).parameters`, read once per function."""
     bound = getattr(function, "__func__", None)
     known, key = (_BOUND_PARAMETERS, bound) if bound is not None else (_PARAMETERS, function)
-    try:
+    with contextlib.suppress(KeyError, TypeError):  # TypeError: a callable that can't be a weak key; read every time
         return known[key]
-    except (KeyError, TypeError):  # TypeError: a callable that can't be a weak key; read every time
-        pass
     parameters = inspect.signature(function).parameters
-    try:
+    with contextlib.suppress(TypeError):
         known[key] = parameters
-    except TypeError:
-        pass
     return parameters
 
 
