@@ -452,9 +452,7 @@ DECISION = (
         "left",
         "the prompt must line up with the padding in the cache, and the batch with its rows",
         lambda call: (
-            call.cache is not None
-            and call.continued is not None
-            and (call.continued.columns > 0 or call.continued.padded_rows != call.rows)
+            call.continued is not None and (call.continued.columns > 0 or call.continued.padded_rows != call.rows)
         ),
         "the cache holds a left-padded call's tokens or dummy rows, and the prompt must line up with them",
     ),
@@ -462,16 +460,14 @@ DECISION = (
         "a cache filled by rows of different lengths",
         "left",
         "the prompt must line up with the padding in the cache (pass the first call's mask, then ones)",
-        lambda call: call.cache is not None and call.past_length and call.passed.ragged_rows is not None,
+        lambda call: call.past_length and call.passed.ragged_rows is not None,
         "the cache holds rows of different lengths, each at the start of its slots: a mask lines them up",
     ),
     Row(
         "`inputs_embeds` continuing from a cache",
         "left",
         "not padded on the right",
-        lambda call: (
-            call.cache is not None and call.past_length and call.model_kwargs.get("inputs_embeds") is not None
-        ),
+        lambda call: call.past_length and call.model_kwargs.get("inputs_embeds") is not None,
         "`inputs_embeds` continuing from a cache are not padded on the right",
     ),
     Row(
@@ -555,7 +551,7 @@ def choose_side(call: ResolvedCall) -> PaddingSide:
         side = PaddingSide("left", reason, padded_length=facts.padded_length)
     else:
         warn_long_prompt(settings, call.prompt_length - call.past_length, facts.bucket)
-        side = PaddingSide("right", reason, bucket=facts.bucket, past_length=call.past_length)
+        side = PaddingSide("right", reason, bucket=facts.bucket)
     if facts.batch_kept_reason is not None:
         logger.warning_once(f"`{PREFILL_BATCH_BUCKETS}` is not applied to this call: {facts.batch_kept_reason}.")
     return replace(side, padded_batch=facts.padded_batch, finished_rows_pad_id=facts.finished_rows_pad_id)

@@ -32,7 +32,6 @@ class PaddingSide:
     side: str  # "left", "right", or "unpadded" (the call runs upstream's unpadded path, exact)
     reason: str
     bucket: int | None = None  # right: the bucket of the new tokens (the prompt, less what the cache holds)
-    past_length: int = 0  # right: the tokens the cache already holds
     padded_length: int | None = None  # left: the length the prompt is padded to in front
     padded_batch: int | None = None  # the rows the batch is padded to with dummy rows (`prefill_batch_buckets`)
     finished_rows_pad_id: int | None = None  # the id rows that finish early are fed, when not `pad_token_id`
@@ -42,8 +41,7 @@ class PaddingSide:
 class RightPadding:
     """What only a right-padded call needs (`decision.py` chose the right): the `_prefill` hook pads its prompt."""
 
-    bucket: int  # the length the prompt's new tokens are padded to, after their end
-    ragged: bool = False  # rows of different lengths, each padded after its own end
+    bucket: int  # the length the prompt's new tokens are padded to, after their end (each row's: `call.ragged`)
 
 
 @dataclass
@@ -239,7 +237,7 @@ def _plan_right(call: ResolvedCall, side: PaddingSide) -> tuple:
         model_kwargs["input_ids"] = bos_prompt(call.model, call.settings, model_kwargs)
     if call.rows_mask is not None:  # passed, or inferred from pad tokens as upstream infers it
         model_kwargs["attention_mask"] = call.rows_mask
-    right = RightPadding(bucket=side.bucket, ragged=call.ragged)
+    right = RightPadding(bucket=side.bucket)
     plan = Plan(call, call.prompt_length, 0, padded_batch=call.rows, padded_rows=call.output_rows, right=right)
     return plan, arguments, model_kwargs
 

@@ -52,7 +52,7 @@ def prefill_right(plan: Plan, step):
     inputs_embeds = model_kwargs.get("inputs_embeds")
     if past == 0:
         new_tokens = (inputs_embeds if inputs_embeds is not None else input_ids).shape[1]
-        if right.ragged:
+        if plan.call.ragged:
             attention_mask = model_kwargs.get("attention_mask")
             prompt, row_lengths = _rows_from_the_start(plan, input_ids, inputs_embeds, attention_mask)
             keep, column = _last_positions(row_lengths, right.bucket)
