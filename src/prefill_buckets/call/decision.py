@@ -276,7 +276,7 @@ DECISION = (
         "attention that repeats its keys into more heads than its queries have (a latent-attention config whose "
         "`num_key_value_heads` is below `num_attention_heads`)",
         "upstream's masked attention fails on it, and pads in front need the mask",
-        side_assumptions.repeats_keys_past_the_query_heads,
+        side_assumptions.repeated_key_heads,
         "its attention repeats its keys `num_key_value_groups` times into more heads than its queries have (a "
         "latent-attention config whose `num_key_value_heads` is below `num_attention_heads`), which fails with the "
         "attention mask that pads in front need: upstream runs only where it needs no mask",

@@ -152,10 +152,6 @@ def repeated_key_heads(model) -> tuple[int, int] | None:
     return None
 
 
-def repeats_keys_past_the_query_heads(model) -> bool:
-    return repeated_key_heads(model) is not None
-
-
 def drops_the_mask(model) -> bool:
     """Whether the model's own `prepare_inputs_for_generation` leaves the mask out of the model inputs (XLNet)."""
     ids = torch.zeros(1, 2, dtype=torch.long, device=model.device)
