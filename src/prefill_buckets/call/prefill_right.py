@@ -65,8 +65,7 @@ def prefill_right(plan: Plan, step):
     else:  # a continued conversation: the rows are one length (the rule), the new tokens follow the cached ones
         new_ids = input_ids[:, past:]  # [rows, S]
         new_tokens = new_ids.shape[1]
-        padding = new_ids.new_full((rows, right.bucket - new_tokens), plan.settings.unmasked_fill_token_id)
-        prompt = {"input_ids": torch.cat([new_ids, padding], dim=1)}  # [rows, bucket]
+        prompt = _padded_after(plan, new_ids, None)  # [rows, bucket]
         keep, column = torch.tensor([new_tokens - 1], device=input_ids.device), None  # [1]: an input, not a shape
     device = keep.device
     positions = past + torch.arange(right.bucket, device=device).expand(rows, -1)  # [rows, bucket]
