@@ -299,14 +299,8 @@ def _pad_rows(plan: Plan, arguments: dict, model_kwargs: dict, padded_batch: int
 
 def left_pad(tensor: torch.Tensor, pad: int, value: float | torch.Tensor, dim: int = -1) -> torch.Tensor:
     """
-    Prepends `pad` entries along `dim`.
-
-    Args:
-        tensor (`torch.Tensor`): for example input ids `[B, S]`, or embeddings `[B, S, H]` with `dim=1`.
-        pad (`int`): how many entries to add in front.
-        value (`float` or `torch.Tensor`): the fill. A tensor broadcasts over the new slice, so an embedding
-            vector `[H]` fills `[B, pad, H]`.
-        dim (`int`): the sequence axis.
+    Prepends `pad` entries of `value` along `dim` (ids `[B, S]`; embeddings `[B, S, H]` with `dim=1`). A tensor `value`
+    broadcasts over the new slice: an embedding `[H]` fills `[B, pad, H]`.
     """
     if pad == 0:
         return tensor
@@ -322,12 +316,7 @@ def left_pad(tensor: torch.Tensor, pad: int, value: float | torch.Tensor, dim: i
 
 def fill_embedding(embedding: torch.nn.Module, token_id: int, like: torch.Tensor) -> torch.Tensor:
     """
-    What a pad position of `inputs_embeds` holds: the input embedding of `token_id` (the pad token), `[H]`, detached,
-    in the dtype and on the device of the embeddings `like` (`[B, S, H]`) it pads, as the user's own are.
-
-    Args:
-        embedding (`torch.nn.Module`): the model's input embedding (`model.get_input_embeddings()`).
-        token_id (`int`): the id whose embedding fills the pads.
-        like (`torch.Tensor`): the embeddings the fill goes beside.
+    What a pad position of `inputs_embeds` holds: the input embedding (`model.get_input_embeddings()`) of `token_id`,
+    `[H]`, detached, in the dtype and on the device of the embeddings `like` (`[B, S, H]`) it pads, as the user's are.
     """
     return embedding.weight[token_id].detach().to(device=like.device, dtype=like.dtype)
