@@ -58,12 +58,11 @@ def _model_row(outcome: str, case: str, why: str, assumption: Callable, reason: 
     reason = f"`{{call.model_name}}`: {reason}"
     if outcome in ("left", "neither"):  # neither: the model breaks the assumption on both sides
         return Row(case, outcome.replace("neither", "unpadded"), why, lambda call: call.breaks(assumption), reason)
-    condition = lambda call: call.not_right and call.breaks(assumption)  # noqa: E731
     return Row(
         f"left only: {case}",
         outcome,
         why,
-        condition,
+        lambda call: call.not_right and call.breaks(assumption),
         f"{reason}; and it is not padded on the right: {{call.not_right}}",
     )
 

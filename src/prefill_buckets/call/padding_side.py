@@ -287,21 +287,16 @@ class RuleFacts:
         Why the rows that finish early can't be fed `pad_token_id` (`pad_id_outside_vocabulary`), where one of several
         user rows can finish early (an eos id in the vocabulary, `stop_strings`, stopping criteria), or `None`.
         """
-        settings, rows = self.settings, self.call.output_rows
+        settings, rows = self.settings, self.output_rows
         if not self.pad_id_outside_vocabulary or rows <= 1:
             return None
-        can_finish_early = [
-            reason
-            for reason, present in (
-                (
-                    f"the eos ids {list(settings.eos_token_ids)} are in it",
-                    any(map(settings.in_vocabulary, settings.eos_token_ids)),
-                ),
-                ("`stop_strings` is set", bool(settings.stop_strings)),
-                ("`stopping_criteria` are passed", bool(self.arguments.get("stopping_criteria"))),
-            )
-            if present
-        ]
+        can_finish_early = []
+        if any(map(settings.in_vocabulary, settings.eos_token_ids)):
+            can_finish_early.append(f"the eos ids {list(settings.eos_token_ids)} are in it")
+        if settings.stop_strings:
+            can_finish_early.append("`stop_strings` is set")
+        if self.arguments.get("stopping_criteria"):
+            can_finish_early.append("`stopping_criteria` are passed")
         if not can_finish_early:
             return None
         return (

@@ -283,8 +283,8 @@ def _take_rows(value, rows: int):
     return value
 
 
-def _strip_if(tensor, dim: int, padded_size: int | None, added: int):
+def _strip_if(tensor, dim: int, padded_size: int, added: int):
     """Strips `added` from `dim` when that axis spans the padded sequence (`padded_size` positions)."""
-    if tensor is None or padded_size is None or tensor.shape[dim] != padded_size:
+    if tensor is None or tensor.shape[dim] != padded_size:
         return tensor
     return strip_left(tensor, added, dim=dim)
