@@ -18,7 +18,6 @@ from dataclasses import dataclass, replace
 from transformers.utils import logging
 
 from ..config import BUCKET_FIELDS, PREFILL_BATCH_BUCKETS, PREFILL_BUCKETS, PREFILL_PADDING_SIDE
-from ..upstream import transformers_api
 from ..upstream.transformers_api import forward_takes
 from . import side_assumptions
 from .padding_side import RuleFacts, capped_bucket, count, warn_long_prompt
@@ -436,14 +435,14 @@ DECISION = (
         "a dynamic cache (or an offloaded one, or `'hybrid'`, which it makes dynamic) for `generate` to make",
         "left",
         "not compiled: there is no graph to share",
-        lambda call: call.cache is None and transformers_api.is_dynamic(call.settings.cache_implementation),
+        lambda call: call.cache is None and not call.bucketable_cache,
         "the cache is not a static cache (a dynamic cache is not compiled: no graph to share)",
     ),
     Row(
         "a cache passed in that is not a `StaticCache`",
         "left",
         "not compiled: there is no graph to share",
-        lambda call: call.cache is not None and not transformers_api.is_static_cache(call.cache),
+        lambda call: call.cache is not None and not call.bucketable_cache,
         "the cache passed in is a `{call.cache.__class__.__name__}`, not a `StaticCache`",
     ),
     Row(

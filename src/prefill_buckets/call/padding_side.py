@@ -75,13 +75,16 @@ class RuleFacts:
         return self.inputs_embeds is not None and (input_ids is None or input_ids.shape[1] == 0)
 
     @cached_property
+    def bucketable_cache(self) -> bool:
+        """Whether the call's cache can be bucketed: a `StaticCache` passed in, or one `generate` makes (`is_dynamic`)."""
+        if self.cache is not None:
+            return transformers_api.is_static_cache(self.cache)
+        return not transformers_api.is_dynamic(self.settings.cache_implementation)
+
+    @cached_property
     def sliding_static_cache(self) -> bool:
-        """Whether the call runs on a static cache (passed in, or for `generate` to make) with sliding-window layers."""
-        if self.cache is not None and not transformers_api.is_static_cache(self.cache):
-            return False
-        if self.cache is None and transformers_api.is_dynamic(self.settings.cache_implementation):
-            return False
-        return cache_has_sliding_layers(self.model, self.cache, self.slots)
+        """Whether the call runs on a `bucketable_cache` with sliding-window layers."""
+        return self.bucketable_cache and cache_has_sliding_layers(self.model, self.cache, self.slots)
 
     @cached_property
     def peft_row_arguments(self) -> dict[str, bool]:
