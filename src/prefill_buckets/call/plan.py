@@ -70,10 +70,9 @@ class CallRun:
     key_layouts: tuple | None = None  # how the static cache's layers lay out the keys they read, for the attentions
     decode_windows_read: set = field(default_factory=set)  # the windows the decode steps read, for the budget
     # The static cache made for the call, kept for the next call (`kvcache.sizing.keep_cache`) and reset up to the
-    # slots it wrote (`slots_written` counts a right-padded prefill's pads); the length upstream made it for (0:
-    # another step made it), and whether it was allocated before the first forward (else it is not kept).
+    # slots it wrote; the length upstream made it for (0: another step made it), and whether it was allocated before
+    # the first forward (else it is not kept).
     made_cache: Any = None
-    slots_written: int = 0
     made_cache_slots: int = 0
     allocated_early: bool = False
 

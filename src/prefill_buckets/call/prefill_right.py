@@ -93,7 +93,6 @@ def prefill_right(plan: Plan, step):
             return_dict=True,
             **{cache_key: cache},
         )
-    plan.run.slots_written = max(plan.run.slots_written, past + right.bucket)  # the pads' slots too
     if column is not None:
         # [rows, kept, vocab] -> [rows, 1, vocab]: each row's logits at its own last position
         outputs["logits"] = outputs.logits[torch.arange(rows, device=device), column].unsqueeze(1)
