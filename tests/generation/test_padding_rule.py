@@ -122,10 +122,7 @@ CASES = [
         )
     ],
     ({"ragged": True, **breaks("adds_the_cache_length_to_positions")(None)}, None),
-    *[
-        ({**LEFT_ONLY, **breaks(name)(None)}, None)
-        for name in ("compresses_the_cache", "repeats_keys_past_the_query_heads")
-    ],
+    *[({**LEFT_ONLY, **breaks(name)(None)}, None) for name in ("compresses_the_cache", "repeated_key_heads")],
     ({**LEFT_ONLY, "filled_unpadded": "an unpadded call"}, None),
     ({**LEFT_ONLY, "ids_not_paddable": "not [batch, length]"}, None),
     ({**LEFT_ONLY, "prompt_length": 0}, None),

@@ -53,14 +53,15 @@ def sdpa_recording_backend():
 
 
 class SideSpy:
-    """Records the side every bucketed call takes (`padding_side.choose_side`, as `generate` calls it)."""
+    """Records every bucketed call and the side it takes (`decision.choose_side`, as `generate` calls it)."""
 
     def __init__(self, test: unittest.TestCase):
-        self.sides = []
+        self.calls, self.sides = [], []
         original = generation.choose_side
 
-        def spy(*args, **kwargs):
-            side = original(*args, **kwargs)
+        def spy(call):
+            side = original(call)
+            self.calls.append(call)
             self.sides.append(side)
             return side
 
@@ -278,7 +279,7 @@ class SideTest(unittest.TestCase):
                 **{CACHE: ours[CACHE]},
             )
             self.assertEqual(self.spy.last(), "right")
-            self.assertGreater(self.spy.sides[-1].past_length, 0)
+            self.assertGreater(self.spy.calls[-1].past_length, 0)
             theirs = run(
                 self.model,
                 torch.cat([theirs.sequences, user], dim=1),

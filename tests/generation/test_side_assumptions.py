@@ -307,7 +307,6 @@ class OtherPredicatesTest(unittest.TestCase):
         heads = model.config.num_attention_heads
         groups = heads // model.config.num_key_value_heads
         self.assertEqual(side_assumptions.repeated_key_heads(model), (heads * groups, heads))
-        self.assertTrue(side_assumptions.repeats_keys_past_the_query_heads(model))
         # What it means: upstream's eager attention with a mask fails on it, and runs on the config that repeats none.
         ids, mask = torch.tensor([[3, 4, 5, 6]]), torch.tensor([[0, 1, 1, 1]])
         with self.assertRaises(RuntimeError), torch.no_grad():

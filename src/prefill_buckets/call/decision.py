@@ -18,7 +18,6 @@ from dataclasses import dataclass, replace
 from transformers.utils import logging
 
 from ..config import BUCKET_FIELDS, PREFILL_BATCH_BUCKETS, PREFILL_BUCKETS, PREFILL_PADDING_SIDE
-from ..upstream import transformers_api
 from ..upstream.transformers_api import forward_takes
 from . import side_assumptions
 from .padding_side import RuleFacts, capped_bucket, count, warn_long_prompt
@@ -58,12 +57,11 @@ def _model_row(outcome: str, case: str, why: str, assumption: Callable, reason: 
     reason = f"`{{call.model_name}}`: {reason}"
     if outcome in ("left", "neither"):  # neither: the model breaks the assumption on both sides
         return Row(case, outcome.replace("neither", "unpadded"), why, lambda call: call.breaks(assumption), reason)
-    condition = lambda call: call.not_right and call.breaks(assumption)  # noqa: E731
     return Row(
         f"left only: {case}",
         outcome,
         why,
-        condition,
+        lambda call: call.not_right and call.breaks(assumption),
         f"{reason}; and it is not padded on the right: {{call.not_right}}",
     )
 
@@ -276,7 +274,7 @@ DECISION = (
         "attention that repeats its keys into more heads than its queries have (a latent-attention config whose "
         "`num_key_value_heads` is below `num_attention_heads`)",
         "upstream's masked attention fails on it, and pads in front need the mask",
-        side_assumptions.repeats_keys_past_the_query_heads,
+        side_assumptions.repeated_key_heads,
         "its attention repeats its keys `num_key_value_groups` times into more heads than its queries have (a "
         "latent-attention config whose `num_key_value_heads` is below `num_attention_heads`), which fails with the "
         "attention mask that pads in front need: upstream runs only where it needs no mask",
@@ -437,14 +435,14 @@ DECISION = (
         "a dynamic cache (or an offloaded one, or `'hybrid'`, which it makes dynamic) for `generate` to make",
         "left",
         "not compiled: there is no graph to share",
-        lambda call: call.cache is None and transformers_api.is_dynamic(call.settings.cache_implementation),
+        lambda call: call.cache is None and not call.bucketable_cache,
         "the cache is not a static cache (a dynamic cache is not compiled: no graph to share)",
     ),
     Row(
         "a cache passed in that is not a `StaticCache`",
         "left",
         "not compiled: there is no graph to share",
-        lambda call: call.cache is not None and not transformers_api.is_static_cache(call.cache),
+        lambda call: call.cache is not None and not call.bucketable_cache,
         "the cache passed in is a `{call.cache.__class__.__name__}`, not a `StaticCache`",
     ),
     Row(
@@ -452,9 +450,7 @@ DECISION = (
         "left",
         "the prompt must line up with the padding in the cache, and the batch with its rows",
         lambda call: (
-            call.cache is not None
-            and call.continued is not None
-            and (call.continued.columns > 0 or call.continued.padded_rows != call.rows)
+            call.continued is not None and (call.continued.columns > 0 or call.continued.padded_rows != call.rows)
         ),
         "the cache holds a left-padded call's tokens or dummy rows, and the prompt must line up with them",
     ),
@@ -462,16 +458,14 @@ DECISION = (
         "a cache filled by rows of different lengths",
         "left",
         "the prompt must line up with the padding in the cache (pass the first call's mask, then ones)",
-        lambda call: call.cache is not None and call.past_length and call.passed.ragged_rows is not None,
+        lambda call: call.past_length and call.passed.ragged_rows is not None,
         "the cache holds rows of different lengths, each at the start of its slots: a mask lines them up",
     ),
     Row(
         "`inputs_embeds` continuing from a cache",
         "left",
         "not padded on the right",
-        lambda call: (
-            call.cache is not None and call.past_length and call.model_kwargs.get("inputs_embeds") is not None
-        ),
+        lambda call: call.past_length and call.model_kwargs.get("inputs_embeds") is not None,
         "`inputs_embeds` continuing from a cache are not padded on the right",
     ),
     Row(
@@ -555,7 +549,7 @@ def choose_side(call: ResolvedCall) -> PaddingSide:
         side = PaddingSide("left", reason, padded_length=facts.padded_length)
     else:
         warn_long_prompt(settings, call.prompt_length - call.past_length, facts.bucket)
-        side = PaddingSide("right", reason, bucket=facts.bucket, past_length=call.past_length)
+        side = PaddingSide("right", reason, bucket=facts.bucket)
     if facts.batch_kept_reason is not None:
         logger.warning_once(f"`{PREFILL_BATCH_BUCKETS}` is not applied to this call: {facts.batch_kept_reason}.")
     return replace(side, padded_batch=facts.padded_batch, finished_rows_pad_id=facts.finished_rows_pad_id)

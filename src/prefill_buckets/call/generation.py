@@ -124,7 +124,7 @@ def generate(model, *args, **kwargs):
     # forward (the next call's would find it allocated: a graph of its own), nor of a shape upstream did not predict.
     kept = made is not None and made is not returned
     if kept and (plan.run.allocated_early or (not plan.run.compiled and allocated_as_early(model, made))):
-        written = max(plan.run.slots_written, plan.prompt_slots, cache_seq_length(made) or 0)
+        written = max(plan.prompt_slots, cache_seq_length(made) or 0)  # a right-padded prefill's pads included
         keep_cache(model, made, plan.run.made_cache_slots, written)
 
     # 8. Strip the padding off what the user gets back.

@@ -32,10 +32,10 @@ class RuleFacts:
 
     def __init__(self, call, table):
         self.call, self.table = call, table
-        self.model, self.settings, self.passed = call.model, call.settings, call.passed
-        self.arguments, self.model_kwargs = call.arguments, call.model_kwargs
-        self.cache, self.prompt, self.continued = call.cache, call.prompt, call.continued
-        self.prompt_length, self.rows, self.past_length = call.prompt_length, call.rows, call.past_length
+
+    def __getattr__(self, name):
+        """The call's own attributes (`model`, `settings`, `cache`, `past_length`, ...), read from the `ResolvedCall`."""
+        return getattr(self.call, name)
 
     @cached_property
     def other_inputs(self) -> list[str]:
@@ -71,17 +71,20 @@ class RuleFacts:
     @cached_property
     def embeds_only(self) -> bool:
         """Whether the prompt is `inputs_embeds` alone: no ids, or ids of no tokens (then they hold only new tokens)."""
-        input_ids = self.call.input_ids
-        return self.call.inputs_embeds is not None and (input_ids is None or input_ids.shape[1] == 0)
+        input_ids = self.input_ids
+        return self.inputs_embeds is not None and (input_ids is None or input_ids.shape[1] == 0)
+
+    @cached_property
+    def bucketable_cache(self) -> bool:
+        """Whether the call's cache can be bucketed: a `StaticCache` passed in, or one `generate` makes (`is_dynamic`)."""
+        if self.cache is not None:
+            return transformers_api.is_static_cache(self.cache)
+        return not transformers_api.is_dynamic(self.settings.cache_implementation)
 
     @cached_property
     def sliding_static_cache(self) -> bool:
-        """Whether the call runs on a static cache (passed in, or for `generate` to make) with sliding-window layers."""
-        if self.cache is not None and not transformers_api.is_static_cache(self.cache):
-            return False
-        if self.cache is None and transformers_api.is_dynamic(self.settings.cache_implementation):
-            return False
-        return cache_has_sliding_layers(self.model, self.cache, self.slots)
+        """Whether the call runs on a `bucketable_cache` with sliding-window layers."""
+        return self.bucketable_cache and cache_has_sliding_layers(self.model, self.cache, self.slots)
 
     @cached_property
     def peft_row_arguments(self) -> dict[str, bool]:
@@ -112,7 +115,7 @@ class RuleFacts:
     @cached_property
     def ragged_reason(self) -> str | None:
         """Why rows of different lengths (zeros in the call's `rows_mask`) can't be right-padded, or `None`."""
-        mask = self.call.rows_mask
+        mask = self.rows_mask
         if not isinstance(mask, torch.Tensor) or bool(mask.all()):
             return None
         if mask.ndim != 2 or self.prompt is None or mask.shape != self.prompt.shape[:2]:
@@ -143,11 +146,6 @@ class RuleFacts:
         return None
 
     @cached_property
-    def ragged(self) -> bool:
-        """Whether the rows are of different lengths: zeros in the attention mask, passed or inferred from pad tokens."""
-        return self.call.ragged
-
-    @cached_property
     def not_right(self) -> str | None:
         """Why the call is not padded on the right: the reason of the first `left` row that applies, or `None`."""
         return next((reason for row in self.table if row.outcome == "left" and (reason := row.check(self))), None)
@@ -159,11 +157,11 @@ class RuleFacts:
     @cached_property
     def user_compiled(self) -> str | None:
         """How the user compiled the model's forward, or `None` (eager, or compiled by upstream: `compile_config`)."""
-        if self.call.wrapper is not None:
+        if self.wrapper is not None:
             return "the `torch.compile(model)` wrapper"
         if is_aot_forward(self.model):
             return "`aot_forward`"
-        compiled = self.call.compiled_forward
+        compiled = self.compiled_forward
         return f"`{compiled}`" if compiled is not None else None
 
     @cached_property
@@ -176,8 +174,8 @@ class RuleFacts:
     @cached_property
     def ids_not_paddable(self) -> str | None:
         """The error for `input_ids` (the prompt) that are not an integer `[batch, length]` tensor, or `None`."""
-        ids = self.call.input_ids
-        if self.call.inputs_embeds is not None or ids is None:
+        ids = self.input_ids
+        if self.inputs_embeds is not None or ids is None:
             return None
         if ids.ndim == 2 and ids.dtype in (torch.long, torch.int):
             return None
@@ -189,9 +187,9 @@ class RuleFacts:
     @cached_property
     def ids_outside_vocabulary(self) -> str | None:
         """The error for `input_ids` the embedding can't look up, when the call is padded on either side, or `None`."""
-        ids, vocab_size = self.call.input_ids, self.settings.vocab_size
+        ids, vocab_size = self.input_ids, self.settings.vocab_size
         embedded = ids is not None and (  # the padded call looks them up
-            self.not_right or (self.call.inputs_embeds is None and ids.dtype in (torch.long, torch.int))
+            self.not_right or (self.inputs_embeds is None and ids.dtype in (torch.long, torch.int))
         )
         if not embedded or vocab_size is None or ids.numel() == 0:
             return None
@@ -233,7 +231,7 @@ class RuleFacts:
         continued, expand = self.continued, self.settings.rows_per_prompt  # upstream runs a prompt as `expand` rows
         held = self.passed.rows if self.passed.rows is not None else continued.padded_rows
         as_filled = held == continued.padded_rows  # else a selection of them
-        if held % expand == 0 and self.call.output_rows == (continued.rows if as_filled else held):
+        if held % expand == 0 and self.output_rows == (continued.rows if as_filled else held):
             return held // expand
         dummy_rows = continued.padded_rows - continued.rows if as_filled else 0
         dummies = f", then {count(dummy_rows, 'dummy row')} of `{PREFILL_BATCH_BUCKETS}`" if dummy_rows else ""
@@ -258,10 +256,9 @@ class RuleFacts:
         if self.wanted_batch == self.rows:
             return None
         known = {"input_ids", "inputs_embeds", *PER_TOKEN_KWARGS}
-        kwargs = self.model_kwargs
         per_row = sorted(
             k
-            for k, v in kwargs.items()
+            for k, v in self.model_kwargs.items()
             if isinstance(v, torch.Tensor) and k not in known and v.shape[:1] == (self.rows,)
         )
         if self.settings.num_beams > 1:
@@ -293,21 +290,16 @@ class RuleFacts:
         Why the rows that finish early can't be fed `pad_token_id` (`pad_id_outside_vocabulary`), where one of several
         user rows can finish early (an eos id in the vocabulary, `stop_strings`, stopping criteria), or `None`.
         """
-        settings, rows = self.settings, self.call.output_rows
+        settings, rows = self.settings, self.output_rows
         if not self.pad_id_outside_vocabulary or rows <= 1:
             return None
-        can_finish_early = [
-            reason
-            for reason, present in (
-                (
-                    f"the eos ids {list(settings.eos_token_ids)} are in it",
-                    any(map(settings.in_vocabulary, settings.eos_token_ids)),
-                ),
-                ("`stop_strings` is set", bool(settings.stop_strings)),
-                ("`stopping_criteria` are passed", bool(self.arguments.get("stopping_criteria"))),
-            )
-            if present
-        ]
+        can_finish_early = []
+        if any(map(settings.in_vocabulary, settings.eos_token_ids)):
+            can_finish_early.append(f"the eos ids {list(settings.eos_token_ids)} are in it")
+        if settings.stop_strings:
+            can_finish_early.append("`stop_strings` is set")
+        if self.arguments.get("stopping_criteria"):
+            can_finish_early.append("`stopping_criteria` are passed")
         if not can_finish_early:
             return None
         return (

@@ -32,7 +32,6 @@ class PaddingSide:
     side: str  # "left", "right", or "unpadded" (the call runs upstream's unpadded path, exact)
     reason: str
     bucket: int | None = None  # right: the bucket of the new tokens (the prompt, less what the cache holds)
-    past_length: int = 0  # right: the tokens the cache already holds
     padded_length: int | None = None  # left: the length the prompt is padded to in front
     padded_batch: int | None = None  # the rows the batch is padded to with dummy rows (`prefill_batch_buckets`)
     finished_rows_pad_id: int | None = None  # the id rows that finish early are fed, when not `pad_token_id`
@@ -42,8 +41,7 @@ class PaddingSide:
 class RightPadding:
     """What only a right-padded call needs (`decision.py` chose the right): the `_prefill` hook pads its prompt."""
 
-    bucket: int  # the length the prompt's new tokens are padded to, after their end
-    ragged: bool = False  # rows of different lengths, each padded after its own end
+    bucket: int  # the length the prompt's new tokens are padded to, after their end (each row's: `call.ragged`)
 
 
 @dataclass
@@ -72,10 +70,9 @@ class CallRun:
     key_layouts: tuple | None = None  # how the static cache's layers lay out the keys they read, for the attentions
     decode_windows_read: set = field(default_factory=set)  # the windows the decode steps read, for the budget
     # The static cache made for the call, kept for the next call (`kvcache.sizing.keep_cache`) and reset up to the
-    # slots it wrote (`slots_written` counts a right-padded prefill's pads); the length upstream made it for (0:
-    # another step made it), and whether it was allocated before the first forward (else it is not kept).
+    # slots it wrote; the length upstream made it for (0: another step made it), and whether it was allocated before
+    # the first forward (else it is not kept).
     made_cache: Any = None
-    slots_written: int = 0
     made_cache_slots: int = 0
     allocated_early: bool = False
 
@@ -239,7 +236,7 @@ def _plan_right(call: ResolvedCall, side: PaddingSide) -> tuple:
         model_kwargs["input_ids"] = bos_prompt(call.model, call.settings, model_kwargs)
     if call.rows_mask is not None:  # passed, or inferred from pad tokens as upstream infers it
         model_kwargs["attention_mask"] = call.rows_mask
-    right = RightPadding(bucket=side.bucket, ragged=call.ragged)
+    right = RightPadding(bucket=side.bucket)
     plan = Plan(call, call.prompt_length, 0, padded_batch=call.rows, padded_rows=call.output_rows, right=right)
     return plan, arguments, model_kwargs
 
@@ -301,14 +298,8 @@ def _pad_rows(plan: Plan, arguments: dict, model_kwargs: dict, padded_batch: int
 
 def left_pad(tensor: torch.Tensor, pad: int, value: float | torch.Tensor, dim: int = -1) -> torch.Tensor:
     """
-    Prepends `pad` entries along `dim`.
-
-    Args:
-        tensor (`torch.Tensor`): for example input ids `[B, S]`, or embeddings `[B, S, H]` with `dim=1`.
-        pad (`int`): how many entries to add in front.
-        value (`float` or `torch.Tensor`): the fill. A tensor broadcasts over the new slice, so an embedding
-            vector `[H]` fills `[B, pad, H]`.
-        dim (`int`): the sequence axis.
+    Prepends `pad` entries of `value` along `dim` (ids `[B, S]`; embeddings `[B, S, H]` with `dim=1`). A tensor `value`
+    broadcasts over the new slice: an embedding `[H]` fills `[B, pad, H]`.
     """
     if pad == 0:
         return tensor
@@ -324,12 +315,7 @@ def left_pad(tensor: torch.Tensor, pad: int, value: float | torch.Tensor, dim: i
 
 def fill_embedding(embedding: torch.nn.Module, token_id: int, like: torch.Tensor) -> torch.Tensor:
     """
-    What a pad position of `inputs_embeds` holds: the input embedding of `token_id` (the pad token), `[H]`, detached,
-    in the dtype and on the device of the embeddings `like` (`[B, S, H]`) it pads, as the user's own are.
-
-    Args:
-        embedding (`torch.nn.Module`): the model's input embedding (`model.get_input_embeddings()`).
-        token_id (`int`): the id whose embedding fills the pads.
-        like (`torch.Tensor`): the embeddings the fill goes beside.
+    What a pad position of `inputs_embeds` holds: the input embedding (`model.get_input_embeddings()`) of `token_id`,
+    `[H]`, detached, in the dtype and on the device of the embeddings `like` (`[B, S, H]`) it pads, as the user's are.
     """
     return embedding.weight[token_id].detach().to(device=like.device, dtype=like.dtype)

@@ -52,7 +52,7 @@ def prefill_right(plan: Plan, step):
     inputs_embeds = model_kwargs.get("inputs_embeds")
     if past == 0:
         new_tokens = (inputs_embeds if inputs_embeds is not None else input_ids).shape[1]
-        if right.ragged:
+        if plan.call.ragged:
             attention_mask = model_kwargs.get("attention_mask")
             prompt, row_lengths = _rows_from_the_start(plan, input_ids, inputs_embeds, attention_mask)
             keep, column = _last_positions(row_lengths, right.bucket)
@@ -65,8 +65,7 @@ def prefill_right(plan: Plan, step):
     else:  # a continued conversation: the rows are one length (the rule), the new tokens follow the cached ones
         new_ids = input_ids[:, past:]  # [rows, S]
         new_tokens = new_ids.shape[1]
-        padding = new_ids.new_full((rows, right.bucket - new_tokens), plan.settings.unmasked_fill_token_id)
-        prompt = {"input_ids": torch.cat([new_ids, padding], dim=1)}  # [rows, bucket]
+        prompt = _padded_after(plan, new_ids, None)  # [rows, bucket]
         keep, column = torch.tensor([new_tokens - 1], device=input_ids.device), None  # [1]: an input, not a shape
     device = keep.device
     positions = past + torch.arange(right.bucket, device=device).expand(rows, -1)  # [rows, bucket]
@@ -94,7 +93,6 @@ def prefill_right(plan: Plan, step):
             return_dict=True,
             **{cache_key: cache},
         )
-    plan.run.slots_written = max(plan.run.slots_written, past + right.bucket)  # the pads' slots too
     if column is not None:
         # [rows, kept, vocab] -> [rows, 1, vocab]: each row's logits at its own last position
         outputs["logits"] = outputs.logits[torch.arange(rows, device=device), column].unsqueeze(1)

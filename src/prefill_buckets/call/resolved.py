@@ -77,11 +77,8 @@ class CallSettings:
     @property
     def returned_outputs(self) -> tuple[str, ...]:
         """What the forwards return besides the logits (`"attentions"`, `"hidden states"`): a compiled graph of its own."""
-        return tuple(
-            name
-            for name, on in (("attentions", self.output_attentions), ("hidden states", self.output_hidden_states))
-            if on
-        )
+        attentions = ("attentions",) if self.output_attentions else ()
+        return attentions + (("hidden states",) if self.output_hidden_states else ())
 
     @property
     def rows_per_prompt(self) -> int:
@@ -256,7 +253,7 @@ def resolve_fields(model, generation_config: GenerationConfig | None, field_kwar
         if name in field_kwargs:
             values[name] = field_kwargs[name]
             continue
-        value = getattr(generation_config, name, None) if generation_config is not None else None
+        value = getattr(generation_config, name, None)
         values[name] = value if value is not None else getattr(model_config, name, None)
     return values
 

@@ -68,14 +68,10 @@ def window_reason(call) -> str | None:
     or `None`: upstream's tokens depend on a cache longer than the window, which bucketing sizes another way.
     """
     window = window_from_the_cache_end(call.model)
-    if window is None or not call.settings.use_cache:
+    if window is None or not call.settings.use_cache or not call.bucketable_cache:
         return None
     if call.cache is not None:
-        if not transformers_api.is_static_cache(call.cache):
-            return None
         slots, whose = call.cache_slots, "the cache passed in has"
-    elif transformers_api.is_dynamic(call.settings.cache_implementation):
-        return None
     elif call.settings.max_cache_len is not None:
         slots, whose = call.settings.max_cache_len, "`max_cache_len` is"
     else:
@@ -150,10 +146,6 @@ def repeated_key_heads(model) -> tuple[int, int] | None:
         if keys is not None and keys * groups != heads:
             return keys * groups, heads
     return None
-
-
-def repeats_keys_past_the_query_heads(model) -> bool:
-    return repeated_key_heads(model) is not None
 
 
 def drops_the_mask(model) -> bool:

@@ -256,25 +256,17 @@ def _strip_attentions(layers: tuple, plan, seen: int) -> tuple:
     if plan.run.key_layouts is not None and plan.right is None and layers:
         layouts = layouts_for(plan.run.key_layouts, len(layers))
     if layouts is None:  # a dynamic cache, or none: a key axis that spans the padded sequence loses the padding
-        return tuple(
-            _strip_keys(
-                _strip_if(attention, -2, seen, added), seen if seen != plan.run.static_cache_length else None, added
-            )
-            for attention in layers
-        )
+        stripped = tuple(_strip_if(attention, -2, seen, added) for attention in layers)
+        if added == 0 or seen == plan.run.static_cache_length:
+            return stripped
+        # Keys that span the padded sequence lose the added ones, weighed as upstream's softmax would (`place_keys`).
+        return tuple(a if a is None or a.shape[-1] != seen else place_keys(a, added, seen - added) for a in stripped)
     stripped = []
     for attention, layout in zip(layers, layouts):
         if attention is not None:  # the forward's cache held `seen - query` tokens before it
             attention = upstream_keys(attention, layout, seen, added, cached=seen - attention.shape[-2])
         stripped.append(_strip_if(attention, -2, seen, added))
     return tuple(stripped)
-
-
-def _strip_keys(attention, padded_size: int | None, added: int):
-    """Strips `added` keys when the key axis spans the padded sequence, as upstream's softmax would weigh the rest."""
-    if attention is None or padded_size is None or added == 0 or attention.shape[-1] != padded_size:
-        return attention
-    return place_keys(attention, added, padded_size - added)
 
 
 def _take_rows(value, rows: int):
@@ -291,8 +283,8 @@ def _take_rows(value, rows: int):
     return value
 
 
-def _strip_if(tensor, dim: int, padded_size: int | None, added: int):
+def _strip_if(tensor, dim: int, padded_size: int, added: int):
     """Strips `added` from `dim` when that axis spans the padded sequence (`padded_size` positions)."""
-    if tensor is None or padded_size is None or tensor.shape[dim] != padded_size:
+    if tensor is None or tensor.shape[dim] != padded_size:
         return tensor
     return strip_left(tensor, added, dim=dim)

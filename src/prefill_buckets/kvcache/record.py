@@ -124,7 +124,7 @@ def record_call(cache, plan, attention_mask, continues: bool) -> None:
     previous = cache.__dict__.get(_CACHE_RECORD)
     right = plan.right
     padding = previous.padding if previous is not None else None
-    if right is None or plan.padded_batch > plan.call.rows or right.ragged:
+    if right is None or plan.padded_batch > plan.call.rows or plan.call.ragged:
         padding = CachePadding(plan.added_positions, plan.call.output_rows, plan.padded_rows)
     if padding is not None and padding.columns and holds_only_recurrent_layers(cache):
         # Recurrent layers keep the masked pads out of their state, but count them (transformers 5.25), and upstream
@@ -136,7 +136,7 @@ def record_call(cache, plan, attention_mask, continues: bool) -> None:
         ragged_rows = previous.ragged_rows if previous is not None else None
     else:
         # The mask of the call's own rows: after them, the dummy rows of `prefill_batch_buckets` are all ones.
-        ragged_rows = attention_mask[: plan.call.rows] if right is not None and right.ragged else None
+        ragged_rows = attention_mask[: plan.call.rows] if right is not None and plan.call.ragged else None
     cache.__dict__[_CACHE_RECORD] = CacheRecord(padding, ragged_rows, plan.call.bucketing)
 
 
