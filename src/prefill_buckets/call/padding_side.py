@@ -34,8 +34,14 @@ class RuleFacts:
         self.call, self.table = call, table
 
     def __getattr__(self, name):
-        """The call's own attributes (`model`, `settings`, `cache`, `past_length`, ...), read from the `ResolvedCall`."""
-        return getattr(self.call, name)
+        """
+        The call's own attributes (`model`, `settings`, `cache`, `past_length`, ...), read from the frozen
+        `ResolvedCall` once and kept: the rows read them again and again.
+        """
+        if name.startswith("__") or name == "call":  # not the call's (`copy` asks for `__setstate__`)
+            raise AttributeError(name)
+        value = self.__dict__[name] = getattr(self.call, name)
+        return value
 
     @cached_property
     def other_inputs(self) -> list[str]:
