@@ -33,7 +33,7 @@ NEWEST_VENV := .venv-newest
 NEWEST_PYTHON := $(NEWEST_VENV)/bin/python
 NEWEST_CONSTRAINTS := constraints/newest.txt
 RANGE_TESTS := tests/generation/test_equivalence.py tests/generation/test_compile_counts.py \
-	tests/generation/test_windows.py tests/generation/test_sliding.py tests/generation/test_aot_compiled.py \
+	tests/generation/test_windows.py tests/generation/test_sliding.py tests/generation/test_aot_forward.py \
 	tests/generation/test_bounded.py tests/generation/test_checks.py tests/generation/test_selftest.py \
 	tests/generation/test_transformers_api.py tests/generation/test_env.py \
 	tests/generation/test_sizing.py tests/generation/test_decision.py tests/generation/test_architectures.py \

@@ -10,7 +10,7 @@ offset to be 0. `uncovered` audits each new graph: a dropped guard that neither 
 kernels' wrappers) names means its calls run eagerly, with a warning.
 
 What the package sets on instances while a bucketed call runs, and how each is covered (torch 2.13, transformers
-5.24; `test_aot_compiled.py` checks that no guard is uncovered):
+5.24; `test_aot_forward.py` checks that no guard is uncovered):
 
 | set on | attribute | does the forward read it? | covered by |
 |---|---|---|---|

@@ -1,3 +1,6 @@
+# Tests `compile/aot_forward.py`, and `compile/aot_key.py` through it (`AOTForwardTest.test_dispatch_key` and the
+# guards a saved graph keeps); was test_aot_compiled.py.
+#
 # `aot_forward`: graphs compiled ahead of time that a compile cache file carries whole, so that a process that loads
 # it traces nothing and compiles nothing.
 #
@@ -411,7 +414,7 @@ _CONVERSATION_PROCESS = textwrap.dedent(
     sys.path.insert(0, sys.argv[1])
     from torch._dynamo.utils import counters
     import prefill_buckets
-    from tests.generation.test_aot_compiled import run_conversation, traced
+    from tests.generation.test_aot_forward import run_conversation, traced
     from tests.generation.tiny_models import tiny_llama
 
     loaded = prefill_buckets.load_compile_cache(sys.argv[2])
@@ -434,7 +437,7 @@ _OTHER_CLASSES_FIRST_PROCESS = textwrap.dedent(
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel, GenerationConfig, MistralConfig, MistralForCausalLM
     import prefill_buckets
-    from tests.generation.test_aot_compiled import CONFIG, PROMPTS, traced
+    from tests.generation.test_aot_forward import CONFIG, PROMPTS, traced
     from tests.generation.tiny_models import tiny_llama
 
     path, mode = sys.argv[2], sys.argv[3]
