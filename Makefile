@@ -41,7 +41,8 @@ RANGE_TESTS := tests/generation/test_equivalence.py tests/generation/test_compil
 	tests/generation/test_resolved.py tests/generation/test_side_assumptions.py
 OLDEST_TESTS := $(RANGE_TESTS) tests/generation/test_robustness.py tests/generation/test_arch_sweep.py
 # `prefill-buckets serve` hooks the server's private loading, which transformers 5.25 rebuilt: the newest runs them too.
-NEWEST_TESTS := $(RANGE_TESTS) tests/generation/test_serve.py tests/generation/test_serve_process.py
+NEWEST_TESTS := $(RANGE_TESTS) tests/generation/test_serving.py tests/generation/test_serving_loads.py \
+	tests/generation/test_serve_process.py
 
 # Every test run spreads its tests over TEST_WORKERS processes (pytest-xdist), a test class (or a module's functions)
 # to one process, so a class's `setUpClass` runs once. Most tests are Python-bound (dynamo tracing, tiny models), so

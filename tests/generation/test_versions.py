@@ -107,7 +107,11 @@ class TestedVersionsTest(unittest.TestCase):
         # The newest runs them and the serving tests (transformers 5.25 rebuilt the server's loading).
         newest_tests = makefile_variable("NEWEST_TESTS")
         self.assertEqual(newest_tests[0], "$(RANGE_TESTS)")
-        for test in ("tests/generation/test_serve.py", "tests/generation/test_serve_process.py"):
+        for test in (
+            "tests/generation/test_serving.py",
+            "tests/generation/test_serving_loads.py",
+            "tests/generation/test_serve_process.py",
+        ):
             self.assertIn(test, newest_tests)
             self.assertTrue((ROOT / test).is_file(), test)
         for target, python, tests in (

@@ -1,4 +1,7 @@
-"""`prefill-buckets serve`: transformers' own server with bucketed, precompiled generate, called with the `openai` client.
+"""Tests `serving.py` (was test_serve.py); `serving_loads.py`'s loader: test_serving_loads.py; a server whose model loads
+in a process of its own: test_serve_process.py.
+
+`prefill-buckets serve`: transformers' own server with bucketed, precompiled generate, called with the `openai` client.
 
 Every server here runs in this process (upstream's `--non-blocking`, its option for tests), on 127.0.0.1 at a free
 port, on a tiny Llama folder built from a config with an offline word-level tokenizer and a chat template. The
