@@ -34,8 +34,8 @@ NEWEST_PYTHON := $(NEWEST_VENV)/bin/python
 NEWEST_CONSTRAINTS := constraints/newest.txt
 RANGE_TESTS := tests/generation/test_equivalence.py tests/generation/test_compile_counts.py \
 	tests/generation/test_windows.py tests/generation/test_sliding.py tests/generation/test_aot_forward.py \
-	tests/generation/test_bounded.py tests/generation/test_checks.py tests/generation/test_selftest.py \
-	tests/generation/test_transformers_api.py tests/generation/test_env.py \
+	tests/generation/test_bounded.py tests/generation/test_checks.py tests/generation/test_gate.py \
+	tests/generation/test_selftest.py tests/generation/test_transformers_api.py tests/generation/test_env.py \
 	tests/generation/test_sizing.py tests/generation/test_decision.py tests/generation/test_architectures.py \
 	tests/generation/test_peft.py tests/generation/test_multimodal.py tests/generation/test_compiled_calls.py \
 	tests/generation/test_resolved.py tests/generation/test_side_assumptions.py

@@ -5,7 +5,7 @@ The models live in `prefill_buckets.testing_utils`, shared with the CLI and `uti
 tests, with what only the tests need: the compile tests' tiny Llama, their registered counting backend and
 `CompilationTestCase` (test_compiled_calls.py, test_precompile.py, test_budget.py, test_decision.py,
 test_generation.py; test_compile_counts.py takes its prompts and references), and `random_ids`, one prompt of random
-ids (test_checks.py, test_selftest.py, test_compiled_calls.py).
+ids (test_checks.py, test_gate.py, test_selftest.py, test_compiled_calls.py).
 """
 
 import unittest
@@ -272,7 +272,7 @@ class CompilationTestCase(unittest.TestCase):
         self.assertEqual(counter.calls, MAX_NEW_TOKENS * len(LENGTHS))
 
 
-# ---- one prompt of random ids (test_checks.py, test_selftest.py, test_compiled_calls.py) ---------------------------
+# ---- one prompt of random ids (test_checks.py, test_gate.py, test_selftest.py, test_compiled_calls.py) -------------
 
 
 def random_ids(length: int, seed: int = 0) -> torch.Tensor:
