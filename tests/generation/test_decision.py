@@ -7,17 +7,26 @@ import unittest
 from unittest import mock
 
 import torch
+from parameterized import parameterized
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import CompileConfig, GenerationConfig, PreTrainedTokenizerFast, StaticCache
+from transformers import (
+    CompileConfig,
+    GenerationConfig,
+    PreTrainedTokenizerFast,
+    StaticCache,
+    T5Config,
+    T5ForConditionalGeneration,
+)
 from transformers.testing_utils import CaptureLogger
 from transformers.utils import logging
 
 import prefill_buckets
 from prefill_buckets import GraphCounter
 from prefill_buckets.call import generation
+from prefill_buckets.call.hooks import HOOKS
 from prefill_buckets.upstream import candidates
 
-from .test_equivalence import get_model
+from .test_equivalence import EOS, PAD, VOCAB, get_model, random_ids
 from .tiny_models import (
     BUCKETS,
     CACHE,
@@ -375,3 +384,59 @@ class CacheImplementationTest(unittest.TestCase):
                 self.assertEqual(tokens.tolist(), model.generate(prompt, generation_config=config).tolist())
                 self.assertNotIn("made no static cache", captured.out)
         self.assertEqual([side.side for side in sides], ["left", "left"])  # a dynamic cache's side
+
+
+# An encoder-decoder model with bucket fields raises (`decision.py`), and without them runs upstream's call: moved whole
+# from test_equivalence.py, with its recorder of the hooks installed at each forward.
+class EncoderDecoderTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        config = T5Config(
+            vocab_size=VOCAB,
+            d_model=32,
+            d_kv=8,
+            d_ff=64,
+            num_layers=2,
+            num_decoder_layers=2,
+            num_heads=4,
+            decoder_start_token_id=PAD,
+            pad_token_id=PAD,
+            eos_token_id=EOS,
+        )
+        torch.manual_seed(0)
+        cls.model = T5ForConditionalGeneration(config).eval()
+
+    def setUp(self):
+        prefill_buckets.disable()
+        self.addCleanup(prefill_buckets.disable)
+
+    @parameterized.expand([("buckets", {"prefill_buckets": [8]}), ("multiple", {"prefill_pad_to_multiple_of": 8})])
+    def test_raises(self, _, fields):
+        with self.assertRaisesRegex(ValueError, "encoder-decoder"):
+            prefill_buckets.generate(self.model, random_ids(1, 5), max_new_tokens=2, **fields)
+        prefill_buckets.enable()
+        with self.assertRaisesRegex(ValueError, "encoder-decoder"):
+            self.model.generate(random_ids(1, 5), max_new_tokens=2, **fields)
+
+    def test_without_fields_is_upstream(self):
+        input_ids = random_ids(1, 5)
+        expected = self.model.generate(input_ids, max_new_tokens=3, do_sample=False)
+        hooked_during_call = record_hooks_during_forwards(self, self.model)
+        out = prefill_buckets.generate(self.model, input_ids, max_new_tokens=3, do_sample=False)
+        self.assertTrue(torch.equal(out, expected))
+        # Not only the same ids: the call never went through the bucketed path (no hook at any forward)...
+        self.assertTrue(hooked_during_call)
+        self.assertEqual(set().union(*hooked_during_call), set())
+        # ...which the same recorder does see on a bucketed call (positive control).
+        decoder = get_model("llama")
+        hooked_during_call = record_hooks_during_forwards(self, decoder)
+        prefill_buckets.generate(decoder, input_ids, max_new_tokens=3, do_sample=False, prefill_buckets=[8])
+        self.assertEqual(set().union(*hooked_during_call), set(HOOKS))
+
+
+def record_hooks_during_forwards(test: unittest.TestCase, model) -> list[set[str]]:
+    """For every forward of `model` from now on, the names of the bucketed-call hooks installed on the instance."""
+    seen = []
+    handle = model.register_forward_pre_hook(lambda module, args: seen.append(set(HOOKS) & set(model.__dict__)))
+    test.addCleanup(handle.remove)
+    return seen

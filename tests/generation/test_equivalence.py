@@ -23,8 +23,6 @@ from transformers import (
     Phi3ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
-    T5Config,
-    T5ForConditionalGeneration,
     masking_utils,
 )
 from transformers.generation.streamers import BaseStreamer
@@ -846,54 +844,6 @@ class LlamaNoPadNoEosBucketedGenerationTest(BucketedGenerationTesterMixin, unitt
             self.assertIsNone(config.eos_token_id)
 
 
-class StaticCacheLengthTest(unittest.TestCase):
-    """With a static cache and no `max_cache_len`, prompts of one bucket get one cache length."""
-
-    def setUp(self):
-        prefill_buckets.disable()
-        self.addCleanup(prefill_buckets.disable)
-
-    def cache_length(self, length, model=None, **kwargs):
-        # A fresh model by default: upstream keeps the largest cache length a model has seen.
-        if model is None:
-            model_class, make_config = MODEL_SPECS["llama"]
-            model = model_class(make_config()).eval()
-        out = prefill_buckets.generate(
-            model,
-            random_ids(1, length, seed=length),
-            max_new_tokens=4,
-            do_sample=False,
-            cache_implementation="static",
-            return_dict_in_generate=True,
-            **kwargs,
-        )
-        return out[CACHE].layers[0].max_cache_len
-
-    def test_one_cache_length_per_bucket(self):
-        # A list of buckets bounds the prompts: the first cache holds the largest bucket, 64 + 4 - 1 = 67 slots,
-        # rounded up to a multiple of 64. Every prompt of every bucket gets that one cache length.
-        lengths = {self.cache_length(n, prefill_buckets=[8, 16, 32, 64]) for n in (3, 5, 8, 9, 64)}
-        self.assertEqual(lengths, {128})
-
-    def test_cache_length_is_aligned(self):
-        # No largest bucket: the first cache has `DEFAULT_CACHE_SLOTS`, aligned to 24 (8208), and capped at the model's
-        # 256 positions, never past them.
-        self.assertEqual(self.cache_length(5, prefill_pad_to_multiple_of=24), 256)
-        # Aligned where that stays within them: 8 + 4 - 1 = 11 slots -> 64.
-        self.assertEqual(self.cache_length(5, prefill_buckets=[8]), 64)
-
-    def test_cache_grows_once_to_what_the_model_takes(self):
-        model_class, make_config = MODEL_SPECS["llama"]
-        model = model_class(make_config()).eval()
-        # 70 and 200 are longer than the largest bucket: padded to multiples of 16.
-        lengths = [self.cache_length(n, model=model, prefill_buckets=[8, 16]) for n in (5, 70, 200, 9)]
-        # First 16 + 3 = 19 -> 64; then one growth, to the model's 256 positions; never again.
-        self.assertEqual(lengths, [64, 256, 256, 256])
-
-    def test_max_cache_len_is_respected(self):
-        self.assertEqual(self.cache_length(5, prefill_buckets=[8, 16], max_cache_len=40), 40)
-
-
 class PromptReadingProcessorsTest(unittest.TestCase):
     """
     Logits processors that read the whole `input_ids`, prompt included, must not see the added padding: in the
@@ -1037,60 +987,6 @@ class RecurrentCacheTest(unittest.TestCase):
                 self.assertEqual(our_first.tolist(), first.tolist())
                 self.assertEqual(our_later.tolist(), later.tolist())
                 torch.testing.assert_close(our_logits, logits)
-
-
-class EncoderDecoderTest(unittest.TestCase):
-    @classmethod
-    def setUpClass(cls):
-        config = T5Config(
-            vocab_size=VOCAB,
-            d_model=32,
-            d_kv=8,
-            d_ff=64,
-            num_layers=2,
-            num_decoder_layers=2,
-            num_heads=4,
-            decoder_start_token_id=PAD,
-            pad_token_id=PAD,
-            eos_token_id=EOS,
-        )
-        torch.manual_seed(0)
-        cls.model = T5ForConditionalGeneration(config).eval()
-
-    def setUp(self):
-        prefill_buckets.disable()
-        self.addCleanup(prefill_buckets.disable)
-
-    @parameterized.expand([("buckets", {"prefill_buckets": [8]}), ("multiple", {"prefill_pad_to_multiple_of": 8})])
-    def test_raises(self, _, fields):
-        with self.assertRaisesRegex(ValueError, "encoder-decoder"):
-            prefill_buckets.generate(self.model, random_ids(1, 5), max_new_tokens=2, **fields)
-        prefill_buckets.enable()
-        with self.assertRaisesRegex(ValueError, "encoder-decoder"):
-            self.model.generate(random_ids(1, 5), max_new_tokens=2, **fields)
-
-    def test_without_fields_is_upstream(self):
-        input_ids = random_ids(1, 5)
-        expected = self.model.generate(input_ids, max_new_tokens=3, do_sample=False)
-        hooked_during_call = record_hooks_during_forwards(self, self.model)
-        out = prefill_buckets.generate(self.model, input_ids, max_new_tokens=3, do_sample=False)
-        self.assertTrue(torch.equal(out, expected))
-        # Not only the same ids: the call never went through the bucketed path (no hook at any forward)...
-        self.assertTrue(hooked_during_call)
-        self.assertEqual(set().union(*hooked_during_call), set())
-        # ...which the same recorder does see on a bucketed call (positive control).
-        decoder = get_model("llama")
-        hooked_during_call = record_hooks_during_forwards(self, decoder)
-        prefill_buckets.generate(decoder, input_ids, max_new_tokens=3, do_sample=False, prefill_buckets=[8])
-        self.assertEqual(set().union(*hooked_during_call), set(HOOKS))
-
-
-def record_hooks_during_forwards(test: unittest.TestCase, model) -> list[set[str]]:
-    """For every forward of `model` from now on, the names of the bucketed-call hooks installed on the instance."""
-    seen = []
-    handle = model.register_forward_pre_hook(lambda module, args: seen.append(set(HOOKS) & set(model.__dict__)))
-    test.addCleanup(handle.remove)
-    return seen
 
 
 if __name__ == "__main__":

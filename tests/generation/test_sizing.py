@@ -13,6 +13,8 @@
 # - Modes: a call under `torch.inference_mode()` and one outside it each take tensors made in their own mode.
 # - Static addresses: each layer's length counter is kept with its keys and values, so every static input of the
 #   compiled graphs stays where CUDA graphs recorded it.
+# - Length: a static cache made without `max_cache_len` has one length for every prompt of a bucket
+#   (`StaticCacheLengthTest`, moved from test_equivalence.py).
 
 import copy
 import unittest
@@ -35,6 +37,7 @@ from prefill_buckets import GraphCounter
 from prefill_buckets.kvcache.sizing import early_initialize, reuse_cache
 from prefill_buckets.state import state_of
 
+from .test_equivalence import MODEL_SPECS, random_ids
 from .tiny_models import CACHE, tiny_llama
 
 
@@ -362,6 +365,56 @@ def _attributes(thing, skip: str = "") -> dict:
         for name, value in vars(thing).items()
         if name != skip
     }
+
+
+# The cache length a bucketed call gives a static cache (`sizing.static_cache_length`): moved whole from
+# test_equivalence.py, with whose model specs it builds its models.
+class StaticCacheLengthTest(unittest.TestCase):
+    """With a static cache and no `max_cache_len`, prompts of one bucket get one cache length."""
+
+    def setUp(self):
+        prefill_buckets.disable()
+        self.addCleanup(prefill_buckets.disable)
+
+    def cache_length(self, length, model=None, **kwargs):
+        # A fresh model by default: upstream keeps the largest cache length a model has seen.
+        if model is None:
+            model_class, make_config = MODEL_SPECS["llama"]
+            model = model_class(make_config()).eval()
+        out = prefill_buckets.generate(
+            model,
+            random_ids(1, length, seed=length),
+            max_new_tokens=4,
+            do_sample=False,
+            cache_implementation="static",
+            return_dict_in_generate=True,
+            **kwargs,
+        )
+        return out[CACHE].layers[0].max_cache_len
+
+    def test_one_cache_length_per_bucket(self):
+        # A list of buckets bounds the prompts: the first cache holds the largest bucket, 64 + 4 - 1 = 67 slots,
+        # rounded up to a multiple of 64. Every prompt of every bucket gets that one cache length.
+        lengths = {self.cache_length(n, prefill_buckets=[8, 16, 32, 64]) for n in (3, 5, 8, 9, 64)}
+        self.assertEqual(lengths, {128})
+
+    def test_cache_length_is_aligned(self):
+        # No largest bucket: the first cache has `DEFAULT_CACHE_SLOTS`, aligned to 24 (8208), and capped at the model's
+        # 256 positions, never past them.
+        self.assertEqual(self.cache_length(5, prefill_pad_to_multiple_of=24), 256)
+        # Aligned where that stays within them: 8 + 4 - 1 = 11 slots -> 64.
+        self.assertEqual(self.cache_length(5, prefill_buckets=[8]), 64)
+
+    def test_cache_grows_once_to_what_the_model_takes(self):
+        model_class, make_config = MODEL_SPECS["llama"]
+        model = model_class(make_config()).eval()
+        # 70 and 200 are longer than the largest bucket: padded to multiples of 16.
+        lengths = [self.cache_length(n, model=model, prefill_buckets=[8, 16]) for n in (5, 70, 200, 9)]
+        # First 16 + 3 = 19 -> 64; then one growth, to the model's 256 positions; never again.
+        self.assertEqual(lengths, [64, 256, 256, 256])
+
+    def test_max_cache_len_is_respected(self):
+        self.assertEqual(self.cache_length(5, prefill_buckets=[8, 16], max_cache_len=40), 40)
 
 
 if __name__ == "__main__":
