@@ -20,9 +20,13 @@ LOG_LEVELS = {"debug", "info", "warning", "warning_once", "error", "exception", 
 WORDS = 5  # the message's first literal words a row must show (fewer when the message has fewer)
 MAX_CELL_WORDS = 60
 
-# Raises that show no message of their own: a Python protocol error (`__getattr__`'s AttributeError of an attribute
+# Raises that show no message of their own: Python protocol errors (`__getattr__`'s AttributeError of an attribute
 # name), and the archive's internal refusal, whose reason is caught and logged inside "Not loading the compile cache".
-NOT_MESSAGES = {("call/views.py", "AttributeError"), ("compile/archive.py", "_Refused")}
+NOT_MESSAGES = {
+    ("call/views.py", "AttributeError"),
+    ("call/padding_side.py", "AttributeError"),
+    ("compile/archive.py", "_Refused"),
+}
 
 # Raises whose text is made elsewhere and passed on as a variable: `{(file, exception): [(file that makes the text,
 # its opening)]}`. Each opening must be in that file, and have a row.
