@@ -96,7 +96,7 @@ class ProcessState:
     # the code dynamo compiled for their graphs: the rest on a forward count as bucketed calls'.
     upstream_calls_in_flight: int = 0
     upstream_graph_codes: "weakref.WeakSet[Any]" = field(default_factory=weakref.WeakSet)
-    # Graphs that calls in flight expect to compile (`budget.GraphBudget.account`), on top of those torch holds.
+    # Graphs that calls in flight expect to compile (`budget.account_call`), on top of those torch holds.
     graphs_in_flight: int = 0
     # Graphs every bucketed call has expected to compile since the process started (`budget.check_compiled`).
     graphs_accounted: int = 0

@@ -22,7 +22,7 @@ from ..upstream.torch_api import recompile_limit
 
 logger = logging.get_logger(__name__)
 
-# Changing the limit is read-modify-write: concurrent calls (threads) make room one at a time. Reentrant: `account`
+# Changing the limit is read-modify-write: concurrent calls (threads) make room one at a time. Reentrant: `account_call`
 # holds it around `make_room`.
 _LIMIT_LOCK = threading.RLock()
 
@@ -118,65 +118,27 @@ class GraphBudget:
         """
         return torch_api.forward_graphs(model) or self.graphs
 
-    def account(
-        self,
-        model,
-        rows: int,
-        prefill_shapes,
-        cache_length: int,
-        side: str = "left",
-        decode_windows=(None,),
-        variant=GraphVariant(),
-        fullgraph: bool = True,
-        generic: bool = False,
-    ) -> CallGraphs:
-        """
-        A bucketed call's shapes (as `add` takes them), with the recompile limit raised above the graphs the process
-        needs (`make_room`). Returns what the call expects to compile, for `check_compiled`.
-        """
-        with _LIMIT_LOCK:
-            held = self.held_graphs(model)
-            new = self.add(rows, prefill_shapes, cache_length, side, decode_windows, variant, generic)
-            # New graphs of calls still running, which torch's count may not hold yet: concurrent calls, on one model
-            # or several, make room for each other's too.
-            in_flight = PROCESS.graphs_in_flight
-            make_room(model, held + in_flight, len(new), "Bucketed calls", not fullgraph, _advice(model, generic))
-            PROCESS.graphs_in_flight += len(new)
-            PROCESS.graphs_accounted += len(new)
-            accounted = PROCESS.graphs_accounted
-        compiled = torch_api.graphs_compiled()
-        return CallGraphs(
-            held,
-            new,
-            rows,
-            cache_length,
-            variant,
-            not fullgraph,
-            in_flight,
-            accounted,
-            compiled,
-            generic,
-            torch_api.limit_refusals(),
-        )
-
 
 def account_call(plan, chunk: int | None, max_cache_length: int, embeds: bool) -> CallGraphs:
     """
-    A bucketed call's graphs, accounted for once its cache is made (`GraphBudget.account`): one per prefill forward's
-    (length, window), chunks included, and one per window the decode steps reach; `embeds`: a prompt of embeddings.
+    A bucketed call's graphs, accounted for once its cache is made: one per prefill forward's (length, window), chunks
+    included, and one per window the decode steps reach (`GraphBudget.add`; `embeds`: a prompt of embeddings), with
+    the recompile limit raised above the graphs the process needs (`make_room`). Returns what the call expects to
+    compile, for `check_compiled`.
     """
     rows, prefill, cached = plan.padded_rows, plan.prefill_tokens, plan.call.past_length
     cache_length = plan.run.static_cache_length
     chunks = [prefill] if chunk is None else [min(chunk, prefill - start) for start in range(0, prefill, chunk)]
     # A shape-generic prefill is one graph for every length (`None`), unless the model's code fixed it; a bucket of the
     # cache's length is a graph of its own (torch specializes a length equal to the cache's).
-    generic = plan.run.generic_prefill and not budget_of(plan.model).prefill_specializes
+    budget, fullgraph, generic = budget_of(plan.model), plan.run.fullgraph, plan.run.generic_prefill
+    symbolic_prefill = generic and not budget.prefill_specializes
     shapes, filled = set(), cached
     for length in chunks:
         filled += length
         query = filled == plan.run.query_window_tokens and filled == length and plan.run.reads_windows
         window = QUERY_WINDOW if query else window_of(plan, filled, cache_length)
-        symbolic = generic and length == prefill > 1 and length != cache_length
+        symbolic = symbolic_prefill and length == prefill > 1 and length != cache_length
         shapes.add((None if symbolic else length, window))
     decode_windows = {None}
     if plan.run.reads_windows:  # from the first decode step (at least) to the last
@@ -186,16 +148,30 @@ def account_call(plan, chunk: int | None, max_cache_length: int, embeds: bool) -
     side = "right, onto cached tokens" if plan.right is not None and cached else plan.side
     side += ", from embeddings" if embeds else ""
     variant = graph_variant(plan.settings.returned_outputs)
-    return budget_of(plan.model).account(
-        plan.model,
-        rows,
-        shapes,
-        cache_length,
-        side,
-        decode_windows,
-        variant,
-        plan.run.fullgraph,
-        plan.run.generic_prefill,
+    with _LIMIT_LOCK:
+        held = budget.held_graphs(plan.model)
+        new = budget.add(rows, shapes, cache_length, side, decode_windows, variant, generic)
+        # New graphs of calls still running, which torch's count may not hold yet: concurrent calls, on one model or
+        # several, make room for each other's too.
+        in_flight = PROCESS.graphs_in_flight
+        make_room(
+            plan.model, held + in_flight, len(new), "Bucketed calls", not fullgraph, _advice(plan.model, generic)
+        )
+        PROCESS.graphs_in_flight += len(new)
+        PROCESS.graphs_accounted += len(new)
+        accounted = PROCESS.graphs_accounted
+    return CallGraphs(
+        held_before=held,
+        new_shapes=new,
+        rows=rows,
+        cache_length=cache_length,
+        variant=variant,
+        breaks_graph=not fullgraph,
+        in_flight_before=in_flight,
+        accounted=accounted,
+        compiled_before=torch_api.graphs_compiled(),
+        generic_prefill=generic,
+        refused_before=torch_api.limit_refusals(),
     )
 
 
