@@ -844,27 +844,6 @@ class LlamaNoPadNoEosBucketedGenerationTest(BucketedGenerationTesterMixin, unitt
             self.assertIsNone(config.eos_token_id)
 
 
-class LongPromptWarningTest(unittest.TestCase):
-    def setUp(self):
-        prefill_buckets.disable()
-        self.addCleanup(prefill_buckets.disable)
-        transformers_logging.warning_once.cache_clear()  # the warning is logged once per message
-
-    def test_prompt_longer_than_largest_bucket_warns(self):
-        model = get_model("llama")
-        with CaptureLogger(package_logger) as captured:
-            prefill_buckets.generate(model, random_ids(1, 70), max_new_tokens=2, prefill_buckets=[8, 16, 32, 64])
-        self.assertIn("70 tokens", captured.out)
-        self.assertIn("(64)", captured.out)
-        self.assertIn("128", captured.out)
-
-    def test_no_warning_inside_the_buckets(self):
-        model = get_model("llama")
-        with CaptureLogger(package_logger) as captured:
-            prefill_buckets.generate(model, random_ids(1, 60), max_new_tokens=2, prefill_buckets=[8, 16, 32, 64])
-        self.assertEqual(captured.out, "")
-
-
 class RecurrentCacheTest(unittest.TestCase):
     """A conversation on a model whose cache holds only recurrent layers (Mamba): a later turn runs unpadded, exact."""
 
