@@ -15,8 +15,6 @@ from transformers import (
     GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
-    MambaConfig,
-    MambaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
     Phi3Config,
@@ -26,16 +24,11 @@ from transformers import (
     masking_utils,
 )
 from transformers.generation.streamers import BaseStreamer
-from transformers.testing_utils import CaptureLogger
-from transformers.utils import logging as transformers_logging
 
 import prefill_buckets
 from prefill_buckets.call.hooks import HOOKS
 
-from .tiny_models import CACHE, single_thread_module
-
-
-package_logger = transformers_logging.get_logger("prefill_buckets")  # every module of the package logs under it
+from .tiny_models import single_thread_module
 
 
 # Upstream's SDPA mask-skip rule, which a bucketed call replaces while it runs and must put back.
@@ -842,151 +835,6 @@ class LlamaNoPadNoEosBucketedGenerationTest(BucketedGenerationTesterMixin, unitt
         for config in (self.model.config, self.model.generation_config):
             self.assertIsNone(config.pad_token_id)
             self.assertIsNone(config.eos_token_id)
-
-
-class PromptReadingProcessorsTest(unittest.TestCase):
-    """
-    Logits processors that read the whole `input_ids`, prompt included, must not see the added padding: in the
-    common setup where the pad token is the eos token, a processor that bans prompt tokens would ban eos.
-    """
-
-    @classmethod
-    def setUpClass(cls):
-        cls.model = get_model("llama")
-
-    def setUp(self):
-        prefill_buckets.disable()
-        self.addCleanup(prefill_buckets.disable)
-
-    @parameterized.expand(
-        [
-            ("repetition_penalty", {"repetition_penalty": 1e6}),
-            ("no_repeat_ngram_size_1", {"no_repeat_ngram_size": 1}),
-            ("no_repeat_ngram_size_2", {"no_repeat_ngram_size": 2}),
-        ]
-    )
-    def test_pad_token_is_eos(self, _, processor_kwargs):
-        input_ids = random_ids(1, 5, seed=3)
-        # The token the model emits first is made pad and eos: unpadded, generation stops after one token.
-        eos = self.model.generate(input_ids, max_new_tokens=1, do_sample=False)[0, -1].item()
-        kwargs = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": eos, "eos_token_id": eos}
-        plain = self.model.generate(input_ids, **kwargs, **processor_kwargs)
-        with ForwardRecorder(self.model) as recorder:
-            bucketed = prefill_buckets.generate(
-                self.model, input_ids, prefill_buckets=[8], **kwargs, **processor_kwargs
-            )
-        self.assertEqual(recorder.first_length, 8)
-        self.assertEqual(plain[0, 5:].tolist(), [eos])
-        self.assertEqual(bucketed.tolist(), plain.tolist())
-
-    def test_repetition_penalty_with_left_padding(self):
-        # From transformers 5.23 on, upstream's repetition penalty skips the left padding it reads off the mask.
-        input_ids = random_ids(2, 7, seed=4)
-        attention_mask = torch.ones_like(input_ids)
-        attention_mask[0, :3] = 0
-        kwargs = {
-            "max_new_tokens": 10,
-            "do_sample": False,
-            "repetition_penalty": 5.0,
-            "attention_mask": attention_mask,
-        }
-        plain = self.model.generate(input_ids, **kwargs)
-        bucketed = prefill_buckets.generate(self.model, input_ids, prefill_buckets=[16], **kwargs)
-        self.assertEqual(bucketed.tolist(), plain.tolist())
-
-
-class LongPromptWarningTest(unittest.TestCase):
-    def setUp(self):
-        prefill_buckets.disable()
-        self.addCleanup(prefill_buckets.disable)
-        transformers_logging.warning_once.cache_clear()  # the warning is logged once per message
-
-    def test_prompt_longer_than_largest_bucket_warns(self):
-        model = get_model("llama")
-        with CaptureLogger(package_logger) as captured:
-            prefill_buckets.generate(model, random_ids(1, 70), max_new_tokens=2, prefill_buckets=[8, 16, 32, 64])
-        self.assertIn("70 tokens", captured.out)
-        self.assertIn("(64)", captured.out)
-        self.assertIn("128", captured.out)
-
-    def test_no_warning_inside_the_buckets(self):
-        model = get_model("llama")
-        with CaptureLogger(package_logger) as captured:
-            prefill_buckets.generate(model, random_ids(1, 60), max_new_tokens=2, prefill_buckets=[8, 16, 32, 64])
-        self.assertEqual(captured.out, "")
-
-
-class RecurrentCacheTest(unittest.TestCase):
-    """A conversation on a model whose cache holds only recurrent layers (Mamba): a later turn runs unpadded, exact."""
-
-    # Before 5.24 upstream's own later turn of a Mamba conversation refuses the cache it returned (`past_key_values` is
-    # "not used by the model"); the case this pins comes with 5.25.
-    @unittest.skipIf(CACHE != "cache", "transformers < 5.24 continues no Mamba conversation itself")
-    def test_a_later_turn_runs_upstreams_call(self):
-        # From transformers 5.25 such a cache tells how many tokens it holds, and a later turn of a conversation a
-        # bucketed call started was lined up with its padding: the forward raised a size mismatch. It holds a state and
-        # no keys: the turn runs unpadded, as it did where the cache could not tell its length.
-        config = MambaConfig(
-            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, state_size=8, expand=2, conv_kernel=4,
-            pad_token_id=PAD, eos_token_id=EOS, bos_token_id=BOS,
-        )  # fmt: skip
-        torch.manual_seed(0)
-        model = MambaForCausalLM(config).eval()
-        config = GenerationConfig(do_sample=False, max_new_tokens=4, min_new_tokens=4, return_dict_in_generate=True)
-        prompt, reply = random_ids(1, 6), random_ids(1, 3, seed=1)
-        cache_keyword = CACHE
-        for first_fields in ({}, {"prefill_buckets": [16]}):
-            with self.subTest(first_fields=first_fields):
-                first = model.generate(prompt, generation_config=config)
-                expected = model.generate(
-                    torch.cat([first.sequences, reply], dim=1),
-                    generation_config=config,
-                    **{CACHE: getattr(first, CACHE)},
-                )
-                ours = prefill_buckets.generate(model, prompt, generation_config=config, **first_fields)
-                self.assertEqual(ours.sequences.tolist(), first.sequences.tolist())
-                package_logger.warning_once.cache_clear()  # each subtest's reason is logged again
-                with CaptureLogger(package_logger) as captured:
-                    turn = prefill_buckets.generate(
-                        model,
-                        torch.cat([ours.sequences, reply], dim=1),
-                        generation_config=config,
-                        prefill_buckets=[16],
-                        **{cache_keyword: getattr(ours, CACHE)},
-                    )
-                self.assertEqual(turn.sequences.tolist(), expected.sequences.tolist())
-                if first_fields:  # the turn that continues a bucketed call's cache says why it is not padded
-                    self.assertIn("only recurrent (linear-attention) layers", captured.out)
-
-    @unittest.skipIf(CACHE != "cache", "transformers < 5.24 continues no Mamba conversation itself")
-    def test_a_later_turn_after_a_left_padded_turn(self):
-        # From transformers 5.25 a recurrent layer counts the tokens it ran, and upstream slices a later turn's ids by
-        # that count: a first turn padded on the left counted its pads, and the later turn ran too few of its tokens
-        # (other logits from its first step). The pads are uncounted after the call.
-        config = MambaConfig(
-            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, state_size=8, expand=2, conv_kernel=4,
-            pad_token_id=PAD, eos_token_id=EOS, bos_token_id=BOS,
-        )  # fmt: skip
-        torch.manual_seed(0)
-        model = MambaForCausalLM(config).eval()
-        prompt, reply = random_ids(1, 11), random_ids(1, 5, seed=1)
-        options = {"do_sample": False, "max_new_tokens": 4, "return_dict_in_generate": True, "pad_token_id": PAD}
-        for cache in ({"cache_implementation": "static", "max_cache_len": 64}, {}):
-            turns = []
-            for generate in (model.generate, functools.partial(prefill_buckets.generate, model)):
-                first = generate(prompt, **options, **cache, **({"prefill_buckets": [16]} if turns else {}))
-                later = generate(
-                    torch.cat([first.sequences, reply], dim=1),
-                    output_logits=True,
-                    **options,
-                    **{CACHE: getattr(first, CACHE)},
-                )
-                turns.append((first.sequences, later.sequences, torch.stack(later.logits)))
-            with self.subTest(cache=cache):
-                (first, later, logits), (our_first, our_later, our_logits) = turns
-                self.assertEqual(our_first.tolist(), first.tolist())
-                self.assertEqual(our_later.tolist(), later.tolist())
-                torch.testing.assert_close(our_logits, logits)
 
 
 if __name__ == "__main__":

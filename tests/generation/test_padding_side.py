@@ -1,21 +1,25 @@
 # A prompt outside the buckets gets one warning, and it says what was done with the prompt: padded to a multiple of
 # the largest bucket, capped at `max_position_embeddings` (a length every such prompt shares: logged once), or not
 # padded at all (longer than the model's positions: each length its own graph).
-# (`call/padding_side.py`: `capped_bucket`, `warn_long_prompt`.)
+# (`call/padding_side.py`: `capped_bucket`, `warn_long_prompt`.) `LongPromptWarningTest` (a prompt longer than the
+# largest bucket of a list warns, one inside them doesn't) moved whole from test_equivalence.py, whose models and ids
+# it shares.
 
 import logging as std_logging
 import unittest
 
 import torch
 from transformers.testing_utils import CaptureLogger
-from transformers.utils import logging
+from transformers.utils import logging as transformers_logging
 
 import prefill_buckets
 from prefill_buckets.state import called_by
 from prefill_buckets.testing_utils import tiny_llama
 
+from .test_equivalence import get_model, random_ids
 
-package_logger = logging.get_logger("prefill_buckets")
+
+package_logger = transformers_logging.get_logger("prefill_buckets")
 
 
 class LongPromptWarningsTest(unittest.TestCase):
@@ -111,3 +115,24 @@ class LongPromptWarningsTest(unittest.TestCase):
         warnings, forwarded = self.generate(20, prefill_buckets=[16, 32])
         self.assertEqual(forwarded, 32)
         self.assertEqual(warnings, [])
+
+
+class LongPromptWarningTest(unittest.TestCase):
+    def setUp(self):
+        prefill_buckets.disable()
+        self.addCleanup(prefill_buckets.disable)
+        transformers_logging.warning_once.cache_clear()  # the warning is logged once per message
+
+    def test_prompt_longer_than_largest_bucket_warns(self):
+        model = get_model("llama")
+        with CaptureLogger(package_logger) as captured:
+            prefill_buckets.generate(model, random_ids(1, 70), max_new_tokens=2, prefill_buckets=[8, 16, 32, 64])
+        self.assertIn("70 tokens", captured.out)
+        self.assertIn("(64)", captured.out)
+        self.assertIn("128", captured.out)
+
+    def test_no_warning_inside_the_buckets(self):
+        model = get_model("llama")
+        with CaptureLogger(package_logger) as captured:
+            prefill_buckets.generate(model, random_ids(1, 60), max_new_tokens=2, prefill_buckets=[8, 16, 32, 64])
+        self.assertEqual(captured.out, "")

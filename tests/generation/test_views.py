@@ -1,5 +1,7 @@
 """Logits processors and stopping criteria that read token content see the user's ids, never the added padding
-(`call/views.py`: the views of the objects upstream `generate` hands the padded ids to)."""
+(`call/views.py`: the views of the objects upstream `generate` hands the padded ids to). `PromptReadingProcessorsTest`
+(upstream's processors that read the prompt, where the pad token is eos) moved whole from test_equivalence.py, whose
+models, ids and forward recorder it shares."""
 
 import unittest
 
@@ -9,7 +11,7 @@ from transformers import GenerationConfig, LogitsProcessor, StoppingCriteria
 
 import prefill_buckets
 
-from .test_equivalence import get_model, random_ids
+from .test_equivalence import ForwardRecorder, get_model, random_ids
 from .tiny_models import tiny_llama
 
 
@@ -160,6 +162,57 @@ class InputsEmbedsProcessorsTest(unittest.TestCase):
         theirs = model.generate(inputs_embeds=embeds, generation_config=config)
         ours = prefill_buckets.generate(model, inputs_embeds=embeds, generation_config=config, prefill_buckets=[16])
         torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+
+class PromptReadingProcessorsTest(unittest.TestCase):
+    """
+    Logits processors that read the whole `input_ids`, prompt included, must not see the added padding: in the
+    common setup where the pad token is the eos token, a processor that bans prompt tokens would ban eos.
+    """
+
+    @classmethod
+    def setUpClass(cls):
+        cls.model = get_model("llama")
+
+    def setUp(self):
+        prefill_buckets.disable()
+        self.addCleanup(prefill_buckets.disable)
+
+    @parameterized.expand(
+        [
+            ("repetition_penalty", {"repetition_penalty": 1e6}),
+            ("no_repeat_ngram_size_1", {"no_repeat_ngram_size": 1}),
+            ("no_repeat_ngram_size_2", {"no_repeat_ngram_size": 2}),
+        ]
+    )
+    def test_pad_token_is_eos(self, _, processor_kwargs):
+        input_ids = random_ids(1, 5, seed=3)
+        # The token the model emits first is made pad and eos: unpadded, generation stops after one token.
+        eos = self.model.generate(input_ids, max_new_tokens=1, do_sample=False)[0, -1].item()
+        kwargs = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": eos, "eos_token_id": eos}
+        plain = self.model.generate(input_ids, **kwargs, **processor_kwargs)
+        with ForwardRecorder(self.model) as recorder:
+            bucketed = prefill_buckets.generate(
+                self.model, input_ids, prefill_buckets=[8], **kwargs, **processor_kwargs
+            )
+        self.assertEqual(recorder.first_length, 8)
+        self.assertEqual(plain[0, 5:].tolist(), [eos])
+        self.assertEqual(bucketed.tolist(), plain.tolist())
+
+    def test_repetition_penalty_with_left_padding(self):
+        # From transformers 5.23 on, upstream's repetition penalty skips the left padding it reads off the mask.
+        input_ids = random_ids(2, 7, seed=4)
+        attention_mask = torch.ones_like(input_ids)
+        attention_mask[0, :3] = 0
+        kwargs = {
+            "max_new_tokens": 10,
+            "do_sample": False,
+            "repetition_penalty": 5.0,
+            "attention_mask": attention_mask,
+        }
+        plain = self.model.generate(input_ids, **kwargs)
+        bucketed = prefill_buckets.generate(self.model, input_ids, prefill_buckets=[16], **kwargs)
+        self.assertEqual(bucketed.tolist(), plain.tolist())
 
 
 if __name__ == "__main__":
