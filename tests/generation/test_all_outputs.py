@@ -17,7 +17,7 @@ from transformers.utils import ModelOutput
 
 import prefill_buckets
 
-from .test_equivalence import EOS, PAD, get_model, left_padded_batch
+from .tiny_models import EOS, PAD, get_model, left_padded_batch
 
 
 ARCHITECTURES = ("llama", "gpt2_pad", "mistral_sliding")  # rotary, absolute positions, sliding window (8)

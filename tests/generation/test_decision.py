@@ -26,16 +26,20 @@ from prefill_buckets.call import generation
 from prefill_buckets.call.hooks import HOOKS
 from prefill_buckets.upstream import candidates
 
-from .test_equivalence import EOS, PAD, VOCAB, get_model, random_ids
 from .tiny_models import (
     BUCKETS,
     CACHE,
     COUNTER_BACKEND,
+    EOS,
+    PAD,
+    VOCAB,
     CompilationTestCase,
+    get_model,
     make_config,
     make_model,
     make_prompt,
     make_reference,
+    random_batch_ids,
     tiny_llama,
 )
 
@@ -413,13 +417,13 @@ class EncoderDecoderTest(unittest.TestCase):
     @parameterized.expand([("buckets", {"prefill_buckets": [8]}), ("multiple", {"prefill_pad_to_multiple_of": 8})])
     def test_raises(self, _, fields):
         with self.assertRaisesRegex(ValueError, "encoder-decoder"):
-            prefill_buckets.generate(self.model, random_ids(1, 5), max_new_tokens=2, **fields)
+            prefill_buckets.generate(self.model, random_batch_ids(1, 5), max_new_tokens=2, **fields)
         prefill_buckets.enable()
         with self.assertRaisesRegex(ValueError, "encoder-decoder"):
-            self.model.generate(random_ids(1, 5), max_new_tokens=2, **fields)
+            self.model.generate(random_batch_ids(1, 5), max_new_tokens=2, **fields)
 
     def test_without_fields_is_upstream(self):
-        input_ids = random_ids(1, 5)
+        input_ids = random_batch_ids(1, 5)
         expected = self.model.generate(input_ids, max_new_tokens=3, do_sample=False)
         hooked_during_call = record_hooks_during_forwards(self, self.model)
         out = prefill_buckets.generate(self.model, input_ids, max_new_tokens=3, do_sample=False)

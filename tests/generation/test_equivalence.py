@@ -2,113 +2,26 @@
 # the unpadded prompt (same ids, same shape, same per-step outputs), on tiny random models of several architectures,
 # while the model really sees the padded prompt.
 
-import functools
 import unittest
 
 import torch
 from parameterized import parameterized
-from transformers import (
-    GemmaConfig,
-    GemmaForCausalLM,
-    GenerationConfig,
-    GPT2Config,
-    GPT2LMHeadModel,
-    LlamaConfig,
-    LlamaForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
-    Phi3Config,
-    Phi3ForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-    masking_utils,
-)
+from transformers import GenerationConfig, masking_utils
 from transformers.generation.streamers import BaseStreamer
 
 import prefill_buckets
 from prefill_buckets.call.hooks import HOOKS
 
-from .tiny_models import single_thread_module
+from .tiny_models import EOS, ForwardRecorder, get_model, left_padded_batch, random_batch_ids, single_thread_module
 
 
 # Upstream's SDPA mask-skip rule, which a bucketed call replaces while it runs and must put back.
 UPSTREAM_IGNORE_CAUSAL_MASK_SDPA = masking_utils._ignore_causal_mask_sdpa
 
-VOCAB = 128
-PAD, EOS, BOS = 0, 1, 2
 MAX_NEW_TOKENS = 4
-
-_LLAMA_LIKE = {
-    "vocab_size": VOCAB,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 256,
-}
-_SPECIAL_TOKENS = {"pad_token_id": PAD, "eos_token_id": EOS, "bos_token_id": BOS}
-
-# name -> (model class, config). Tiny, fp32, random weights (seeded): never a hub download.
-MODEL_SPECS = {
-    "llama": (LlamaForCausalLM, lambda: LlamaConfig(**_LLAMA_LIKE, **_SPECIAL_TOKENS)),
-    "qwen3": (Qwen3ForCausalLM, lambda: Qwen3Config(**_LLAMA_LIKE, head_dim=8, **_SPECIAL_TOKENS)),
-    # A sliding window shorter than most prompts here.
-    "mistral_sliding": (MistralForCausalLM, lambda: MistralConfig(**_LLAMA_LIKE, sliding_window=8, **_SPECIAL_TOKENS)),
-    "gemma": (GemmaForCausalLM, lambda: GemmaConfig(**_LLAMA_LIKE, head_dim=8, **_SPECIAL_TOKENS)),
-    "phi3": (Phi3ForCausalLM, lambda: Phi3Config(**_LLAMA_LIKE, **_SPECIAL_TOKENS)),
-    # Absolute position embeddings: positions must come from the mask, not from the padded index.
-    "gpt2_no_pad": (
-        GPT2LMHeadModel,
-        lambda: GPT2Config(
-            vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=256, eos_token_id=EOS, bos_token_id=BOS
-        ),
-    ),
-    "gpt2_pad": (
-        GPT2LMHeadModel,
-        lambda: GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=256, **_SPECIAL_TOKENS),
-    ),
-    # No pad token anywhere (eos set), and neither pad nor eos.
-    "llama_no_pad": (
-        LlamaForCausalLM,
-        lambda: LlamaConfig(**_LLAMA_LIKE, pad_token_id=None, eos_token_id=EOS, bos_token_id=BOS),
-    ),
-    "llama_no_pad_no_eos": (
-        LlamaForCausalLM,
-        lambda: LlamaConfig(**_LLAMA_LIKE, pad_token_id=None, eos_token_id=None, bos_token_id=BOS),
-    ),
-}
 
 
 setUpModule, tearDownModule = single_thread_module()
-
-
-@functools.cache
-def get_model(name: str, attn_implementation: str | None = None):
-    model_class, make_config = MODEL_SPECS[name]
-    torch.manual_seed(0)
-    if attn_implementation is None:
-        model = model_class(make_config())
-    else:
-        model = model_class._from_config(make_config(), attn_implementation=attn_implementation)
-    return model.eval()
-
-
-def random_ids(batch_size: int, length: int, seed: int = 0) -> torch.Tensor:
-    # Ids 3.. so a prompt never holds the pad, eos or bos token by chance.
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(3, VOCAB, (batch_size, length), generator=generator)
-
-
-def left_padded_batch(lengths, pad_id: int, seed: int = 0):
-    """A batch padded on the left by hand, as a tokenizer with `padding_side="left"` would: (input_ids, attention_mask)."""
-    width = max(lengths)
-    input_ids = torch.full((len(lengths), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(lengths), width), dtype=torch.long)
-    for row, length in enumerate(lengths):
-        input_ids[row, width - length :] = random_ids(1, length, seed=seed + row)[0]
-        attention_mask[row, width - length :] = 1
-    return input_ids, attention_mask
 
 
 # The bucket policies under test and the bucket each gives, computed by hand (not by `BucketPolicy`).
@@ -133,45 +46,6 @@ LENGTHS = [1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63]
 # The lengths every architecture runs: length 1, exact fits, just above a bucket, each policy. The whole
 # LENGTHS x POLICIES matrix runs on the architectures of `AllLengthsMixin`.
 SOME_LENGTHS = [("list", 1), ("list", 8), ("list", 9), ("list", 33), ("pow2", 3), ("pow2", 17), ("multiple8", 9)]
-
-
-def _shapes(value):
-    """The shape of a tensor, or of each tensor of a dict (a model with several attention types gets a dict of masks)."""
-    if isinstance(value, torch.Tensor):
-        return tuple(value.shape)
-    if isinstance(value, dict) and value and all(isinstance(v, torch.Tensor) for v in value.values()):
-        return {k: tuple(v.shape) for k, v in value.items()}
-    return None
-
-
-class ForwardRecorder:
-    """Forward pre-hook recording what each forward of the model receives: sequence length and tensor shapes."""
-
-    def __init__(self, model):
-        self.calls = []
-        self.handle = model.register_forward_pre_hook(self, with_kwargs=True)
-
-    def __call__(self, module, args, kwargs):
-        tensor = kwargs.get("inputs_embeds")
-        if tensor is None:
-            tensor = kwargs.get("input_ids")
-        self.calls.append(
-            {
-                "length": tensor.shape[1],
-                "shapes": {k: _shapes(v) for k, v in kwargs.items() if _shapes(v) is not None},
-                "none": sorted(k for k, v in kwargs.items() if v is None),
-            }
-        )
-
-    @property
-    def first_length(self) -> int:
-        return self.calls[0]["length"]
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.handle.remove()
 
 
 class AttentionMaskRecorder:
@@ -270,7 +144,7 @@ class BucketedGenerationTestBase:
             self.assertSameTensor(actual.beam_indices, expected.beam_indices)
 
     def check_single_prompt(self, policy, length):
-        input_ids = random_ids(1, length, seed=length)
+        input_ids = random_batch_ids(1, length, seed=length)
         (bucketed, seen), (plain, plain_seen) = self.generate_pair(
             POLICIES[policy], input_ids=input_ids, max_new_tokens=MAX_NEW_TOKENS, do_sample=False
         )
@@ -287,7 +161,7 @@ class BucketedGenerationTestBase:
         return out[0, -1].item()
 
     def check_long_prompt(self, policy, bucket):
-        input_ids = random_ids(1, 70, seed=70)
+        input_ids = random_batch_ids(1, 70, seed=70)
         (bucketed, seen), (plain, _) = self.generate_pair(
             POLICIES[policy], input_ids=input_ids, max_new_tokens=MAX_NEW_TOKENS, do_sample=False
         )
@@ -307,7 +181,7 @@ class BucketedGenerationTesterMixin(BucketedGenerationTestBase):
 
     @parameterized.expand([(length,) for length in (1, 8, 33)])
     def test_static_cache(self, length):
-        input_ids = random_ids(1, length, seed=length)
+        input_ids = random_batch_ids(1, length, seed=length)
         (bucketed, seen), (plain, _) = self.generate_pair(
             POLICIES["list"],
             input_ids=input_ids,
@@ -342,7 +216,7 @@ class BucketedGenerationTesterMixin(BucketedGenerationTestBase):
     @parameterized.expand([("single", 1, 0), ("batch", 3, 2)])
     def test_sampling(self, _, batch_size, seed):
         if batch_size == 1:
-            input_ids, attention_mask = random_ids(1, 6, seed=seed), None
+            input_ids, attention_mask = random_batch_ids(1, 6, seed=seed), None
         else:
             input_ids, attention_mask = left_padded_batch((2, 6, 10), self.user_pad_id, seed=seed)
         kwargs = {"attention_mask": attention_mask} if attention_mask is not None else {}
@@ -381,7 +255,7 @@ class BucketedGenerationTesterMixin(BucketedGenerationTestBase):
     @parameterized.expand([("single", 1), ("batch", 3)])
     def test_max_length(self, _, batch_size):
         if batch_size == 1:
-            input_ids, kwargs = random_ids(1, 5, seed=5), {}
+            input_ids, kwargs = random_batch_ids(1, 5, seed=5), {}
         else:
             input_ids, attention_mask = left_padded_batch((3, 5, 10), self.user_pad_id, seed=5)
             kwargs = {"attention_mask": attention_mask}
@@ -403,7 +277,7 @@ class BucketedGenerationTesterMixin(BucketedGenerationTestBase):
     )
     def test_eos_and_minimum_lengths(self, _, minimum, batch_size):
         if batch_size == 1:
-            input_ids, attention_mask = random_ids(1, 6, seed=6), None
+            input_ids, attention_mask = random_batch_ids(1, 6, seed=6), None
         else:
             input_ids, attention_mask = left_padded_batch((6, 3, 9), self.user_pad_id, seed=6)
         prompt_length = input_ids.shape[1]
@@ -438,7 +312,7 @@ class BucketedGenerationTesterMixin(BucketedGenerationTestBase):
     @parameterized.expand([("single", 1), ("batch", 3)])
     def test_inputs_embeds(self, _, batch_size):
         if batch_size == 1:
-            input_ids = random_ids(1, 5, seed=21)
+            input_ids = random_batch_ids(1, 5, seed=21)
             attention_mask = torch.ones_like(input_ids)
         else:
             input_ids, attention_mask = left_padded_batch((2, 5, 10), self.user_pad_id, seed=21)
@@ -455,7 +329,7 @@ class BucketedGenerationTesterMixin(BucketedGenerationTestBase):
         self.assertSameOutput(bucketed, plain)
 
     def test_streamer(self):
-        input_ids = random_ids(1, 5, seed=31)
+        input_ids = random_batch_ids(1, 5, seed=31)
         streamers = []
         for bucketed in (True, False):
             streamer = RecordingStreamer()
@@ -482,7 +356,7 @@ class GenerationOutputsTesterMixin(BucketedGenerationTestBase):
     """Per-step outputs, other ways to pass inputs and config, and what a call must leave untouched."""
 
     def test_attention_mask_passed_explicitly(self):
-        input_ids = random_ids(1, 5, seed=5)
+        input_ids = random_batch_ids(1, 5, seed=5)
         (bucketed, seen), (plain, _) = self.generate_pair(
             POLICIES["list"],
             input_ids=input_ids,
@@ -497,7 +371,7 @@ class GenerationOutputsTesterMixin(BucketedGenerationTestBase):
         # The fields on a `generation_config` passed to the call (not enabled: stored as unknown fields).
         config = GenerationConfig(max_new_tokens=MAX_NEW_TOKENS, do_sample=False, prefill_buckets=[16])
         plain_config = GenerationConfig(max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
-        input_ids = random_ids(1, 5, seed=5)
+        input_ids = random_batch_ids(1, 5, seed=5)
         with ForwardRecorder(self.model) as recorder:
             bucketed = prefill_buckets.generate(self.model, input_ids, generation_config=config)
         self.assertEqual(recorder.first_length, 16)
@@ -516,7 +390,7 @@ class GenerationOutputsTesterMixin(BucketedGenerationTestBase):
                 with ForwardRecorder(self.model) as forwards, AttentionMaskRecorder(self.model) as masks:
                     prefill_buckets.generate(
                         self.model,
-                        random_ids(1, length, seed=length),
+                        random_batch_ids(1, length, seed=length),
                         prefill_buckets=[8],
                         prefill_padding_side=side,
                         max_new_tokens=3,
@@ -536,7 +410,7 @@ class GenerationOutputsTesterMixin(BucketedGenerationTestBase):
             self.assertIn("attention_mask", signatures[1][0][0], cache_implementation)
             with ForwardRecorder(self.model) as forwards:
                 self.model.generate(
-                    random_ids(1, 8, seed=8),
+                    random_batch_ids(1, 8, seed=8),
                     max_new_tokens=3,
                     do_sample=False,
                     cache_implementation=cache_implementation,
@@ -565,7 +439,7 @@ class GenerationOutputsTesterMixin(BucketedGenerationTestBase):
         self.assertSameOutput(bucketed, plain)
 
     def test_batch_same_lengths(self):
-        input_ids = random_ids(3, 9, seed=9)
+        input_ids = random_batch_ids(3, 9, seed=9)
         (bucketed, seen), (plain, _) = self.generate_pair(
             POLICIES["pow2"], input_ids=input_ids, max_new_tokens=MAX_NEW_TOKENS, do_sample=False
         )
@@ -573,7 +447,7 @@ class GenerationOutputsTesterMixin(BucketedGenerationTestBase):
         self.assertSameOutput(bucketed, plain)
 
     def test_max_length_too_short_raises_like_upstream(self):
-        input_ids = random_ids(1, 5, seed=5)
+        input_ids = random_batch_ids(1, 5, seed=5)
         with self.assertRaises(ValueError) as upstream:
             self.model.generate(input_ids, max_length=5, do_sample=False)
         with self.assertRaises(ValueError) as bucketed:
@@ -682,7 +556,7 @@ class GenerationOutputsTesterMixin(BucketedGenerationTestBase):
         self.assertSameOutput(bucketed, plain)
 
     def test_inputs_embeds_without_mask(self):
-        inputs_embeds = self.model.get_input_embeddings()(random_ids(1, 5, seed=22)).detach()
+        inputs_embeds = self.model.get_input_embeddings()(random_batch_ids(1, 5, seed=22)).detach()
         (bucketed, seen), (plain, _) = self.generate_pair(
             POLICIES["pow2"], inputs_embeds=inputs_embeds, max_new_tokens=MAX_NEW_TOKENS, do_sample=False
         )
@@ -690,7 +564,7 @@ class GenerationOutputsTesterMixin(BucketedGenerationTestBase):
         self.assertSameOutput(bucketed, plain)
 
     def test_input_ids_and_inputs_embeds(self):
-        input_ids = random_ids(1, 5, seed=23)
+        input_ids = random_batch_ids(1, 5, seed=23)
         inputs_embeds = self.model.get_input_embeddings()(input_ids).detach()
         (bucketed, seen), (plain, _) = self.generate_pair(
             POLICIES["list"],
@@ -731,10 +605,12 @@ class GenerationOutputsTesterMixin(BucketedGenerationTestBase):
 
     def test_hooks_removed_after_an_error(self):
         with self.assertRaises(ValueError):
-            prefill_buckets.generate(self.model, random_ids(1, 5), max_length=3, do_sample=False, prefill_buckets=[8])
+            prefill_buckets.generate(
+                self.model, random_batch_ids(1, 5), max_length=3, do_sample=False, prefill_buckets=[8]
+            )
         self.assertNoHooksLeft(self.model)
         # And the model still generates normally.
-        input_ids = random_ids(1, 5, seed=51)
+        input_ids = random_batch_ids(1, 5, seed=51)
         (bucketed, _), (plain, _) = self.generate_pair(
             POLICIES["list"], input_ids=input_ids, max_new_tokens=3, do_sample=False
         )
@@ -775,7 +651,7 @@ class AllLengthsMixin(BucketedGenerationTestBase):
         # The buckets aligned to 8 are 16 and 24; 13 tokens fit in 16. Beyond the list the alignment alone decides.
         policy = {"prefill_buckets": [12, 24], "prefill_pad_to_multiple_of": 8}
         for length, bucket in ((5, 16), (13, 16), (17, 24), (30, 32)):
-            input_ids = random_ids(1, length, seed=length)
+            input_ids = random_batch_ids(1, length, seed=length)
             (bucketed, seen), (plain, _) = self.generate_pair(
                 policy, input_ids=input_ids, max_new_tokens=MAX_NEW_TOKENS, do_sample=False
             )

@@ -3,7 +3,7 @@
 # padded at all (longer than the model's positions: each length its own graph).
 # (`call/padding_side.py`: `capped_bucket`, `warn_long_prompt`.) `LongPromptWarningTest` (a prompt longer than the
 # largest bucket of a list warns, one inside them doesn't) moved whole from test_equivalence.py, whose models and ids
-# it shares.
+# it shares (in tiny_models.py).
 
 import logging as std_logging
 import unittest
@@ -16,7 +16,7 @@ import prefill_buckets
 from prefill_buckets.state import called_by
 from prefill_buckets.testing_utils import tiny_llama
 
-from .test_equivalence import get_model, random_ids
+from .tiny_models import get_model, random_batch_ids
 
 
 package_logger = transformers_logging.get_logger("prefill_buckets")
@@ -126,7 +126,7 @@ class LongPromptWarningTest(unittest.TestCase):
     def test_prompt_longer_than_largest_bucket_warns(self):
         model = get_model("llama")
         with CaptureLogger(package_logger) as captured:
-            prefill_buckets.generate(model, random_ids(1, 70), max_new_tokens=2, prefill_buckets=[8, 16, 32, 64])
+            prefill_buckets.generate(model, random_batch_ids(1, 70), max_new_tokens=2, prefill_buckets=[8, 16, 32, 64])
         self.assertIn("70 tokens", captured.out)
         self.assertIn("(64)", captured.out)
         self.assertIn("128", captured.out)
@@ -134,5 +134,5 @@ class LongPromptWarningTest(unittest.TestCase):
     def test_no_warning_inside_the_buckets(self):
         model = get_model("llama")
         with CaptureLogger(package_logger) as captured:
-            prefill_buckets.generate(model, random_ids(1, 60), max_new_tokens=2, prefill_buckets=[8, 16, 32, 64])
+            prefill_buckets.generate(model, random_batch_ids(1, 60), max_new_tokens=2, prefill_buckets=[8, 16, 32, 64])
         self.assertEqual(captured.out, "")

@@ -20,8 +20,7 @@ from prefill_buckets.config import PREFILL_PADDING_SIDE, validate_fields
 from prefill_buckets.upstream import versions
 
 from .test_all_outputs import assert_same
-from .test_equivalence import EOS, MODEL_SPECS, PAD, get_model, left_padded_batch, random_ids
-from .tiny_models import CACHE
+from .tiny_models import CACHE, EOS, MODEL_SPECS, PAD, get_model, left_padded_batch, random_batch_ids
 
 
 package_logger = transformers_logging.get_logger("prefill_buckets")
@@ -112,7 +111,7 @@ def first_right_turn(test, rows: int):
     """
     first_config = config(max_cache_len=96, output_scores=False, output_logits=False)
     later_config = config(cache_implementation=None, output_scores=False, output_logits=False)
-    first = random_ids(rows, 9, seed=1)
+    first = random_batch_ids(rows, 9, seed=1)
     ours = run_bucketed(test.model, first, first_config, prefill_buckets=BUCKETS)
     theirs = run(test.model, first, first_config)
     test.assertEqual(test.spy.last(), "right")
@@ -130,7 +129,7 @@ class RightPaddingEquivalenceTest(unittest.TestCase):
         model = get_model(arch)
         for length in (5, 8, 1):  # padded, an exact fit, one token
             with self.subTest(length=length):
-                input_ids = random_ids(batch, length, seed=length)
+                input_ids = random_batch_ids(batch, length, seed=length)
                 generation_config = config(**MODES[mode])
                 want = run(model, input_ids, generation_config)
                 got = run_bucketed(model, input_ids, generation_config, prefill_buckets=BUCKETS)
@@ -143,7 +142,7 @@ class RightPaddingEquivalenceTest(unittest.TestCase):
         # the wrong position of a padded prefill) has been seen in production servers.
         model = get_model(arch)
         for length in (3, 9, 16, 17, 31):
-            input_ids = random_ids(2, length, seed=length)
+            input_ids = random_batch_ids(2, length, seed=length)
             generation_config = config(max_new_tokens=1)
             want = run(model, input_ids, generation_config).logits[0]
             got = run_bucketed(model, input_ids, generation_config, prefill_buckets=BUCKETS).logits[0]
@@ -176,39 +175,44 @@ class SideTest(unittest.TestCase):
         # No mask: upstream infers one from the pad tokens.
         self.check("right", input_ids)
         # An all-ones mask: one length.
-        self.check("right", random_ids(2, 6), attention_mask=torch.ones(2, 6, dtype=torch.long))
+        self.check("right", random_batch_ids(2, 6), attention_mask=torch.ones(2, 6, dtype=torch.long))
         # Padded on the right by the user: left.
         side = self.check("left", input_ids.flip(1), attention_mask=attention_mask.flip(1))
         self.assertIn("padded on the right", side.reason)
 
     def test_dynamic_cache_and_no_cache(self):
-        self.check("left", random_ids(1, 6), config(cache_implementation=None))
-        self.check("left", random_ids(1, 6), config(cache_implementation=None, use_cache=False))
+        self.check("left", random_batch_ids(1, 6), config(cache_implementation=None))
+        self.check("left", random_batch_ids(1, 6), config(cache_implementation=None, use_cache=False))
 
     def test_chunked_prefill(self):
-        self.check("left", random_ids(1, 11), config(prefill_chunk_size=4))
+        self.check("left", random_batch_ids(1, 11), config(prefill_chunk_size=4))
 
     def test_per_position_outputs(self):
-        self.check("left", random_ids(1, 6), config(output_hidden_states=True))
-        self.check("left", random_ids(1, 6), config(output_attentions=True))
+        self.check("left", random_batch_ids(1, 6), config(output_hidden_states=True))
+        self.check("left", random_batch_ids(1, 6), config(output_attentions=True))
 
     def test_scores_and_lengths(self):
-        self.check("right", random_ids(1, 6), config(max_new_tokens=None, max_length=12, min_length=10))
-        self.check("right", random_ids(2, 6), config(min_new_tokens=4))
+        self.check("right", random_batch_ids(1, 6), config(max_new_tokens=None, max_length=12, min_length=10))
+        self.check("right", random_batch_ids(2, 6), config(min_new_tokens=4))
 
     def test_beam_search_and_returned_sequences(self):
-        self.check("right", random_ids(2, 6), config(num_beams=3, num_return_sequences=2))
-        self.check("right", random_ids(1, 6), config(do_sample=True, top_k=0, num_return_sequences=3))
+        self.check("right", random_batch_ids(2, 6), config(num_beams=3, num_return_sequences=2))
+        self.check("right", random_batch_ids(1, 6), config(do_sample=True, top_k=0, num_return_sequences=3))
 
     def test_assisted_and_prompt_lookup(self):
-        input_ids = random_ids(1, 9).repeat(1, 2)  # repeated n-grams for prompt lookup to find
+        input_ids = random_batch_ids(1, 9).repeat(1, 2)  # repeated n-grams for prompt lookup to find
         self.check("left", input_ids, config(prompt_lookup_num_tokens=3, output_scores=False, output_logits=False))
         self.check(
-            "left", random_ids(1, 6), config(output_scores=False, output_logits=False), assistant_model=self.model
+            "left",
+            random_batch_ids(1, 6),
+            config(output_scores=False, output_logits=False),
+            assistant_model=self.model,
         )
         # Self-speculative decoding, the model's first layer drafting: assisted too (it was padded on the right, and
         # then ran unpadded, as `generate` made no static cache for it).
-        self.check("left", random_ids(1, 6), config(output_scores=False, output_logits=False, assistant_early_exit=1))
+        self.check(
+            "left", random_batch_ids(1, 6), config(output_scores=False, output_logits=False, assistant_early_exit=1)
+        )
 
     def test_streamer(self):
         class Recorder(BaseStreamer):
@@ -221,7 +225,7 @@ class SideTest(unittest.TestCase):
             def end(self):
                 pass
 
-        input_ids = random_ids(1, 6)
+        input_ids = random_batch_ids(1, 6)
         recorded = []
         for bucketed in (False, True):
             streamer = Recorder()
@@ -235,9 +239,9 @@ class SideTest(unittest.TestCase):
     def test_sliding_window(self):
         model = get_model("mistral_sliding")  # window 8
         # Bucket 8 fits the window, and decode passes it (the ring buffer rolls): right.
-        self.check("right", random_ids(1, 5), config(max_new_tokens=12), model=model)
+        self.check("right", random_batch_ids(1, 5), config(max_new_tokens=12), model=model)
         # Bucket 16 would push real tokens out of the window: left.
-        side = self.check("left", random_ids(1, 11), config(max_new_tokens=12), model=model)
+        side = self.check("left", random_batch_ids(1, 11), config(max_new_tokens=12), model=model)
         self.assertIn("sliding window of 8", side.reason)
 
     def test_recurrent_layers(self):
@@ -249,11 +253,11 @@ class SideTest(unittest.TestCase):
         model_config.layer_types = ["conv", "full_attention"]
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(model_config).eval()
-        side = self.check("left", random_ids(1, 6), config(), model=model)
+        side = self.check("left", random_batch_ids(1, 6), config(), model=model)
         self.assertIn("layers", side.reason)
 
     def test_inputs_embeds_and_batch_buckets(self):
-        input_ids = random_ids(2, 6)
+        input_ids = random_batch_ids(2, 6)
         embeds = self.model.get_input_embeddings()(input_ids)
         generation_config = config()
         torch.manual_seed(11)
@@ -265,12 +269,12 @@ class SideTest(unittest.TestCase):
         self.assertEqual(self.spy.last(), "right")
         assert_same(self, got, want, "output")
         # Three prompts, padded to four rows by a dummy row.
-        self.check("right", random_ids(3, 6), config(), fields={"prefill_batch_buckets": [4]})
+        self.check("right", random_batch_ids(3, 6), config(), fields={"prefill_batch_buckets": [4]})
 
     def test_continued_conversation(self):
         ours, theirs, later_config = first_right_turn(self, rows=1)
         for turn in range(2):
-            user = random_ids(1, 5 + turn, seed=turn + 2)
+            user = random_batch_ids(1, 5 + turn, seed=turn + 2)
             ours = run_bucketed(
                 self.model,
                 torch.cat([ours.sequences, user], dim=1),
@@ -291,12 +295,12 @@ class SideTest(unittest.TestCase):
     def test_continued_from_a_left_padded_cache(self):
         generation_config = config(max_cache_len=96, output_scores=False, output_logits=False)
         later_config = config(cache_implementation=None, output_scores=False, output_logits=False)
-        first = random_ids(1, 9, seed=1)
+        first = random_batch_ids(1, 9, seed=1)
         cache = StaticCache(config=self.model.config, max_cache_len=96)
         ours = run_bucketed(self.model, first, generation_config, prefill_buckets=BUCKETS, prefill_padding_side="left")
         self.assertEqual(self.spy.last(), "left")
         theirs = run(self.model, first, later_config, **{CACHE: cache})
-        user = random_ids(1, 4, seed=5)
+        user = random_batch_ids(1, 4, seed=5)
         ours = run_bucketed(
             self.model,
             torch.cat([ours.sequences, user], dim=1),
@@ -310,7 +314,7 @@ class SideTest(unittest.TestCase):
         self.assertTrue(torch.equal(ours.sequences, theirs.sequences))
 
     def test_explicit_sides(self):
-        input_ids = random_ids(1, 6)
+        input_ids = random_batch_ids(1, 6)
         self.check("left", input_ids, config(), fields={"prefill_padding_side": "left"})
         self.check("right", input_ids, config(), fields={"prefill_padding_side": "right"})
         # "right" where it is not exact: says why, then pads on the left.
@@ -323,7 +327,7 @@ class SideTest(unittest.TestCase):
         with self.assertRaisesRegex(ValueError, r"`prefill_padding_side` must be one of \('auto', 'left', 'right'\)"):
             validate_fields(prefill_padding_side="top")
         with self.assertRaisesRegex(ValueError, PREFILL_PADDING_SIDE):
-            prefill_buckets.generate(self.model, random_ids(1, 4), prefill_buckets=[8], prefill_padding_side=1)
+            prefill_buckets.generate(self.model, random_batch_ids(1, 4), prefill_buckets=[8], prefill_padding_side=1)
 
 
 class CompiledLlamaTestCase(unittest.TestCase):
@@ -349,7 +353,7 @@ class RightPaddingGraphsTest(CompiledLlamaTestCase):
         model = self.compiled_llama(counter)
         generation_config = config(max_cache_len=96, output_scores=False, output_logits=False)
         for length in (20, 32, 25, 17, 31, 5, 16, 9, 1, 33, 64, 40):  # exact fits 16, 32 and 64 included
-            input_ids = random_ids(1, length, seed=length)
+            input_ids = random_batch_ids(1, length, seed=length)
             got = run_bucketed(model, input_ids, generation_config, prefill_buckets=[16, 32, 64])
             self.assertEqual(self.spy.last(), "right")
             self.assertTrue(torch.equal(got.sequences, run(reference, input_ids, generation_config).sequences))
@@ -357,7 +361,7 @@ class RightPaddingGraphsTest(CompiledLlamaTestCase):
         # Every forward ran compiled: one prefill and NEW_TOKENS - 1 decode steps per call.
         self.assertEqual(counter.calls, 12 * NEW_TOKENS)
         # An unpadded upstream call with the same cache length shares the decode graph: only its prefill is new.
-        run(model, random_ids(1, 20, seed=20), generation_config)
+        run(model, random_batch_ids(1, 20, seed=20), generation_config)
         self.assertEqual(counter.graphs, 5)
 
     def test_mixed_workload(self):
@@ -366,8 +370,13 @@ class RightPaddingGraphsTest(CompiledLlamaTestCase):
         reference = get_model("llama")
         generation_config = config(max_cache_len=96, output_scores=False, output_logits=False)
         uneven_ids, uneven_mask = left_padded_batch((12, 7), PAD, seed=3)
-        even_ids = random_ids(2, 12)
-        calls = [(even_ids, None), (uneven_ids, uneven_mask), (random_ids(2, 9), None), (uneven_ids, uneven_mask)]
+        even_ids = random_batch_ids(2, 12)
+        calls = [
+            (even_ids, None),
+            (uneven_ids, uneven_mask),
+            (random_batch_ids(2, 9), None),
+            (uneven_ids, uneven_mask),
+        ]
         for input_ids, attention_mask in calls:
             got = run_bucketed(
                 model, input_ids, generation_config, attention_mask=attention_mask, prefill_buckets=[16]
@@ -395,13 +404,15 @@ class RightPaddingGraphsTest(CompiledLlamaTestCase):
         backend, sdpa_calls = sdpa_recording_backend()
         model = self.compiled_llama(backend)
         generation_config = config(max_cache_len=96, max_new_tokens=2, output_scores=False, output_logits=False)
-        run_bucketed(model, random_ids(1, 11), generation_config, prefill_buckets=[16])
+        run_bucketed(model, random_batch_ids(1, 11), generation_config, prefill_buckets=[16])
         self.assertEqual(self.spy.last(), "right")
         prefill = [call for call in sdpa_calls if call[0] == 16]
         self.assertTrue(prefill)
         self.assertEqual(set(prefill), {(16, True, True)})  # no mask, is_causal
         sdpa_calls.clear()
-        run_bucketed(model, random_ids(1, 11), generation_config, prefill_buckets=[16], prefill_padding_side="left")
+        run_bucketed(
+            model, random_batch_ids(1, 11), generation_config, prefill_buckets=[16], prefill_padding_side="left"
+        )
         self.assertEqual({call[1] for call in sdpa_calls if call[0] == 16}, {False})  # the left path's mask
 
     def test_precompile_warms_the_right_graphs(self):
@@ -414,7 +425,7 @@ class RightPaddingGraphsTest(CompiledLlamaTestCase):
         graphs = counter.graphs
         self.assertEqual(graphs, 3)  # bucket 16, bucket 8, one decode graph
         for length in (3, 8, 13, 16):
-            run_bucketed(model, random_ids(1, length), generation_config)
+            run_bucketed(model, random_batch_ids(1, length), generation_config)
         self.assertEqual(counter.graphs, graphs)
 
 

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 import prefill_buckets
 from prefill_buckets.buckets import BucketPolicy
 
-from .test_equivalence import get_model
+from .tiny_models import get_model
 
 
 VOCAB, PAD = 128, 0

@@ -17,7 +17,6 @@ import prefill_buckets
 from prefill_buckets import GraphCounter
 
 from .test_all_outputs import assert_same
-from .test_equivalence import MODEL_SPECS, PAD, get_model, left_padded_batch, random_ids
 from .test_prefill_right import (
     CompiledLlamaTestCase,
     SideSpy,
@@ -28,7 +27,7 @@ from .test_prefill_right import (
     sdpa_recording_backend,
     skip_unless_sdpa_skips_while_compiling,
 )
-from .tiny_models import CACHE
+from .tiny_models import CACHE, MODEL_SPECS, PAD, get_model, left_padded_batch, random_batch_ids
 
 
 package_logger = transformers_logging.get_logger("prefill_buckets")
@@ -163,7 +162,7 @@ class RaggedEquivalenceTest(unittest.TestCase):
         # Zeros between a row's tokens.
         holes = torch.ones(2, 9, dtype=torch.long)
         holes[0, 4] = 0
-        self.check("left", model, random_ids(2, 9), holes, config())
+        self.check("left", model, random_batch_ids(2, 9), holes, config())
         self.assertIn("between a row's tokens", self.spy.sides[-1].reason)
         # A sliding window (8, which holds bucket 8).
         self.check("left", get_model("mistral_sliding"), *left_padded_batch((6, 2), PAD, seed=4), config())
@@ -197,7 +196,7 @@ class RaggedContinuationTest(unittest.TestCase):
         assert_same(self, ours, theirs, "first turn")
         mask = attention_mask
         for turn in range(2):
-            user = random_ids(2, 4 + turn, seed=turn + 2)
+            user = random_batch_ids(2, 4 + turn, seed=turn + 2)
             mask = torch.cat([mask, torch.ones(2, ours.sequences.shape[1] - mask.shape[1] + user.shape[1])], dim=1)
             mask = mask.long()
             ours = run_bucketed(
@@ -234,7 +233,7 @@ class RaggedContinuationTest(unittest.TestCase):
         # Equal rows right-padded first (an unpadded cache), then a turn whose rows differ: a mask is needed, so left,
         # which can't pad in front of an unpadded cache: the call runs unpadded, exactly.
         ours, theirs, later_config = first_right_turn(self, rows=2)
-        user = random_ids(2, 4, seed=3)
+        user = random_batch_ids(2, 4, seed=3)
         sequences = torch.cat([ours.sequences, user], dim=1)
         mask = torch.ones_like(sequences)
         mask[1, -2:] = 0

@@ -2,7 +2,7 @@
 # filled reads as holding only recurrent layers, so a later turn runs unpadded (`PassedCache.recurrent_only`, the
 # reason `call/decision.py` logs), and the pads a left-padded turn ran are uncounted after it (`record_call`), so a
 # later turn runs every token of its own. Moved whole from test_equivalence.py (`RecurrentCacheTest`), whose ids and
-# special tokens it shares; kept apart from test_record.py, whose compiled conversations take minutes, so that it runs
+# special tokens it shares (in tiny_models.py); kept apart from test_record.py, whose compiled conversations take minutes, so that it runs
 # at both ends of the tested range (RANGE_TESTS), as it did there.
 
 import functools
@@ -15,8 +15,7 @@ from transformers.utils import logging as transformers_logging
 
 import prefill_buckets
 
-from .test_equivalence import BOS, EOS, PAD, VOCAB, random_ids
-from .tiny_models import CACHE, single_thread_module
+from .tiny_models import BOS, CACHE, EOS, PAD, VOCAB, random_batch_ids, single_thread_module
 
 
 package_logger = transformers_logging.get_logger("prefill_buckets")  # every module of the package logs under it
@@ -42,7 +41,7 @@ class RecurrentCacheTest(unittest.TestCase):
         torch.manual_seed(0)
         model = MambaForCausalLM(config).eval()
         config = GenerationConfig(do_sample=False, max_new_tokens=4, min_new_tokens=4, return_dict_in_generate=True)
-        prompt, reply = random_ids(1, 6), random_ids(1, 3, seed=1)
+        prompt, reply = random_batch_ids(1, 6), random_batch_ids(1, 3, seed=1)
         cache_keyword = CACHE
         for first_fields in ({}, {"prefill_buckets": [16]}):
             with self.subTest(first_fields=first_fields):
@@ -78,7 +77,7 @@ class RecurrentCacheTest(unittest.TestCase):
         )  # fmt: skip
         torch.manual_seed(0)
         model = MambaForCausalLM(config).eval()
-        prompt, reply = random_ids(1, 11), random_ids(1, 5, seed=1)
+        prompt, reply = random_batch_ids(1, 11), random_batch_ids(1, 5, seed=1)
         options = {"do_sample": False, "max_new_tokens": 4, "return_dict_in_generate": True, "pad_token_id": PAD}
         for cache in ({"cache_implementation": "static", "max_cache_len": 64}, {}):
             turns = []

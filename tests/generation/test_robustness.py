@@ -20,8 +20,7 @@ from prefill_buckets.call.hooks import HOOKS
 from prefill_buckets.compile.compiled_calls import EagerFallback, GraphCounter
 from prefill_buckets.compile.compiled_calls import logger as compilation_logger
 
-from .test_equivalence import _LLAMA_LIKE, _SPECIAL_TOKENS
-from .tiny_models import CACHE, tiny_llama
+from .tiny_models import CACHE, LLAMA_LIKE, SPECIAL_TOKENS, tiny_llama
 
 
 package_logger = logging.get_logger("prefill_buckets")  # every module of the package logs under it
@@ -243,7 +242,7 @@ class GenerationModesTest(RobustnessTestBase):
 
 # More decoder families than test_equivalence.py: other attention layouts, MoE, recurrent and hybrid caches. Built
 # from tiny configs (`AutoConfig.for_model`), 2 layers, vocab 128.
-_COMMON = {**_LLAMA_LIKE, **_SPECIAL_TOKENS}
+_COMMON = {**LLAMA_LIKE, **SPECIAL_TOKENS}
 MORE_ARCHITECTURES = {
     "gemma3_text": {"head_dim": 8, "sliding_window": 8},
     "gemma2": {"head_dim": 8, "sliding_window": 8},

@@ -37,8 +37,7 @@ from prefill_buckets import GraphCounter
 from prefill_buckets.kvcache.sizing import early_initialize, reuse_cache
 from prefill_buckets.state import state_of
 
-from .test_equivalence import MODEL_SPECS, random_ids
-from .tiny_models import CACHE, tiny_llama
+from .tiny_models import CACHE, MODEL_SPECS, random_batch_ids, tiny_llama
 
 
 NEW_TOKENS = 5
@@ -368,7 +367,7 @@ def _attributes(thing, skip: str = "") -> dict:
 
 
 # The cache length a bucketed call gives a static cache (`sizing.static_cache_length`): moved whole from
-# test_equivalence.py, with whose model specs it builds its models.
+# test_equivalence.py, with whose model specs (in tiny_models.py) it builds its models.
 class StaticCacheLengthTest(unittest.TestCase):
     """With a static cache and no `max_cache_len`, prompts of one bucket get one cache length."""
 
@@ -383,7 +382,7 @@ class StaticCacheLengthTest(unittest.TestCase):
             model = model_class(make_config()).eval()
         out = prefill_buckets.generate(
             model,
-            random_ids(1, length, seed=length),
+            random_batch_ids(1, length, seed=length),
             max_new_tokens=4,
             do_sample=False,
             cache_implementation="static",

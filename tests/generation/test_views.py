@@ -1,7 +1,7 @@
 """Logits processors and stopping criteria that read token content see the user's ids, never the added padding
 (`call/views.py`: the views of the objects upstream `generate` hands the padded ids to). `PromptReadingProcessorsTest`
 (upstream's processors that read the prompt, where the pad token is eos) moved whole from test_equivalence.py, whose
-models, ids and forward recorder it shares."""
+models, ids and forward recorder it shares (in tiny_models.py)."""
 
 import unittest
 
@@ -11,8 +11,7 @@ from transformers import GenerationConfig, LogitsProcessor, StoppingCriteria
 
 import prefill_buckets
 
-from .test_equivalence import ForwardRecorder, get_model, random_ids
-from .tiny_models import tiny_llama
+from .tiny_models import ForwardRecorder, get_model, random_batch_ids, tiny_llama
 
 
 class RecordingProcessor(LogitsProcessor):
@@ -157,7 +156,7 @@ class InputsEmbedsProcessorsTest(unittest.TestCase):
         # alone the ids hold only the new tokens, so the added positions must not count: they would exempt the first
         # new tokens from the penalty.
         model = get_model("gpt2_no_pad")
-        embeds = model.get_input_embeddings()(random_ids(1, 13)).detach()
+        embeds = model.get_input_embeddings()(random_batch_ids(1, 13)).detach()
         config = GenerationConfig(max_new_tokens=6, do_sample=False, repetition_penalty=1.5)
         theirs = model.generate(inputs_embeds=embeds, generation_config=config)
         ours = prefill_buckets.generate(model, inputs_embeds=embeds, generation_config=config, prefill_buckets=[16])
@@ -186,7 +185,7 @@ class PromptReadingProcessorsTest(unittest.TestCase):
         ]
     )
     def test_pad_token_is_eos(self, _, processor_kwargs):
-        input_ids = random_ids(1, 5, seed=3)
+        input_ids = random_batch_ids(1, 5, seed=3)
         # The token the model emits first is made pad and eos: unpadded, generation stops after one token.
         eos = self.model.generate(input_ids, max_new_tokens=1, do_sample=False)[0, -1].item()
         kwargs = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": eos, "eos_token_id": eos}
@@ -201,7 +200,7 @@ class PromptReadingProcessorsTest(unittest.TestCase):
 
     def test_repetition_penalty_with_left_padding(self):
         # From transformers 5.23 on, upstream's repetition penalty skips the left padding it reads off the mask.
-        input_ids = random_ids(2, 7, seed=4)
+        input_ids = random_batch_ids(2, 7, seed=4)
         attention_mask = torch.ones_like(input_ids)
         attention_mask[0, :3] = 0
         kwargs = {

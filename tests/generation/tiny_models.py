@@ -8,11 +8,26 @@ test_generation.py; test_compile_counts.py takes its prompts and references), an
 ids (test_checks.py, test_gate.py, test_selftest.py, test_compiled_calls.py).
 """
 
+import functools
 import unittest
 
 import torch
 from torch._dynamo.backends.registry import register_backend
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    GemmaConfig,
+    GemmaForCausalLM,
+    GenerationConfig,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 from transformers.utils import logging
 
@@ -49,6 +64,14 @@ __all__ = [
     "prefill_lengths",
     # the upstream-coupling tests' prompt
     "random_ids",
+    # the equivalence suite's models, prompts and forward recorder (below)
+    "ForwardRecorder",
+    "LLAMA_LIKE",
+    "MODEL_SPECS",
+    "SPECIAL_TOKENS",
+    "get_model",
+    "left_padded_batch",
+    "random_batch_ids",
 ]
 
 
@@ -277,3 +300,120 @@ class CompilationTestCase(unittest.TestCase):
 
 def random_ids(length: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(3, 128, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+# =====================================================================================================================
+# The equivalence suite's tiny models of several architectures, its prompts and its forward recorder (moved from
+# test_equivalence.py; test_all_outputs.py, test_prefill_right.py, test_ragged_batches.py, test_decision.py,
+# test_sizing.py, test_views.py, test_padding_side.py, test_properties.py, test_record_recurrent.py,
+# test_robustness.py). Their pad, eos and bos ids and vocabulary are the compile tests' (`PAD`, `EOS`, `BOS`, `VOCAB`
+# above).
+# =====================================================================================================================
+
+LLAMA_LIKE = {
+    "vocab_size": VOCAB,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+}
+SPECIAL_TOKENS = {"pad_token_id": PAD, "eos_token_id": EOS, "bos_token_id": BOS}
+
+# name -> (model class, config). Tiny, fp32, random weights (seeded): never a hub download.
+MODEL_SPECS = {
+    "llama": (LlamaForCausalLM, lambda: LlamaConfig(**LLAMA_LIKE, **SPECIAL_TOKENS)),
+    "qwen3": (Qwen3ForCausalLM, lambda: Qwen3Config(**LLAMA_LIKE, head_dim=8, **SPECIAL_TOKENS)),
+    # A sliding window shorter than most prompts here.
+    "mistral_sliding": (MistralForCausalLM, lambda: MistralConfig(**LLAMA_LIKE, sliding_window=8, **SPECIAL_TOKENS)),
+    "gemma": (GemmaForCausalLM, lambda: GemmaConfig(**LLAMA_LIKE, head_dim=8, **SPECIAL_TOKENS)),
+    "phi3": (Phi3ForCausalLM, lambda: Phi3Config(**LLAMA_LIKE, **SPECIAL_TOKENS)),
+    # Absolute position embeddings: positions must come from the mask, not from the padded index.
+    "gpt2_no_pad": (
+        GPT2LMHeadModel,
+        lambda: GPT2Config(
+            vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=256, eos_token_id=EOS, bos_token_id=BOS
+        ),
+    ),
+    "gpt2_pad": (
+        GPT2LMHeadModel,
+        lambda: GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=256, **SPECIAL_TOKENS),
+    ),
+    # No pad token anywhere (eos set), and neither pad nor eos.
+    "llama_no_pad": (
+        LlamaForCausalLM,
+        lambda: LlamaConfig(**LLAMA_LIKE, pad_token_id=None, eos_token_id=EOS, bos_token_id=BOS),
+    ),
+    "llama_no_pad_no_eos": (
+        LlamaForCausalLM,
+        lambda: LlamaConfig(**LLAMA_LIKE, pad_token_id=None, eos_token_id=None, bos_token_id=BOS),
+    ),
+}
+
+
+@functools.cache
+def get_model(name: str, attn_implementation: str | None = None):
+    model_class, make_config = MODEL_SPECS[name]
+    torch.manual_seed(0)
+    if attn_implementation is None:
+        model = model_class(make_config())
+    else:
+        model = model_class._from_config(make_config(), attn_implementation=attn_implementation)
+    return model.eval()
+
+
+def random_batch_ids(batch_size: int, length: int, seed: int = 0) -> torch.Tensor:
+    """A batch of random ids (`random_ids` is its one row): ids 3.., so a prompt never holds pad, eos or bos by chance."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (batch_size, length), generator=generator)
+
+
+def left_padded_batch(lengths, pad_id: int, seed: int = 0):
+    """A batch padded on the left by hand, as a tokenizer with `padding_side="left"` would: (input_ids, attention_mask)."""
+    width = max(lengths)
+    input_ids = torch.full((len(lengths), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(lengths), width), dtype=torch.long)
+    for row, length in enumerate(lengths):
+        input_ids[row, width - length :] = random_batch_ids(1, length, seed=seed + row)[0]
+        attention_mask[row, width - length :] = 1
+    return input_ids, attention_mask
+
+
+def _shapes(value):
+    """The shape of a tensor, or of each tensor of a dict (a model with several attention types gets a dict of masks)."""
+    if isinstance(value, torch.Tensor):
+        return tuple(value.shape)
+    if isinstance(value, dict) and value and all(isinstance(v, torch.Tensor) for v in value.values()):
+        return {k: tuple(v.shape) for k, v in value.items()}
+    return None
+
+
+class ForwardRecorder:
+    """Forward pre-hook recording what each forward of the model receives: sequence length and tensor shapes."""
+
+    def __init__(self, model):
+        self.calls = []
+        self.handle = model.register_forward_pre_hook(self, with_kwargs=True)
+
+    def __call__(self, module, args, kwargs):
+        tensor = kwargs.get("inputs_embeds")
+        if tensor is None:
+            tensor = kwargs.get("input_ids")
+        self.calls.append(
+            {
+                "length": tensor.shape[1],
+                "shapes": {k: _shapes(v) for k, v in kwargs.items() if _shapes(v) is not None},
+                "none": sorted(k for k, v in kwargs.items() if v is None),
+            }
+        )
+
+    @property
+    def first_length(self) -> int:
+        return self.calls[0]["length"]
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.handle.remove()
