@@ -12,11 +12,16 @@ from transformers.generation.streamers import BaseStreamer
 import prefill_buckets
 from prefill_buckets.call.hooks import HOOKS
 
-from .tiny_models import EOS, ForwardRecorder, get_model, left_padded_batch, random_batch_ids, single_thread_module
+from .tiny_models import (
+    EOS,
+    UPSTREAM_IGNORE_CAUSAL_MASK_SDPA,
+    ForwardRecorder,
+    get_model,
+    left_padded_batch,
+    random_batch_ids,
+    single_thread_module,
+)
 
-
-# Upstream's SDPA mask-skip rule, which a bucketed call replaces while it runs and must put back.
-UPSTREAM_IGNORE_CAUSAL_MASK_SDPA = masking_utils._ignore_causal_mask_sdpa
 
 MAX_NEW_TOKENS = 4
 

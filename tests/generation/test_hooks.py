@@ -1,8 +1,8 @@
 # Tests `call/hooks.py`'s installation of a call's hooks (`bucketed_call`): under threads, each call's hooks act for
 # its model and its context only, calls on two models interleave with upstream's exact output, and a call in flight
 # when `disable` runs finishes exactly and takes its hooks with it (`enable` from many threads wraps once too). Moved
-# whole from test_robustness.py, whose `RobustnessTestBase` (every hook and fallback removed after each test) it
-# shares.
+# whole from test_robustness.py, whose `RobustnessTestBase` (every hook and fallback removed after each test, now in
+# tiny_models.py) it shares.
 
 import threading
 import unittest
@@ -14,8 +14,7 @@ from transformers.generation.utils import GenerationMixin
 import prefill_buckets
 from prefill_buckets.call.generation import UPSTREAM_GENERATE
 
-from .test_robustness import RobustnessTestBase, random_ids
-from .tiny_models import tiny_llama
+from .tiny_models import RobustnessTestBase, random_batch_ids, tiny_llama
 
 
 class ThreadsTest(RobustnessTestBase):
@@ -57,7 +56,7 @@ class ThreadsTest(RobustnessTestBase):
         for model, fields in ((self.model, {"prefill_buckets": [8, 16, 32]}), (other, {"prefill_buckets": "pow2"})):
             for seed, cache in ((1, "static"), (2, None)):
                 for length in (3, 7, 13, 21):
-                    jobs.append((model, fields, random_ids(2, length, seed=seed * 100 + length), cache))
+                    jobs.append((model, fields, random_batch_ids(2, length, seed=seed * 100 + length), cache))
         expected = [
             model.generate(ids, max_new_tokens=5, do_sample=False, cache_implementation=cache)
             for model, _, ids, cache in jobs
@@ -94,7 +93,7 @@ class ThreadsTest(RobustnessTestBase):
             def end(self):
                 pass
 
-        input_ids = random_ids(1, 7)
+        input_ids = random_batch_ids(1, 7)
         expected = UPSTREAM_GENERATE(self.model, input_ids, max_new_tokens=4, do_sample=False)
         result = {}
 

@@ -2,13 +2,12 @@
 # run's, or the call raises a clear error. Reference runs are upstream `generate` on the same inputs.
 
 import logging as std_logging
-import unittest
 from unittest import mock
 
 import torch
 from parameterized import parameterized
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import CompileConfig, GenerationConfig, PreTrainedTokenizerFast, StaticCache, masking_utils
+from transformers import CompileConfig, GenerationConfig, PreTrainedTokenizerFast, StaticCache
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.utils import GenerationMixin
 from transformers.testing_utils import CaptureLogger
@@ -16,28 +15,21 @@ from transformers.utils import logging
 
 import prefill_buckets
 from prefill_buckets.call.generation import UPSTREAM_GENERATE
-from prefill_buckets.call.hooks import HOOKS
 from prefill_buckets.compile.compiled_calls import EagerFallback, GraphCounter
 from prefill_buckets.compile.compiled_calls import logger as compilation_logger
 
-from .tiny_models import CACHE, LLAMA_LIKE, SPECIAL_TOKENS, tiny_llama
+from .tiny_models import CACHE, LLAMA_LIKE, SPECIAL_TOKENS, RobustnessTestBase, random_batch_ids, tiny_llama
 
 
 package_logger = logging.get_logger("prefill_buckets")  # every module of the package logs under it
 
 
-UPSTREAM_IGNORE_CAUSAL_MASK_SDPA = masking_utils._ignore_causal_mask_sdpa
 VOCAB = 128
 
 
 def clear_warning_once() -> None:
     """Forgets what `logger.warning_once` has logged (transformers caches it per process), so a test sees it again."""
     std_logging.Logger.warning_once.cache_clear()
-
-
-def random_ids(batch_size: int, length: int, seed: int = 0) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(3, VOCAB, (batch_size, length), generator=generator)
 
 
 def word_tokenizer() -> PreTrainedTokenizerFast:
@@ -54,25 +46,6 @@ def word_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-class RobustnessTestBase(unittest.TestCase):
-    def setUp(self):
-        prefill_buckets.disable()
-        self.addCleanup(prefill_buckets.disable)
-        self.model = tiny_llama()
-        self.addCleanup(self.assertNoHooksLeft, self.model)
-
-    def assertNoHooksLeft(self, model):
-        for name in HOOKS:
-            self.assertNotIn(name, model.__dict__)
-        self.assertNotIsInstance(model.__dict__.get("_compiled_call_impl"), EagerFallback)
-        self.assertNotIsInstance(model.__dict__.get("forward"), EagerFallback)
-        self.assertIs(masking_utils._ignore_causal_mask_sdpa, UPSTREAM_IGNORE_CAUSAL_MASK_SDPA)
-
-    def assertSameIds(self, actual, expected):
-        self.assertEqual(tuple(actual.shape), tuple(expected.shape))
-        self.assertTrue(torch.equal(actual, expected), f"\n{actual}\n!=\n{expected}")
-
-
 class GenerationModesTest(RobustnessTestBase):
     @parameterized.expand(
         [
@@ -83,7 +56,7 @@ class GenerationModesTest(RobustnessTestBase):
         ]
     )
     def test_assisted_and_prompt_lookup(self, _, mode, sample, length):
-        input_ids = random_ids(1, length, seed=length)
+        input_ids = random_batch_ids(1, length, seed=length)
         input_ids[0, -3:] = input_ids[0, :3].clone()  # an n-gram that prompt lookup finds
         kwargs = {"assistant_model": tiny_llama(seed=1)} if mode == "assisted" else {"prompt_lookup_num_tokens": 2}
         config = GenerationConfig(max_new_tokens=8, do_sample=sample, pad_token_id=0, eos_token_id=1)
@@ -110,7 +83,7 @@ class GenerationModesTest(RobustnessTestBase):
         # The assistant's `generate` keeps one processor of each type (the call's over the one it builds itself): a
         # processor that strips the padding must count as the type it wraps, or both run (the bias added twice), and
         # the candidates' probabilities, which sampling weighs, change.
-        input_ids = random_ids(1, length, seed=length)
+        input_ids = random_batch_ids(1, length, seed=length)
         config = GenerationConfig(max_new_tokens=8, do_sample=True, pad_token_id=0, eos_token_id=1, **processors)
         # Early exit drafts with the model's own first layers: its `generate` is the assistant's.
         assistant = tiny_llama(seed=1) if kind == "assistant_model" else self.model
@@ -128,7 +101,7 @@ class GenerationModesTest(RobustnessTestBase):
     @parameterized.expand([("static", "static"), ("dynamic", None)])
     def test_stop_strings(self, _, cache_implementation):
         tokenizer = word_tokenizer()
-        input_ids = random_ids(2, 9, seed=3)
+        input_ids = random_batch_ids(2, 9, seed=3)
         attention_mask = torch.ones_like(input_ids)
         attention_mask[1, :4] = 0
         input_ids[1, :4] = 0
@@ -154,7 +127,7 @@ class GenerationModesTest(RobustnessTestBase):
     )
     def test_already_padded_by_the_tokenizer(self, _, fields):
         tokenizer = word_tokenizer()
-        texts = [" ".join(f"w{i}" for i in random_ids(1, n, seed=n)[0].tolist()) for n in (3, 10, 6)]
+        texts = [" ".join(f"w{i}" for i in random_batch_ids(1, n, seed=n)[0].tolist()) for n in (3, 10, 6)]
         inputs = tokenizer(texts, padding=True, pad_to_multiple_of=8, return_tensors="pt")
         self.assertEqual(inputs["input_ids"].shape[1], 16)
         expected = self.model.generate(**inputs, max_new_tokens=5, do_sample=False)
@@ -163,7 +136,7 @@ class GenerationModesTest(RobustnessTestBase):
 
     def test_output_attentions_with_static_cache(self):
         model = tiny_llama(attn_implementation="eager")
-        input_ids = random_ids(1, 6)
+        input_ids = random_batch_ids(1, 6)
         kwargs = {
             "max_new_tokens": 3,
             "do_sample": False,
@@ -190,7 +163,7 @@ class GenerationModesTest(RobustnessTestBase):
         embeddings = self.model.get_input_embeddings()
         handle = embeddings.register_forward_pre_hook(lambda module, args: seen.append(args[0].clone()))
         self.addCleanup(handle.remove)
-        prompt = random_ids(1, 11)
+        prompt = random_batch_ids(1, 11)
         config = GenerationConfig(cache_implementation="static", max_new_tokens=3, do_sample=False, pad_token_id=0)
         expected = self.model.generate(prompt, generation_config=config)
         upstream_seen, seen[:] = list(seen), []
@@ -211,7 +184,7 @@ class GenerationModesTest(RobustnessTestBase):
             )
 
         seen = []
-        input_ids = random_ids(1, 5)
+        input_ids = random_batch_ids(1, 5)
         expected = self.model.generate(input_ids, max_new_tokens=3, do_sample=False)
         with CaptureLogger(package_logger) as logs:
             actual = prefill_buckets.generate(
@@ -225,7 +198,7 @@ class GenerationModesTest(RobustnessTestBase):
         # Continuous batching pads by its own intervals: the call goes to upstream untouched, and the warning names
         # the setting to use instead. Upstream's continuous batching itself is not run (slow to set up on CPU).
         received = []
-        input_ids = random_ids(1, 5)
+        input_ids = random_batch_ids(1, 5)
         with mock.patch(
             "prefill_buckets.call.generation.UPSTREAM_GENERATE", lambda model, **kwargs: received.append(kwargs)
         ):
@@ -289,7 +262,7 @@ class MoreArchitecturesTest(RobustnessTestBase):
         config = AutoConfig.for_model(name, **{**_COMMON, **MORE_ARCHITECTURES[name]})
         model = AutoModelForCausalLM.from_config(config).eval()
         for length in (3, 8, 9):
-            input_ids = random_ids(2, length, seed=length)
+            input_ids = random_batch_ids(2, length, seed=length)
             attention_mask = torch.ones_like(input_ids)
             input_ids[1, :1], attention_mask[1, :1] = 0, 0
             for cache_implementation in (None, "static"):
@@ -325,7 +298,7 @@ class MoreArchitecturesCompiledTest(RobustnessTestBase):
             cache_implementation="static", max_cache_len=32, max_new_tokens=4, do_sample=False
         )
         for length in (3, 5, 8, 11, 16, 2, 13):  # exact fits (8, 16) included
-            input_ids = random_ids(1, length, seed=length)
+            input_ids = random_batch_ids(1, length, seed=length)
             actual = prefill_buckets.generate(
                 model, input_ids, generation_config=generation_config, prefill_buckets=[8, 16]
             )
@@ -341,14 +314,14 @@ class BadInputTest(RobustnessTestBase):
 
     @parameterized.expand([("too_large", VOCAB), ("negative", -100)])
     def test_id_outside_the_vocabulary(self, _, bad_id):
-        input_ids = random_ids(2, 5)
+        input_ids = random_batch_ids(2, 5)
         input_ids[1, 0] = bad_id
         with self.assertRaisesRegex(ValueError, rf"`input_ids` holds the id {bad_id}.*valid ids: 0 to {VOCAB - 1}"):
             prefill_buckets.generate(self.model, input_ids, max_new_tokens=2, prefill_buckets=[8])
 
     @parameterized.expand([("too_large", 500), ("negative", -1)])
     def test_pad_token_outside_the_vocabulary_in_a_batch(self, _, pad_token_id):
-        input_ids = random_ids(2, 5)
+        input_ids = random_batch_ids(2, 5)
         with self.assertRaisesRegex(ValueError, rf"`pad_token_id` is {pad_token_id}.*valid ids: 0 to {VOCAB - 1}"):
             prefill_buckets.generate(
                 self.model, input_ids, max_new_tokens=2, pad_token_id=pad_token_id, prefill_buckets=[8]
@@ -357,7 +330,7 @@ class BadInputTest(RobustnessTestBase):
     def test_pad_token_outside_the_vocabulary_with_batch_buckets(self):
         # One prompt, and a dummy row that finishes at once: upstream would feed it the pad id, so the call fills
         # finished rows with an id in the vocabulary. The user's row never finishes early: exact, as upstream.
-        input_ids = random_ids(1, 5)
+        input_ids = random_batch_ids(1, 5)
         expected = self.model.generate(input_ids, max_new_tokens=4, do_sample=False, pad_token_id=500)
         actual = prefill_buckets.generate(
             self.model,
@@ -374,7 +347,7 @@ class BadInputTest(RobustnessTestBase):
     def test_pad_token_outside_the_vocabulary_eos_unreachable(self, _, batch_buckets):
         # transformers' own tests force generation to the maximum length with `pad_token_id=-1, eos_token_id=-1`:
         # no row can finish early, so upstream never feeds the pad id, and neither does the bucketed call.
-        input_ids, attention_mask = random_ids(2, 7), torch.ones(2, 7, dtype=torch.long)
+        input_ids, attention_mask = random_batch_ids(2, 7), torch.ones(2, 7, dtype=torch.long)
         attention_mask[1, :3] = 0
         kwargs = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": -1, "eos_token_id": -1}
         expected = self.model.generate(input_ids, attention_mask=attention_mask, **kwargs)
@@ -397,7 +370,7 @@ class BadInputTest(RobustnessTestBase):
         with self.assertRaisesRegex(ValueError, "`pad_token_id` is -1.*`stopping_criteria` are passed"):
             prefill_buckets.generate(
                 self.model,
-                random_ids(2, 5),
+                random_batch_ids(2, 5),
                 max_new_tokens=2,
                 pad_token_id=-1,
                 eos_token_id=-1,
@@ -407,7 +380,7 @@ class BadInputTest(RobustnessTestBase):
 
     def test_pad_token_outside_the_vocabulary_one_prompt(self):
         # Never fed to the model: exact, as upstream.
-        input_ids = random_ids(1, 5)
+        input_ids = random_batch_ids(1, 5)
         expected = self.model.generate(input_ids, max_new_tokens=4, do_sample=False, pad_token_id=500)
         actual = prefill_buckets.generate(
             self.model, input_ids, max_new_tokens=4, do_sample=False, pad_token_id=500, prefill_buckets=[8]
@@ -418,7 +391,7 @@ class BadInputTest(RobustnessTestBase):
     def test_bucket_capped_at_max_positions(self, _, length, padded):
         clear_warning_once()  # the capped-bucket warning is logged once per process: every capped prompt shares it
         model = tiny_llama(max_position_embeddings=64)
-        input_ids = random_ids(1, length)
+        input_ids = random_batch_ids(1, length)
         seen = []
         handle = model.register_forward_pre_hook(
             lambda m, a, k: seen.append(k["input_ids"].shape[1]), with_kwargs=True
@@ -446,17 +419,17 @@ class BadInputTest(RobustnessTestBase):
         # that does pass the model's positions (63 + 3 > 64) logs it.
         clear_warning_once()
         with CaptureLogger(criteria_logger) as logs:
-            model.generate(random_ids(1, 63), max_new_tokens=3, do_sample=False)
+            model.generate(random_batch_ids(1, 63), max_new_tokens=3, do_sample=False)
         self.assertIn(reminder, logs.out)
         clear_warning_once()
         with CaptureLogger(criteria_logger) as logs:
-            prefill_buckets.generate(model, random_ids(1, 20), max_new_tokens=3, prefill_buckets=[64])
+            prefill_buckets.generate(model, random_batch_ids(1, 20), max_new_tokens=3, prefill_buckets=[64])
         self.assertNotIn(reminder, logs.out)
 
     def test_padded_batch_without_mask_pad_is_eos(self):
         # The padding can't be told from the ids: upstream attends it (and warns); so does the bucketed call.
         model = tiny_llama(pad_token_id=1)
-        input_ids = random_ids(2, 6)
+        input_ids = random_batch_ids(2, 6)
         input_ids[1, :2] = 1
         expected = model.generate(input_ids, max_new_tokens=3, do_sample=False)
         clear_warning_once()
@@ -466,7 +439,7 @@ class BadInputTest(RobustnessTestBase):
         self.assertIn("can't be inferred from `input_ids`", logs.out)
 
     def test_padded_batch_without_mask_inferred(self):
-        input_ids = random_ids(2, 6)
+        input_ids = random_batch_ids(2, 6)
         input_ids[1, :2] = 0
         expected = self.model.generate(input_ids, attention_mask=input_ids.ne(0).long(), max_new_tokens=3)
         clear_warning_once()  # else an earlier test's warning would make the check below pass vacuously
@@ -487,7 +460,7 @@ class CacheRoomTest(RobustnessTestBase):
 
     def test_cache_passed_in_too_short_runs_unpadded(self):
         # Padded, it wrote past the cache's end (`index_copy_(): index 20 is out of bounds`); upstream runs.
-        input_ids = random_ids(1, 10)
+        input_ids = random_batch_ids(1, 10)
         expected = UPSTREAM_GENERATE(
             self.model, input_ids, generation_config=self.config(), **{CACHE: StaticCache(self.model.config, 20)}
         )
@@ -509,9 +482,13 @@ class CacheRoomTest(RobustnessTestBase):
         # The cache holds the first turn's padding, which the next turn must be padded by too: it can't run unpadded.
         first = self.config(cache_implementation="static", max_cache_len=32, return_dict_in_generate=True)
         out = prefill_buckets.generate(
-            self.model, random_ids(1, 9), generation_config=first, prefill_buckets=[16], prefill_padding_side="left"
+            self.model,
+            random_batch_ids(1, 9),
+            generation_config=first,
+            prefill_buckets=[16],
+            prefill_padding_side="left",
         )
-        conversation = torch.cat([out.sequences, random_ids(1, 10, seed=1)], dim=1)  # 27 tokens, 7 pads in front
+        conversation = torch.cat([out.sequences, random_batch_ids(1, 10, seed=1)], dim=1)  # 27 tokens, 7 pads in front
         with self.assertRaisesRegex(ValueError, "has 32 slots, fewer than the 41 this call needs"):
             prefill_buckets.generate(
                 self.model,
@@ -523,7 +500,7 @@ class CacheRoomTest(RobustnessTestBase):
 
     def test_pinned_max_cache_len_too_short_says_so(self):
         # Upstream sizes the cache by what the call needs, past the pin: exact, in a cache shape of its own.
-        input_ids = random_ids(1, 10)
+        input_ids = random_batch_ids(1, 10)
         config = self.config(cache_implementation="static", max_cache_len=17)
         expected = UPSTREAM_GENERATE(self.model, input_ids, generation_config=config)
         clear_warning_once()
@@ -592,7 +569,7 @@ class BackendFailureTest(RobustnessTestBase):
         config = GenerationConfig(cache_implementation="static", max_new_tokens=4, do_sample=False)
         with CaptureLogger(compilation_logger) as logs:
             for length in self.LENGTHS:
-                input_ids = random_ids(1, length, seed=length)
+                input_ids = random_batch_ids(1, length, seed=length)
                 actual = prefill_buckets.generate(
                     model, input_ids, generation_config=config, prefill_buckets=[16, 32], **extra
                 )

@@ -27,12 +27,15 @@ from transformers import (
     Phi3ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    masking_utils,
 )
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 from transformers.utils import logging
 
 import prefill_buckets
 from prefill_buckets import GraphCounter
+from prefill_buckets.call.hooks import HOOKS
+from prefill_buckets.compile.compiled_calls import EagerFallback
 from prefill_buckets.testing_utils import tiny_llama, tiny_llama_config
 
 
@@ -72,6 +75,9 @@ __all__ = [
     "get_model",
     "left_padded_batch",
     "random_batch_ids",
+    # the robustness tests' base class (below)
+    "UPSTREAM_IGNORE_CAUSAL_MASK_SDPA",
+    "RobustnessTestBase",
 ]
 
 
@@ -306,7 +312,7 @@ def random_ids(length: int, seed: int = 0) -> torch.Tensor:
 # The equivalence suite's tiny models of several architectures, its prompts and its forward recorder (moved from
 # test_equivalence.py; test_all_outputs.py, test_prefill_right.py, test_ragged_batches.py, test_decision.py,
 # test_sizing.py, test_views.py, test_padding_side.py, test_properties.py, test_record_recurrent.py,
-# test_robustness.py). Their pad, eos and bos ids and vocabulary are the compile tests' (`PAD`, `EOS`, `BOS`, `VOCAB`
+# test_robustness.py, test_hooks.py). Their pad, eos and bos ids and vocabulary are the compile tests' (`PAD`, `EOS`, `BOS`, `VOCAB`
 # above).
 # =====================================================================================================================
 
@@ -417,3 +423,31 @@ class ForwardRecorder:
 
     def __exit__(self, *exc):
         self.handle.remove()
+
+
+# =====================================================================================================================
+# The base class of the robustness tests (moved from test_robustness.py; test_hooks.py): a tiny Llama per test, and
+# after each, no hook, no eager fallback and upstream's SDPA mask-skip rule left behind.
+# =====================================================================================================================
+
+# Upstream's SDPA mask-skip rule, which a bucketed call replaces while it runs and must put back.
+UPSTREAM_IGNORE_CAUSAL_MASK_SDPA = masking_utils._ignore_causal_mask_sdpa
+
+
+class RobustnessTestBase(unittest.TestCase):
+    def setUp(self):
+        prefill_buckets.disable()
+        self.addCleanup(prefill_buckets.disable)
+        self.model = tiny_llama()
+        self.addCleanup(self.assertNoHooksLeft, self.model)
+
+    def assertNoHooksLeft(self, model):
+        for name in HOOKS:
+            self.assertNotIn(name, model.__dict__)
+        self.assertNotIsInstance(model.__dict__.get("_compiled_call_impl"), EagerFallback)
+        self.assertNotIsInstance(model.__dict__.get("forward"), EagerFallback)
+        self.assertIs(masking_utils._ignore_causal_mask_sdpa, UPSTREAM_IGNORE_CAUSAL_MASK_SDPA)
+
+    def assertSameIds(self, actual, expected):
+        self.assertEqual(tuple(actual.shape), tuple(expected.shape))
+        self.assertTrue(torch.equal(actual, expected), f"\n{actual}\n!=\n{expected}")
