@@ -13,11 +13,10 @@ import unittest
 import torch
 from parameterized import parameterized
 from transformers import GenerationConfig
-from transformers.utils import ModelOutput
 
 import prefill_buckets
 
-from .tiny_models import EOS, PAD, get_model, left_padded_batch
+from .tiny_models import EOS, PAD, assert_same, get_model, hide_user_pads, left_padded_batch
 
 
 ARCHITECTURES = ("llama", "gpt2_pad", "mistral_sliding")  # rotary, absolute positions, sliding window (8)
@@ -37,7 +36,6 @@ FLAGS = {
 }
 LENGTHS = (7, 3)  # a batch of two, the user's own left padding on the second row; bucket 8 (7 + 1 added)
 NEW_TOKENS = 3
-ATOL = 1e-5
 
 CASES = [
     (f"{arch}_{mode}_{cache}_{flags}", arch, mode, cache, flags)
@@ -64,53 +62,6 @@ def generate(model, input_ids, attention_mask, mode: str, cache: str, flags: str
     return prefill_buckets.generate(
         model, input_ids, attention_mask=attention_mask, generation_config=config, **fields
     )
-
-
-def assert_same(test: unittest.TestCase, got, want, path: str):
-    """Recursively compares two outputs: same structure, shapes and values (ids exactly, floats within ATOL)."""
-    if isinstance(want, ModelOutput):
-        ignored = {"cache", "past_key_values"}  # the returned cache holds the padding: documented
-        test.assertEqual(set(got.keys()) - ignored, set(want.keys()) - ignored, path)
-        for key in set(want.keys()) - ignored:
-            assert_same(test, got[key], want[key], f"{path}.{key}")
-        return
-    if isinstance(want, tuple):
-        test.assertIsInstance(got, tuple, path)
-        test.assertEqual(len(got), len(want), path)
-        for index, (g, w) in enumerate(zip(got, want)):
-            assert_same(test, g, w, f"{path}[{index}]")
-        return
-    if isinstance(want, torch.Tensor):
-        test.assertEqual(got.shape, want.shape, path)
-        if want.dtype.is_floating_point:
-            finite = torch.isfinite(want)
-            test.assertTrue(torch.equal(finite, torch.isfinite(got)), path)
-            torch.testing.assert_close(got[finite], want[finite], atol=ATOL, rtol=0, msg=path)
-        else:
-            test.assertTrue(torch.equal(got, want), f"{path}: {got.tolist()} != {want.tolist()}")
-        return
-    test.assertEqual(got, want, path)
-
-
-def hide_user_pads(output, attention_mask) -> None:
-    """
-    Zeroes the hidden states at the user's own pad positions of the prompt: a query that attends to nothing averages
-    the values of every slot its layer reads, which the mask does not define (`test_equivalence.py` skips them too).
-    Their attention weights are compared: a row masked everywhere is `1 / keys` on every key, in both runs.
-    """
-    if output.get("hidden_states") is None:
-        return
-    width = attention_mask.shape[1]
-    hidden = []
-    for layers in output.hidden_states:  # without a cache, every step re-runs the prompt
-        if layers[0].shape[1] >= width:
-            # Rows per prompt: beams (beam search runs `num_beams` rows whatever `num_return_sequences` is).
-            pads = ~attention_mask.bool().repeat_interleave(layers[0].shape[0] // attention_mask.shape[0], dim=0)
-            layers = tuple(
-                torch.cat([h[:, :width].masked_fill(pads[..., None], 0.0), h[:, width:]], 1) for h in layers
-            )
-        hidden.append(layers)
-    output["hidden_states"] = tuple(hidden)
 
 
 class AllOutputsTest(unittest.TestCase):

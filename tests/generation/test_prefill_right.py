@@ -19,8 +19,7 @@ from prefill_buckets.call import generation
 from prefill_buckets.config import PREFILL_PADDING_SIDE, validate_fields
 from prefill_buckets.upstream import versions
 
-from .test_all_outputs import assert_same
-from .tiny_models import CACHE, EOS, MODEL_SPECS, PAD, get_model, left_padded_batch, random_batch_ids
+from .tiny_models import CACHE, EOS, MODEL_SPECS, PAD, assert_same, get_model, left_padded_batch, random_batch_ids
 
 
 package_logger = transformers_logging.get_logger("prefill_buckets")

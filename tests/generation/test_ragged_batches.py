@@ -16,7 +16,6 @@ from transformers.utils import logging as transformers_logging
 import prefill_buckets
 from prefill_buckets import GraphCounter
 
-from .test_all_outputs import assert_same
 from .test_prefill_right import (
     CompiledLlamaTestCase,
     SideSpy,
@@ -27,7 +26,7 @@ from .test_prefill_right import (
     sdpa_recording_backend,
     skip_unless_sdpa_skips_while_compiling,
 )
-from .tiny_models import CACHE, MODEL_SPECS, PAD, get_model, left_padded_batch, random_batch_ids
+from .tiny_models import CACHE, MODEL_SPECS, PAD, assert_same, get_model, left_padded_batch, random_batch_ids
 
 
 package_logger = transformers_logging.get_logger("prefill_buckets")
