@@ -4,28 +4,42 @@
 # SDPA with `is_causal` and no mask, as upstream's unpadded prefill does.
 
 import unittest
-from unittest import mock
 
 import torch
 from parameterized import parameterized
-from transformers import GenerationConfig, StaticCache
+from transformers import StaticCache
 from transformers.generation.streamers import BaseStreamer
 from transformers.testing_utils import CaptureLogger
 from transformers.utils import logging as transformers_logging
 
 import prefill_buckets
 from prefill_buckets import GraphCounter
-from prefill_buckets.call import generation
 from prefill_buckets.config import PREFILL_PADDING_SIDE, validate_fields
-from prefill_buckets.upstream import versions
 
-from .tiny_models import CACHE, EOS, MODEL_SPECS, PAD, assert_same, get_model, left_padded_batch, random_batch_ids
+from .tiny_models import (
+    CACHE,
+    EOS,
+    MODEL_SPECS,
+    PAD,
+    RIGHT_PADDING_BUCKETS,
+    RIGHT_PADDING_NEW_TOKENS,
+    CompiledLlamaTestCase,
+    SideSpy,
+    assert_same,
+    first_right_turn,
+    get_model,
+    left_padded_batch,
+    random_batch_ids,
+    right_padding_config,
+    run,
+    run_bucketed,
+    sdpa_recording_backend,
+    skip_unless_sdpa_skips_while_compiling,
+)
 
 
 package_logger = transformers_logging.get_logger("prefill_buckets")
 
-BUCKETS = [8, 16, 32]
-NEW_TOKENS = 5
 MODES = {
     "greedy": {"do_sample": False},
     "sample": {"do_sample": True, "top_k": 0},
@@ -33,88 +47,6 @@ MODES = {
 }
 # Every decoder-only architecture of the equivalence suite. Mistral's window (8) holds the bucket of 5 tokens.
 ARCHITECTURES = tuple(MODEL_SPECS)
-
-
-def sdpa_recording_backend():
-    """A compile backend that records each SDPA call it traces as `(query length, no mask, is_causal)`, and the list."""
-    sdpa_calls = []
-
-    def backend(gm, example_inputs, **kwargs):
-        for node in gm.graph.nodes:
-            if node.op == "call_function" and "scaled_dot_product_attention" in str(node.target):
-                mask = node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None)
-                query_length = node.args[0].meta["example_value"].shape[-2]
-                sdpa_calls.append((query_length, mask is None, node.kwargs.get("is_causal")))
-        return gm.forward
-
-    return backend, sdpa_calls
-
-
-class SideSpy:
-    """Records every bucketed call and the side it takes (`decision.choose_side`, as `generate` calls it)."""
-
-    def __init__(self, test: unittest.TestCase):
-        self.calls, self.sides = [], []
-        original = generation.choose_side
-
-        def spy(call):
-            side = original(call)
-            self.calls.append(call)
-            self.sides.append(side)
-            return side
-
-        patcher = mock.patch.object(generation, "choose_side", spy)
-        patcher.start()
-        test.addCleanup(patcher.stop)
-
-    def last(self) -> str:
-        return self.sides[-1].side
-
-
-def config(**kwargs) -> GenerationConfig:
-    values = {
-        "max_new_tokens": NEW_TOKENS,
-        "do_sample": False,
-        "cache_implementation": "static",
-        "pad_token_id": PAD,
-        "eos_token_id": EOS,
-        "return_dict_in_generate": True,
-        "output_scores": True,
-        "output_logits": True,
-    }
-    values.update(kwargs)
-    return GenerationConfig(**values)
-
-
-def run(model, input_ids, generation_config, seed=11, **kwargs):
-    torch.manual_seed(seed)
-    return model.generate(input_ids, generation_config=generation_config, **kwargs)
-
-
-def run_bucketed(model, input_ids, generation_config, seed=11, **kwargs):
-    torch.manual_seed(seed)
-    return prefill_buckets.generate(model, input_ids, generation_config=generation_config, **kwargs)
-
-
-# The mask-free prefill tests: on transformers < 5.24 upstream's own exact prefill is masked while compiling.
-skip_unless_sdpa_skips_while_compiling = unittest.skipIf(
-    versions.TRANSFORMERS_VERSION.release < (5, 24),
-    "transformers 5.17 never skips the SDPA mask while compiling (`is_tracing`): upstream's exact prefill is masked too",
-)
-
-
-def first_right_turn(test, rows: int):
-    """
-    The first turn of a conversation, `rows` rows of 9 tokens right-padded into a 96-slot cache (the side checked), and
-    upstream's; with the config of the later turns. `test` has `model` and `spy`.
-    """
-    first_config = config(max_cache_len=96, output_scores=False, output_logits=False)
-    later_config = config(cache_implementation=None, output_scores=False, output_logits=False)
-    first = random_batch_ids(rows, 9, seed=1)
-    ours = run_bucketed(test.model, first, first_config, prefill_buckets=BUCKETS)
-    theirs = run(test.model, first, first_config)
-    test.assertEqual(test.spy.last(), "right")
-    return ours, theirs, later_config
 
 
 class RightPaddingEquivalenceTest(unittest.TestCase):
@@ -129,9 +61,9 @@ class RightPaddingEquivalenceTest(unittest.TestCase):
         for length in (5, 8, 1):  # padded, an exact fit, one token
             with self.subTest(length=length):
                 input_ids = random_batch_ids(batch, length, seed=length)
-                generation_config = config(**MODES[mode])
+                generation_config = right_padding_config(**MODES[mode])
                 want = run(model, input_ids, generation_config)
-                got = run_bucketed(model, input_ids, generation_config, prefill_buckets=BUCKETS)
+                got = run_bucketed(model, input_ids, generation_config, prefill_buckets=RIGHT_PADDING_BUCKETS)
                 self.assertEqual(self.spy.last(), "right", self.spy.sides[-1].reason)
                 assert_same(self, got, want, "output")
 
@@ -142,9 +74,9 @@ class RightPaddingEquivalenceTest(unittest.TestCase):
         model = get_model(arch)
         for length in (3, 9, 16, 17, 31):
             input_ids = random_batch_ids(2, length, seed=length)
-            generation_config = config(max_new_tokens=1)
+            generation_config = right_padding_config(max_new_tokens=1)
             want = run(model, input_ids, generation_config).logits[0]
-            got = run_bucketed(model, input_ids, generation_config, prefill_buckets=BUCKETS).logits[0]
+            got = run_bucketed(model, input_ids, generation_config, prefill_buckets=RIGHT_PADDING_BUCKETS).logits[0]
             self.assertEqual(self.spy.last(), "right")
             self.assertEqual(got.dtype, torch.float32)
             self.assertLess((got - want).abs().max().item(), 1e-4, f"length {length}")
@@ -160,9 +92,11 @@ class SideTest(unittest.TestCase):
     def check(self, side, input_ids, generation_config=None, model=None, fields=None, **kwargs):
         """Runs unpadded and bucketed (with `fields` too), checks the side taken and that every output is equal."""
         model = model if model is not None else self.model
-        generation_config = generation_config if generation_config is not None else config()
+        generation_config = generation_config if generation_config is not None else right_padding_config()
         want = run(model, input_ids, generation_config, **kwargs)
-        got = run_bucketed(model, input_ids, generation_config, prefill_buckets=BUCKETS, **(fields or {}), **kwargs)
+        got = run_bucketed(
+            model, input_ids, generation_config, prefill_buckets=RIGHT_PADDING_BUCKETS, **(fields or {}), **kwargs
+        )
         self.assertEqual(self.spy.last(), side, self.spy.sides[-1].reason)
         assert_same(self, got, want, "output")
         return self.spy.sides[-1]
@@ -180,37 +114,47 @@ class SideTest(unittest.TestCase):
         self.assertIn("padded on the right", side.reason)
 
     def test_dynamic_cache_and_no_cache(self):
-        self.check("left", random_batch_ids(1, 6), config(cache_implementation=None))
-        self.check("left", random_batch_ids(1, 6), config(cache_implementation=None, use_cache=False))
+        self.check("left", random_batch_ids(1, 6), right_padding_config(cache_implementation=None))
+        self.check("left", random_batch_ids(1, 6), right_padding_config(cache_implementation=None, use_cache=False))
 
     def test_chunked_prefill(self):
-        self.check("left", random_batch_ids(1, 11), config(prefill_chunk_size=4))
+        self.check("left", random_batch_ids(1, 11), right_padding_config(prefill_chunk_size=4))
 
     def test_per_position_outputs(self):
-        self.check("left", random_batch_ids(1, 6), config(output_hidden_states=True))
-        self.check("left", random_batch_ids(1, 6), config(output_attentions=True))
+        self.check("left", random_batch_ids(1, 6), right_padding_config(output_hidden_states=True))
+        self.check("left", random_batch_ids(1, 6), right_padding_config(output_attentions=True))
 
     def test_scores_and_lengths(self):
-        self.check("right", random_batch_ids(1, 6), config(max_new_tokens=None, max_length=12, min_length=10))
-        self.check("right", random_batch_ids(2, 6), config(min_new_tokens=4))
+        self.check(
+            "right", random_batch_ids(1, 6), right_padding_config(max_new_tokens=None, max_length=12, min_length=10)
+        )
+        self.check("right", random_batch_ids(2, 6), right_padding_config(min_new_tokens=4))
 
     def test_beam_search_and_returned_sequences(self):
-        self.check("right", random_batch_ids(2, 6), config(num_beams=3, num_return_sequences=2))
-        self.check("right", random_batch_ids(1, 6), config(do_sample=True, top_k=0, num_return_sequences=3))
+        self.check("right", random_batch_ids(2, 6), right_padding_config(num_beams=3, num_return_sequences=2))
+        self.check(
+            "right", random_batch_ids(1, 6), right_padding_config(do_sample=True, top_k=0, num_return_sequences=3)
+        )
 
     def test_assisted_and_prompt_lookup(self):
         input_ids = random_batch_ids(1, 9).repeat(1, 2)  # repeated n-grams for prompt lookup to find
-        self.check("left", input_ids, config(prompt_lookup_num_tokens=3, output_scores=False, output_logits=False))
+        self.check(
+            "left",
+            input_ids,
+            right_padding_config(prompt_lookup_num_tokens=3, output_scores=False, output_logits=False),
+        )
         self.check(
             "left",
             random_batch_ids(1, 6),
-            config(output_scores=False, output_logits=False),
+            right_padding_config(output_scores=False, output_logits=False),
             assistant_model=self.model,
         )
         # Self-speculative decoding, the model's first layer drafting: assisted too (it was padded on the right, and
         # then ran unpadded, as `generate` made no static cache for it).
         self.check(
-            "left", random_batch_ids(1, 6), config(output_scores=False, output_logits=False, assistant_early_exit=1)
+            "left",
+            random_batch_ids(1, 6),
+            right_padding_config(output_scores=False, output_logits=False, assistant_early_exit=1),
         )
 
     def test_streamer(self):
@@ -229,8 +173,10 @@ class SideTest(unittest.TestCase):
         for bucketed in (False, True):
             streamer = Recorder()
             call = run_bucketed if bucketed else run
-            fields = {"prefill_buckets": BUCKETS} if bucketed else {}
-            call(self.model, input_ids, config(return_dict_in_generate=False), streamer=streamer, **fields)
+            fields = {"prefill_buckets": RIGHT_PADDING_BUCKETS} if bucketed else {}
+            call(
+                self.model, input_ids, right_padding_config(return_dict_in_generate=False), streamer=streamer, **fields
+            )
             recorded.append(streamer.values)
         self.assertEqual(self.spy.last(), "right")
         self.assertEqual(recorded[1], recorded[0])
@@ -238,9 +184,9 @@ class SideTest(unittest.TestCase):
     def test_sliding_window(self):
         model = get_model("mistral_sliding")  # window 8
         # Bucket 8 fits the window, and decode passes it (the ring buffer rolls): right.
-        self.check("right", random_batch_ids(1, 5), config(max_new_tokens=12), model=model)
+        self.check("right", random_batch_ids(1, 5), right_padding_config(max_new_tokens=12), model=model)
         # Bucket 16 would push real tokens out of the window: left.
-        side = self.check("left", random_batch_ids(1, 11), config(max_new_tokens=12), model=model)
+        side = self.check("left", random_batch_ids(1, 11), right_padding_config(max_new_tokens=12), model=model)
         self.assertIn("sliding window of 8", side.reason)
 
     def test_recurrent_layers(self):
@@ -252,23 +198,26 @@ class SideTest(unittest.TestCase):
         model_config.layer_types = ["conv", "full_attention"]
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(model_config).eval()
-        side = self.check("left", random_batch_ids(1, 6), config(), model=model)
+        side = self.check("left", random_batch_ids(1, 6), right_padding_config(), model=model)
         self.assertIn("layers", side.reason)
 
     def test_inputs_embeds_and_batch_buckets(self):
         input_ids = random_batch_ids(2, 6)
         embeds = self.model.get_input_embeddings()(input_ids)
-        generation_config = config()
+        generation_config = right_padding_config()
         torch.manual_seed(11)
         want = self.model.generate(inputs_embeds=embeds, generation_config=generation_config)
         torch.manual_seed(11)
         got = prefill_buckets.generate(
-            self.model, inputs_embeds=embeds, generation_config=generation_config, prefill_buckets=BUCKETS
+            self.model,
+            inputs_embeds=embeds,
+            generation_config=generation_config,
+            prefill_buckets=RIGHT_PADDING_BUCKETS,
         )
         self.assertEqual(self.spy.last(), "right")
         assert_same(self, got, want, "output")
         # Three prompts, padded to four rows by a dummy row.
-        self.check("right", random_batch_ids(3, 6), config(), fields={"prefill_batch_buckets": [4]})
+        self.check("right", random_batch_ids(3, 6), right_padding_config(), fields={"prefill_batch_buckets": [4]})
 
     def test_continued_conversation(self):
         ours, theirs, later_config = first_right_turn(self, rows=1)
@@ -278,7 +227,7 @@ class SideTest(unittest.TestCase):
                 self.model,
                 torch.cat([ours.sequences, user], dim=1),
                 later_config,
-                prefill_buckets=BUCKETS,
+                prefill_buckets=RIGHT_PADDING_BUCKETS,
                 **{CACHE: ours[CACHE]},
             )
             self.assertEqual(self.spy.last(), "right")
@@ -292,11 +241,13 @@ class SideTest(unittest.TestCase):
             self.assertTrue(torch.equal(ours.sequences, theirs.sequences))
 
     def test_continued_from_a_left_padded_cache(self):
-        generation_config = config(max_cache_len=96, output_scores=False, output_logits=False)
-        later_config = config(cache_implementation=None, output_scores=False, output_logits=False)
+        generation_config = right_padding_config(max_cache_len=96, output_scores=False, output_logits=False)
+        later_config = right_padding_config(cache_implementation=None, output_scores=False, output_logits=False)
         first = random_batch_ids(1, 9, seed=1)
         cache = StaticCache(config=self.model.config, max_cache_len=96)
-        ours = run_bucketed(self.model, first, generation_config, prefill_buckets=BUCKETS, prefill_padding_side="left")
+        ours = run_bucketed(
+            self.model, first, generation_config, prefill_buckets=RIGHT_PADDING_BUCKETS, prefill_padding_side="left"
+        )
         self.assertEqual(self.spy.last(), "left")
         theirs = run(self.model, first, later_config, **{CACHE: cache})
         user = random_batch_ids(1, 4, seed=5)
@@ -304,7 +255,7 @@ class SideTest(unittest.TestCase):
             self.model,
             torch.cat([ours.sequences, user], dim=1),
             later_config,
-            prefill_buckets=BUCKETS,
+            prefill_buckets=RIGHT_PADDING_BUCKETS,
             **{CACHE: ours[CACHE]},
         )
         self.assertEqual(self.spy.last(), "left")
@@ -314,11 +265,16 @@ class SideTest(unittest.TestCase):
 
     def test_explicit_sides(self):
         input_ids = random_batch_ids(1, 6)
-        self.check("left", input_ids, config(), fields={"prefill_padding_side": "left"})
-        self.check("right", input_ids, config(), fields={"prefill_padding_side": "right"})
+        self.check("left", input_ids, right_padding_config(), fields={"prefill_padding_side": "left"})
+        self.check("right", input_ids, right_padding_config(), fields={"prefill_padding_side": "right"})
         # "right" where it is not exact: says why, then pads on the left.
         with CaptureLogger(package_logger) as captured:
-            self.check("left", input_ids, config(cache_implementation=None), fields={"prefill_padding_side": "right"})
+            self.check(
+                "left",
+                input_ids,
+                right_padding_config(cache_implementation=None),
+                fields={"prefill_padding_side": "right"},
+            )
         self.assertIn("`prefill_padding_side='right'` is not exact for this call", captured.out)
         self.assertIn("not a static cache", captured.out)
 
@@ -329,36 +285,20 @@ class SideTest(unittest.TestCase):
             prefill_buckets.generate(self.model, random_batch_ids(1, 4), prefill_buckets=[8], prefill_padding_side=1)
 
 
-class CompiledLlamaTestCase(unittest.TestCase):
-    """A tiny Llama compiled with a given backend (`dynamic=False`, `fullgraph=True`), and a spy on the side taken."""
-
-    def setUp(self):
-        torch._dynamo.reset()
-        self.addCleanup(torch._dynamo.reset)
-        self.spy = SideSpy(self)
-
-    def compiled_llama(self, backend):
-        model_class, make_config = MODEL_SPECS["llama"]
-        torch.manual_seed(0)
-        model = model_class(make_config()).eval()
-        model.compile(backend=backend, dynamic=False, fullgraph=True)
-        return model
-
-
 class RightPaddingGraphsTest(CompiledLlamaTestCase):
     def test_one_prefill_graph_per_bucket(self):
         reference = get_model("llama")
         counter = GraphCounter()
         model = self.compiled_llama(counter)
-        generation_config = config(max_cache_len=96, output_scores=False, output_logits=False)
+        generation_config = right_padding_config(max_cache_len=96, output_scores=False, output_logits=False)
         for length in (20, 32, 25, 17, 31, 5, 16, 9, 1, 33, 64, 40):  # exact fits 16, 32 and 64 included
             input_ids = random_batch_ids(1, length, seed=length)
             got = run_bucketed(model, input_ids, generation_config, prefill_buckets=[16, 32, 64])
             self.assertEqual(self.spy.last(), "right")
             self.assertTrue(torch.equal(got.sequences, run(reference, input_ids, generation_config).sequences))
         self.assertEqual(counter.graphs, 4)  # one prefill graph per bucket, one decode graph
-        # Every forward ran compiled: one prefill and NEW_TOKENS - 1 decode steps per call.
-        self.assertEqual(counter.calls, 12 * NEW_TOKENS)
+        # Every forward ran compiled: one prefill and RIGHT_PADDING_NEW_TOKENS - 1 decode steps per call.
+        self.assertEqual(counter.calls, 12 * RIGHT_PADDING_NEW_TOKENS)
         # An unpadded upstream call with the same cache length shares the decode graph: only its prefill is new.
         run(model, random_batch_ids(1, 20, seed=20), generation_config)
         self.assertEqual(counter.graphs, 5)
@@ -367,7 +307,7 @@ class RightPaddingGraphsTest(CompiledLlamaTestCase):
         counter = GraphCounter()
         model = self.compiled_llama(counter)
         reference = get_model("llama")
-        generation_config = config(max_cache_len=96, output_scores=False, output_logits=False)
+        generation_config = right_padding_config(max_cache_len=96, output_scores=False, output_logits=False)
         uneven_ids, uneven_mask = left_padded_batch((12, 7), PAD, seed=3)
         even_ids = random_batch_ids(2, 12)
         calls = [
@@ -402,7 +342,9 @@ class RightPaddingGraphsTest(CompiledLlamaTestCase):
     def test_prefill_runs_causal_sdpa_without_a_mask(self):
         backend, sdpa_calls = sdpa_recording_backend()
         model = self.compiled_llama(backend)
-        generation_config = config(max_cache_len=96, max_new_tokens=2, output_scores=False, output_logits=False)
+        generation_config = right_padding_config(
+            max_cache_len=96, max_new_tokens=2, output_scores=False, output_logits=False
+        )
         run_bucketed(model, random_batch_ids(1, 11), generation_config, prefill_buckets=[16])
         self.assertEqual(self.spy.last(), "right")
         prefill = [call for call in sdpa_calls if call[0] == 16]
@@ -417,7 +359,7 @@ class RightPaddingGraphsTest(CompiledLlamaTestCase):
     def test_precompile_warms_the_right_graphs(self):
         counter = GraphCounter()
         model = self.compiled_llama(counter)
-        generation_config = config(output_scores=False, output_logits=False, prefill_buckets=[8, 16])
+        generation_config = right_padding_config(output_scores=False, output_logits=False, prefill_buckets=[8, 16])
         compiled = prefill_buckets.precompile(model, generation_config, progress=False)
         self.assertEqual([shape.prompt_length for shape in compiled], [16, 8])
         self.assertEqual(self.spy.last(), "right")

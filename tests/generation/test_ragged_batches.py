@@ -16,17 +16,23 @@ from transformers.utils import logging as transformers_logging
 import prefill_buckets
 from prefill_buckets import GraphCounter
 
-from .test_prefill_right import (
+from .tiny_models import (
+    CACHE,
+    MODEL_SPECS,
+    PAD,
     CompiledLlamaTestCase,
     SideSpy,
-    config,
+    assert_same,
     first_right_turn,
+    get_model,
+    left_padded_batch,
+    random_batch_ids,
+    right_padding_config,
     run,
     run_bucketed,
     sdpa_recording_backend,
     skip_unless_sdpa_skips_while_compiling,
 )
-from .tiny_models import CACHE, MODEL_SPECS, PAD, assert_same, get_model, left_padded_batch, random_batch_ids
 
 
 package_logger = transformers_logging.get_logger("prefill_buckets")
@@ -86,7 +92,7 @@ class RaggedEquivalenceTest(unittest.TestCase):
     def test_every_field_equals_unpadded(self, _, arch, mode):
         model = get_model(arch)
         input_ids, attention_mask = left_padded_batch(LENGTHS, PAD, seed=7)
-        got = self.check("right", model, input_ids, attention_mask, config(**MODES[mode]))
+        got = self.check("right", model, input_ids, attention_mask, right_padding_config(**MODES[mode]))
         self.assertTrue(
             torch.equal(
                 got.sequences[:, : input_ids.shape[1]],
@@ -99,13 +105,15 @@ class RaggedEquivalenceTest(unittest.TestCase):
         model = get_model(arch)
         input_ids, attention_mask = left_padded_batch(LENGTHS, PAD, seed=7)
         # An eos that row 0 emits at its second step; the others go on.
-        first = run(model, input_ids, config(eos_token_id=None), attention_mask=attention_mask).sequences
+        first = run(model, input_ids, right_padding_config(eos_token_id=None), attention_mask=attention_mask).sequences
         eos = first[0, input_ids.shape[1] + 1].item()
-        got = self.check("right", model, input_ids, attention_mask, config(eos_token_id=eos, max_new_tokens=6))
+        got = self.check(
+            "right", model, input_ids, attention_mask, right_padding_config(eos_token_id=eos, max_new_tokens=6)
+        )
         self.assertTrue(bool((got.sequences[0, input_ids.shape[1] + 2 :] == PAD).all()))
         # A stopping criterion that ends each row at its own step.
         criteria = StoppingCriteriaList([EndsRowsAtSteps(input_ids.shape[1])])
-        got = self.check("right", model, input_ids, attention_mask, config(), stopping_criteria=criteria)
+        got = self.check("right", model, input_ids, attention_mask, right_padding_config(), stopping_criteria=criteria)
         self.assertEqual(got.sequences.shape[1], input_ids.shape[1] + len(LENGTHS))
 
     @parameterized.expand([(arch,) for arch in ("llama", "qwen3", "gpt2_pad")])
@@ -115,30 +123,46 @@ class RaggedEquivalenceTest(unittest.TestCase):
         model = get_model(arch)
         input_ids, attention_mask = left_padded_batch((3, 16, 1, 9, 12, 16), PAD, seed=5)
         got = run_bucketed(
-            model, input_ids, config(max_new_tokens=1), attention_mask=attention_mask, prefill_buckets=BUCKETS
+            model,
+            input_ids,
+            right_padding_config(max_new_tokens=1),
+            attention_mask=attention_mask,
+            prefill_buckets=BUCKETS,
         ).logits[0]
         self.assertEqual(self.spy.last(), "right")
         self.assertEqual(got.dtype, torch.float32)
         for row in range(input_ids.shape[0]):
             alone = input_ids[row : row + 1, attention_mask[row].bool()]
-            want = run(model, alone, config(max_new_tokens=1)).logits[0]
+            want = run(model, alone, right_padding_config(max_new_tokens=1)).logits[0]
             self.assertLess((got[row] - want[0]).abs().max().item(), 1e-4, f"row {row}")
 
     def test_beam_search_returned_sequences_and_dummy_rows(self):
         model = get_model("llama")
         input_ids, attention_mask = left_padded_batch((4, 11, 2), PAD, seed=9)
-        self.check("right", model, input_ids, attention_mask, config(num_beams=3, num_return_sequences=2))
-        self.check("right", model, input_ids, attention_mask, config(num_beams=2, length_penalty=0.5))
-        self.check("right", model, input_ids, attention_mask, config(do_sample=True, top_k=0, num_return_sequences=3))
+        self.check(
+            "right", model, input_ids, attention_mask, right_padding_config(num_beams=3, num_return_sequences=2)
+        )
+        self.check("right", model, input_ids, attention_mask, right_padding_config(num_beams=2, length_penalty=0.5))
+        self.check(
+            "right",
+            model,
+            input_ids,
+            attention_mask,
+            right_padding_config(do_sample=True, top_k=0, num_return_sequences=3),
+        )
         # Three rows padded to four by a dummy row, which finishes at once (and an eos that finishes the others).
-        self.check("right", model, input_ids, attention_mask, config(), fields={"prefill_batch_buckets": [4]})
+        self.check(
+            "right", model, input_ids, attention_mask, right_padding_config(), fields={"prefill_batch_buckets": [4]}
+        )
 
     def test_mask_inferred_from_pad_tokens_and_inputs_embeds(self):
         model = get_model("llama")
         input_ids, attention_mask = left_padded_batch((6, 2, 13), PAD, seed=4)
-        self.check("right", model, input_ids, None, config())  # upstream infers the mask from the pad tokens
+        self.check(
+            "right", model, input_ids, None, right_padding_config()
+        )  # upstream infers the mask from the pad tokens
         embeds = model.get_input_embeddings()(input_ids)
-        generation_config = config()
+        generation_config = right_padding_config()
         torch.manual_seed(11)
         want = model.generate(inputs_embeds=embeds, attention_mask=attention_mask, generation_config=generation_config)
         torch.manual_seed(11)
@@ -156,23 +180,32 @@ class RaggedEquivalenceTest(unittest.TestCase):
         model = get_model("llama")
         # Padded on the right by the tokenizer: upstream's first token of a short row comes from a pad position.
         input_ids, attention_mask = right_padded_batch((6, 2, 13), PAD, seed=4)
-        self.check("left", model, input_ids, attention_mask, config())
+        self.check("left", model, input_ids, attention_mask, right_padding_config())
         self.assertIn("padded on the right", self.spy.sides[-1].reason)
         # Zeros between a row's tokens.
         holes = torch.ones(2, 9, dtype=torch.long)
         holes[0, 4] = 0
-        self.check("left", model, random_batch_ids(2, 9), holes, config())
+        self.check("left", model, random_batch_ids(2, 9), holes, right_padding_config())
         self.assertIn("between a row's tokens", self.spy.sides[-1].reason)
         # A sliding window (8, which holds bucket 8).
-        self.check("left", get_model("mistral_sliding"), *left_padded_batch((6, 2), PAD, seed=4), config())
+        self.check(
+            "left", get_model("mistral_sliding"), *left_padded_batch((6, 2), PAD, seed=4), right_padding_config()
+        )
         self.assertIn("sliding window", self.spy.sides[-1].reason)
         # The rule's other cases still apply: here per-position outputs.
         input_ids, attention_mask = left_padded_batch((6, 2, 13), PAD, seed=4)
-        self.check("left", model, input_ids, attention_mask, config(output_hidden_states=True))
+        self.check("left", model, input_ids, attention_mask, right_padding_config(output_hidden_states=True))
         # Asked for "right" where it is not exact: says why, pads on the left.
         input_ids, attention_mask = right_padded_batch((6, 2), PAD, seed=4)
         with CaptureLogger(package_logger) as captured:
-            self.check("left", model, input_ids, attention_mask, config(), fields={"prefill_padding_side": "right"})
+            self.check(
+                "left",
+                model,
+                input_ids,
+                attention_mask,
+                right_padding_config(),
+                fields={"prefill_padding_side": "right"},
+            )
         self.assertIn("padded on the right", captured.out)
 
 
@@ -184,8 +217,8 @@ class RaggedContinuationTest(unittest.TestCase):
         self.model = get_model("llama")
 
     def test_continued_conversation(self):
-        first_config = config(max_cache_len=96)
-        later_config = config(cache_implementation=None)
+        first_config = right_padding_config(max_cache_len=96)
+        later_config = right_padding_config(cache_implementation=None)
         input_ids, attention_mask = left_padded_batch((9, 3), PAD, seed=1)
         ours = run_bucketed(
             self.model, input_ids, first_config, attention_mask=attention_mask, prefill_buckets=BUCKETS
@@ -253,7 +286,7 @@ class RaggedGraphsTest(CompiledLlamaTestCase):
         counter = GraphCounter()
         model = self.compiled_llama(counter)
         reference = get_model("llama")
-        generation_config = config(max_cache_len=96, output_scores=False, output_logits=False)
+        generation_config = right_padding_config(max_cache_len=96, output_scores=False, output_logits=False)
         mixes = [(16, 1, 9, 5), (12, 12, 12, 12), (3, 14, 16, 10), (2, 2, 2, 9), (11, 16, 16, 1), (7, 4), (9, 9)]
         for lengths in mixes:
             input_ids, attention_mask = left_padded_batch(lengths, PAD, seed=sum(lengths))
@@ -271,7 +304,9 @@ class RaggedGraphsTest(CompiledLlamaTestCase):
     def test_prefill_runs_causal_sdpa_without_a_mask(self):
         backend, sdpa_calls = sdpa_recording_backend()
         model = self.compiled_llama(backend)
-        generation_config = config(max_cache_len=96, max_new_tokens=2, output_scores=False, output_logits=False)
+        generation_config = right_padding_config(
+            max_cache_len=96, max_new_tokens=2, output_scores=False, output_logits=False
+        )
         input_ids, attention_mask = left_padded_batch((11, 3, 16), PAD, seed=2)
         run_bucketed(model, input_ids, generation_config, attention_mask=attention_mask, prefill_buckets=[16])
         self.assertEqual(self.spy.last(), "right")

@@ -10,6 +10,7 @@ ids (test_checks.py, test_gate.py, test_selftest.py, test_compiled_calls.py).
 
 import functools
 import unittest
+from unittest import mock
 
 import torch
 from torch._dynamo.backends.registry import register_backend
@@ -34,9 +35,11 @@ from transformers.utils import ModelOutput, logging
 
 import prefill_buckets
 from prefill_buckets import GraphCounter
+from prefill_buckets.call import generation
 from prefill_buckets.call.hooks import HOOKS
 from prefill_buckets.compile.compiled_calls import EagerFallback
 from prefill_buckets.testing_utils import tiny_llama, tiny_llama_config
+from prefill_buckets.upstream import versions
 
 
 # `generate` takes and returns the cache as `cache` from transformers 5.24 on, as `past_key_values` before.
@@ -79,6 +82,17 @@ __all__ = [
     "ATOL",
     "assert_same",
     "hide_user_pads",
+    # the right-padding tests' runs, spy on the side taken and compiled Llama (below)
+    "RIGHT_PADDING_BUCKETS",
+    "RIGHT_PADDING_NEW_TOKENS",
+    "CompiledLlamaTestCase",
+    "SideSpy",
+    "first_right_turn",
+    "right_padding_config",
+    "run",
+    "run_bucketed",
+    "sdpa_recording_backend",
+    "skip_unless_sdpa_skips_while_compiling",
     # the robustness tests' base class (below)
     "UPSTREAM_IGNORE_CAUSAL_MASK_SDPA",
     "RobustnessTestBase",
@@ -482,6 +496,113 @@ def hide_user_pads(output, attention_mask) -> None:
             )
         hidden.append(layers)
     output["hidden_states"] = tuple(hidden)
+
+
+# =====================================================================================================================
+# The right-padding tests' runs, their spy on the side each call takes and their compiled Llama (moved from
+# test_prefill_right.py; test_ragged_batches.py).
+# =====================================================================================================================
+
+RIGHT_PADDING_BUCKETS = [8, 16, 32]
+RIGHT_PADDING_NEW_TOKENS = 5
+
+
+def sdpa_recording_backend():
+    """A compile backend that records each SDPA call it traces as `(query length, no mask, is_causal)`, and the list."""
+    sdpa_calls = []
+
+    def backend(gm, example_inputs, **kwargs):
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and "scaled_dot_product_attention" in str(node.target):
+                mask = node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None)
+                query_length = node.args[0].meta["example_value"].shape[-2]
+                sdpa_calls.append((query_length, mask is None, node.kwargs.get("is_causal")))
+        return gm.forward
+
+    return backend, sdpa_calls
+
+
+class SideSpy:
+    """Records every bucketed call and the side it takes (`decision.choose_side`, as `generate` calls it)."""
+
+    def __init__(self, test: unittest.TestCase):
+        self.calls, self.sides = [], []
+        original = generation.choose_side
+
+        def spy(call):
+            side = original(call)
+            self.calls.append(call)
+            self.sides.append(side)
+            return side
+
+        patcher = mock.patch.object(generation, "choose_side", spy)
+        patcher.start()
+        test.addCleanup(patcher.stop)
+
+    def last(self) -> str:
+        return self.sides[-1].side
+
+
+def right_padding_config(**kwargs) -> GenerationConfig:
+    values = {
+        "max_new_tokens": RIGHT_PADDING_NEW_TOKENS,
+        "do_sample": False,
+        "cache_implementation": "static",
+        "pad_token_id": PAD,
+        "eos_token_id": EOS,
+        "return_dict_in_generate": True,
+        "output_scores": True,
+        "output_logits": True,
+    }
+    values.update(kwargs)
+    return GenerationConfig(**values)
+
+
+def run(model, input_ids, generation_config, seed=11, **kwargs):
+    torch.manual_seed(seed)
+    return model.generate(input_ids, generation_config=generation_config, **kwargs)
+
+
+def run_bucketed(model, input_ids, generation_config, seed=11, **kwargs):
+    torch.manual_seed(seed)
+    return prefill_buckets.generate(model, input_ids, generation_config=generation_config, **kwargs)
+
+
+# The mask-free prefill tests: on transformers < 5.24 upstream's own exact prefill is masked while compiling.
+skip_unless_sdpa_skips_while_compiling = unittest.skipIf(
+    versions.TRANSFORMERS_VERSION.release < (5, 24),
+    "transformers 5.17 never skips the SDPA mask while compiling (`is_tracing`): upstream's exact prefill is masked too",
+)
+
+
+def first_right_turn(test, rows: int):
+    """
+    The first turn of a conversation, `rows` rows of 9 tokens right-padded into a 96-slot cache (the side checked), and
+    upstream's; with the config of the later turns. `test` has `model` and `spy`.
+    """
+    first_config = right_padding_config(max_cache_len=96, output_scores=False, output_logits=False)
+    later_config = right_padding_config(cache_implementation=None, output_scores=False, output_logits=False)
+    first = random_batch_ids(rows, 9, seed=1)
+    ours = run_bucketed(test.model, first, first_config, prefill_buckets=RIGHT_PADDING_BUCKETS)
+    theirs = run(test.model, first, first_config)
+    test.assertEqual(test.spy.last(), "right")
+    return ours, theirs, later_config
+
+
+class CompiledLlamaTestCase(unittest.TestCase):
+    """A tiny Llama compiled with a given backend (`dynamic=False`, `fullgraph=True`), and a spy on the side taken."""
+
+    def setUp(self):
+        torch._dynamo.reset()
+        self.addCleanup(torch._dynamo.reset)
+        self.spy = SideSpy(self)
+
+    def compiled_llama(self, backend):
+        model_class, make_config = MODEL_SPECS["llama"]
+        torch.manual_seed(0)
+        model = model_class(make_config()).eval()
+        model.compile(backend=backend, dynamic=False, fullgraph=True)
+        return model
 
 
 # =====================================================================================================================
