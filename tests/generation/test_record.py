@@ -14,8 +14,7 @@ from prefill_buckets import GraphCounter
 from prefill_buckets.kvcache.record import cache_record
 from prefill_buckets.state import PROCESS, state_of
 
-from .test_compile_counts import make_model, make_prompt
-from .tiny_models import CACHE, tiny_llama
+from .tiny_models import CACHE, make_model, make_prompt, tiny_llama
 
 
 class ContinuationTest(unittest.TestCase):
