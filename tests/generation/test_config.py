@@ -10,7 +10,7 @@ from unittest import mock
 
 import torch
 from parameterized import parameterized
-from transformers import GenerationConfig, LlamaForCausalLM
+from transformers import GenerationConfig
 
 import prefill_buckets
 from prefill_buckets import PREFILL_BUCKETS, PREFILL_PAD_TO_MULTIPLE_OF
@@ -18,41 +18,10 @@ from prefill_buckets.buckets import BucketPolicy
 from prefill_buckets.call import resolved
 from prefill_buckets.config import validate_fields
 
-from . import tiny_models
+from .tiny_models import FirstForwardLength, random_ids, tiny_llama_256_positions
 
 
 PAD, EOS, BOS = 0, 1, 2
-VOCAB = 128
-
-
-def tiny_llama() -> LlamaForCausalLM:
-    return tiny_models.tiny_llama(max_position_embeddings=256)
-
-
-def prompt(length: int, batch_size: int = 1, seed: int = 0) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(3, VOCAB, (batch_size, length), generator=generator)
-
-
-class FirstForwardLength:
-    """A forward pre-hook that records the sequence length of every forward the model runs."""
-
-    def __init__(self, model):
-        self.lengths = []
-        self.handle = model.register_forward_pre_hook(self, with_kwargs=True)
-
-    def __call__(self, module, args, kwargs):
-        tensor = kwargs.get("input_ids")
-        if tensor is None:
-            tensor = kwargs.get("inputs_embeds")
-        self.lengths.append(tensor.shape[1])
-
-    @property
-    def first(self) -> int:
-        return self.lengths[0]
-
-    def remove(self):
-        self.handle.remove()
 
 
 # (value, how the message shows it). The message must name the field, show the value and say what is valid.
@@ -101,8 +70,8 @@ class ConfigValidationTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         prefill_buckets.disable()
-        cls.model = tiny_llama()
-        cls.input_ids = prompt(5)
+        cls.model = tiny_llama_256_positions()
+        cls.input_ids = random_ids(5)
 
     def setUp(self):
         prefill_buckets.disable()
@@ -225,7 +194,7 @@ class FieldsValidatedOnceTest(unittest.TestCase):
 class ConfigPersistenceTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
-        cls.model = tiny_llama()
+        cls.model = tiny_llama_256_positions()
 
     def setUp(self):
         prefill_buckets.disable()
@@ -304,7 +273,7 @@ class ConfigPersistenceTest(unittest.TestCase):
         for field, value in fields.items():
             self.assertEqual(getattr(self.model.generation_config, field), value)
 
-        input_ids = prompt(5, seed=3)
+        input_ids = random_ids(5, seed=3)
         recorder = FirstForwardLength(self.model)
         self.addCleanup(recorder.remove)
         padded = prefill_buckets.generate(self.model, input_ids, max_new_tokens=4, do_sample=False)

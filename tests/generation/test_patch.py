@@ -1,6 +1,7 @@
 # Tests `patch.py`: `enable()` / `disable()` install the fields and the bucketed `generate` into transformers and put
 # back exactly what they replaced, each idempotent. Moved whole from test_config.py, whose tiny Llama, prompt and
-# forward-length recorder it shares; test_config.py keeps the fields' validation and persistence.
+# forward-length recorder (now in tiny_models.py) it shares; test_config.py keeps the fields' validation and
+# persistence.
 
 import unittest
 
@@ -12,14 +13,14 @@ from transformers.generation.utils import GenerationMixin
 import prefill_buckets
 from prefill_buckets import PREFILL_BUCKETS, PREFILL_PAD_TO_MULTIPLE_OF
 
-from .test_config import FirstForwardLength, prompt, tiny_llama
+from .tiny_models import FirstForwardLength, random_ids, tiny_llama_256_positions
 
 
 class EnableDisableTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
-        cls.model = tiny_llama()
-        cls.input_ids = prompt(5)
+        cls.model = tiny_llama_256_positions()
+        cls.input_ids = random_ids(5)
 
     def setUp(self):
         prefill_buckets.disable()

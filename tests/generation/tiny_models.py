@@ -93,6 +93,9 @@ __all__ = [
     "run_bucketed",
     "sdpa_recording_backend",
     "skip_unless_sdpa_skips_while_compiling",
+    # the config and patch tests' model and forward-length recorder (below)
+    "FirstForwardLength",
+    "tiny_llama_256_positions",
     # the robustness tests' base class (below)
     "UPSTREAM_IGNORE_CAUSAL_MASK_SDPA",
     "RobustnessTestBase",
@@ -603,6 +606,38 @@ class CompiledLlamaTestCase(unittest.TestCase):
         model = model_class(make_config()).eval()
         model.compile(backend=backend, dynamic=False, fullgraph=True)
         return model
+
+
+# =====================================================================================================================
+# The config and patch tests' tiny Llama and recorder of each forward's length (moved from test_config.py;
+# test_patch.py). Their prompt, `random_ids(5)`, is the upstream-coupling tests' above.
+# =====================================================================================================================
+
+
+def tiny_llama_256_positions() -> LlamaForCausalLM:
+    """`tiny_llama()` with 256 positions."""
+    return tiny_llama(max_position_embeddings=256)
+
+
+class FirstForwardLength:
+    """A forward pre-hook that records the sequence length of every forward the model runs."""
+
+    def __init__(self, model):
+        self.lengths = []
+        self.handle = model.register_forward_pre_hook(self, with_kwargs=True)
+
+    def __call__(self, module, args, kwargs):
+        tensor = kwargs.get("input_ids")
+        if tensor is None:
+            tensor = kwargs.get("inputs_embeds")
+        self.lengths.append(tensor.shape[1])
+
+    @property
+    def first(self) -> int:
+        return self.lengths[0]
+
+    def remove(self):
+        self.handle.remove()
 
 
 # =====================================================================================================================
