@@ -13,14 +13,14 @@ from prefill_buckets import benchmark as bench
 from prefill_buckets.benchmark import report, worker
 from prefill_buckets.benchmark.strategies import BASELINE, DEFAULT_STRATEGIES, STRATEGIES
 
-from .test_bench_cli import _bench_parser, tiny_workload
+from .tiny_models import bench_parser, tiny_workload
 
 
 class StrategiesTest(unittest.TestCase):
     def test_the_default_run_has_upstreams_recipe_as_a_peer(self):
         self.assertEqual(BASELINE, "decode-only")
         self.assertIn("decode-only", DEFAULT_STRATEGIES)
-        self.assertIn("decode-only", bench.strategy_list(_bench_parser().parse_args([])))
+        self.assertIn("decode-only", bench.strategy_list(bench_parser().parse_args([])))
         recipe = STRATEGIES["decode-only"]
         self.assertEqual(recipe.fields, {})  # no bucket fields
         self.assertIsNotNone(recipe.compile_config)
@@ -33,7 +33,7 @@ class StrategiesTest(unittest.TestCase):
         self.assertEqual(static.fields, recommended.fields)
         self.assertEqual(static.shuffled, recommended.shuffled)
         self.assertNotIn("quarters-static", DEFAULT_STRATEGIES)
-        self.assertIn("quarters-static", bench.strategy_list(_bench_parser().parse_args(["--full"])))
+        self.assertIn("quarters-static", bench.strategy_list(bench_parser().parse_args(["--full"])))
 
 
 class DecodeOnlyWorkerTest(unittest.TestCase):

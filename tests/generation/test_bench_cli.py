@@ -13,13 +13,13 @@ import unittest
 from pathlib import Path
 from unittest import mock
 
-import torch
-
 import prefill_buckets
 from prefill_buckets import benchmark as bench
 from prefill_buckets.benchmark import second_pass, worker
 from prefill_buckets.cli import main
-from prefill_buckets.testing_utils import SMOLLM2_REQUIREMENTS, tiny_llama
+from prefill_buckets.testing_utils import SMOLLM2_REQUIREMENTS
+
+from .tiny_models import bench_parser, tiny_workload
 
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -39,7 +39,7 @@ class BenchPromptsTest(unittest.TestCase):
                 self.assertTrue(prompt["text"].strip())
 
     def test_default_uses_every_other_prompt_and_eager_first(self):
-        parser = _bench_parser()
+        parser = bench_parser()
         self.assertEqual(bench.strategy_list(parser.parse_args([]))[0], "eager")
         # Each model's reference first: eager, then the sliding pair's.
         references = ["eager", "sliding-eager"]
@@ -177,24 +177,6 @@ class SecondPassMemoryTest(unittest.TestCase):
         self.assertGreater(second_pass._resident_bytes(os.getpid()), 0)
 
 
-def tiny_workload(lengths):
-    """A saved tiny Llama and a workload of one random prompt per length: `(tmp dir, model dir, path, workload)`."""
-    tmp = tempfile.TemporaryDirectory()
-    model_dir = os.path.join(tmp.name, "tiny")
-    tiny_llama().save_pretrained(model_dir)
-    workload_path = os.path.join(tmp.name, "workload.json")
-    workload = [
-        {
-            "name": f"p{n}",
-            "length": n,
-            "ids": torch.randint(3, 128, (n,), generator=torch.Generator().manual_seed(n)).tolist(),
-        }
-        for n in lengths
-    ]
-    Path(workload_path).write_text(json.dumps(workload))
-    return tmp, model_dir, workload_path, workload
-
-
 class BenchBatchedTest(unittest.TestCase):
     """The batch and continuous-batching strategies' worker, in this process, on the tiny model without compiling."""
 
@@ -310,7 +292,7 @@ class BenchRequirementsTest(unittest.TestCase):
         self.assertFalse(wrote)
 
     def test_what_each_run_needs(self):
-        parser = _bench_parser()
+        parser = bench_parser()
         with mock.patch.dict(sys.modules, {"matplotlib": None}):
             self.assertEqual(bench.missing_requirements(parser.parse_args(["--quick", "--no-plot"])), [])
             self.assertEqual(len(bench.missing_requirements(parser.parse_args(["--quick"]))), 1)
@@ -325,14 +307,6 @@ class BenchRequirementsTest(unittest.TestCase):
             self.assertEqual(bench.missing_requirements(parser.parse_args(["--model", tmp, "--no-plot"])), [])
             missing = bench.missing_requirements(parser.parse_args(["--no-plot"]))
             self.assertEqual([line.split(",")[0] for line in missing], list(SMOLLM2_REQUIREMENTS))
-
-
-def _bench_parser():
-    import argparse
-
-    parser = argparse.ArgumentParser()
-    bench.add_arguments(parser)
-    return parser
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from prefill_buckets import benchmark as bench
 from prefill_buckets.benchmark import command, second_pass, sliding, worker
 from prefill_buckets.benchmark.report import fastest_per_prompt, payback_calls
 
-from .test_bench_cli import _bench_parser, tiny_workload
+from .tiny_models import bench_parser, tiny_workload
 
 
 def record(total: float, second: float, calls: int = 4) -> dict:
@@ -116,7 +116,7 @@ class WarmFromTorchArtifactsTest(unittest.TestCase):
 
 class SlidingPairTest(unittest.TestCase):
     def test_reference_per_model_runs_first(self):
-        parser = _bench_parser()
+        parser = bench_parser()
         names = bench.strategy_list(parser.parse_args(["--strategies", "sliding-pow2,pow2"]))
         self.assertEqual(names, ["eager", "sliding-eager", "sliding-pow2", "pow2"])
 

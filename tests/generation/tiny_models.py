@@ -9,7 +9,11 @@ ids (test_checks.py, test_gate.py, test_selftest.py, test_compiled_calls.py).
 """
 
 import functools
+import json
+import os
+import tempfile
 import unittest
+from pathlib import Path
 from unittest import mock
 
 import torch
@@ -96,6 +100,9 @@ __all__ = [
     # the config and patch tests' model and forward-length recorder (below)
     "FirstForwardLength",
     "tiny_llama_256_positions",
+    # the benchmark tests' parser and workload (below)
+    "bench_parser",
+    "tiny_workload",
     # the robustness tests' base class (below)
     "UPSTREAM_IGNORE_CAUSAL_MASK_SDPA",
     "RobustnessTestBase",
@@ -638,6 +645,42 @@ class FirstForwardLength:
 
     def remove(self):
         self.handle.remove()
+
+
+# =====================================================================================================================
+# The benchmark tests' parser of `prefill-buckets bench` and saved tiny workload (moved from test_bench_cli.py;
+# test_bench_steady.py, test_bench_baseline.py). The parser imports the benchmark package when called, so that
+# importing this module does not.
+# =====================================================================================================================
+
+
+def tiny_workload(lengths):
+    """A saved tiny Llama and a workload of one random prompt per length: `(tmp dir, model dir, path, workload)`."""
+    tmp = tempfile.TemporaryDirectory()
+    model_dir = os.path.join(tmp.name, "tiny")
+    tiny_llama().save_pretrained(model_dir)
+    workload_path = os.path.join(tmp.name, "workload.json")
+    workload = [
+        {
+            "name": f"p{n}",
+            "length": n,
+            "ids": torch.randint(3, 128, (n,), generator=torch.Generator().manual_seed(n)).tolist(),
+        }
+        for n in lengths
+    ]
+    Path(workload_path).write_text(json.dumps(workload))
+    return tmp, model_dir, workload_path, workload
+
+
+def bench_parser():
+    """An `argparse` parser of `prefill-buckets bench`'s arguments."""
+    import argparse
+
+    from prefill_buckets import benchmark as bench
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    return parser
 
 
 # =====================================================================================================================
