@@ -21,15 +21,7 @@ from transformers.utils.import_utils import is_serve_available
 
 from prefill_buckets.upstream import transformers_serve
 
-from .test_serving import (
-    MAX_PROMPT,
-    REQUESTS,
-    SERVED_NEW_TOKENS,
-    ask,
-    free_port,
-    set_up_tiny_model_folder,
-    wait_ready,
-)
+from .tiny_models import MAX_PROMPT, REQUESTS, SERVED_NEW_TOKENS, ask, free_port, set_up_tiny_model_folder, wait_ready
 
 
 READY = re.compile(r"ready with prefill_buckets=(\[[\d, ]*\]): (\d+) graphs compiled")

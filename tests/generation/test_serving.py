@@ -14,90 +14,34 @@ import io
 import json
 import logging
 import os
-import socket
-import tempfile
-import time
 import traceback
 import unittest
 from unittest import mock
 
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import GenerationConfig, PreTrainedTokenizerFast
+from transformers import GenerationConfig
 from transformers.utils.import_utils import is_serve_available
 
 import prefill_buckets
 from prefill_buckets import GraphCounter, cli, serving, serving_loads
 from prefill_buckets.upstream import torch_api, transformers_serve
 
-from .tiny_models import tiny_llama
-
-
-VOCAB = 128
-# Prompt lengths in words, each word one token; the chat template adds one (`w3`). 13 lengths, up to 61 tokens.
-WORDS = (3, 5, 7, 10, 13, 17, 21, 26, 31, 37, 44, 52, 60)
-MAX_PROMPT = 64
-NEW_TOKENS = 8
-SERVED_NEW_TOKENS = 32  # --max-new-tokens: the cache holds the largest bucket and these
-CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ message['content'] }} {% endfor %}{% if add_generation_prompt %}w3{% endif %}"
+from .tiny_models import (
+    ASKED_NEW_TOKENS,
+    MAX_PROMPT,
+    REQUESTS,
+    SERVED_NEW_TOKENS,
+    ask,
+    free_port,
+    set_up_tiny_model_folder,
+    tiny_llama,
+    wait_ready,
+    word_prompt,
 )
-
-
-def word_tokenizer() -> PreTrainedTokenizerFast:
-    """
-    A word-level tokenizer over the tiny model's ids: `w<id>` is one token from id 3 on; pad `<pad>`, eos `</s>`, bos
-    `<s>` (special tokens are matched inside words, so they share no text with the others).
-    """
-    vocab = {"<pad>": 0, "</s>": 1, "<s>": 2} | {f"w{i}": i for i in range(3, VOCAB)}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
-        pad_token="<pad>",
-        eos_token="</s>",
-        bos_token="<s>",
-        model_input_names=["input_ids", "attention_mask"],
-    )
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
-
-
-def save_tiny_model(folder: str) -> None:
-    """A tiny Llama, its tokenizer and chat template, in `folder`: what `transformers serve` loads by path."""
-    model = tiny_llama(seed=0)
-    model.generation_config.do_sample = False
-    model.save_pretrained(folder)
-    word_tokenizer().save_pretrained(folder)
-
-
-def prompt(words: int, offset: int = 0) -> str:
-    """`words` distinct-ish words, seeded by the length so that every prompt differs."""
-    ids = torch.randint(4, VOCAB, (words,), generator=torch.Generator().manual_seed(words + offset)).tolist()
-    return " ".join(f"w{i}" for i in ids)
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def serve_args(port: int) -> list[str]:
     return ["--host", "127.0.0.1", "--port", str(port), "--device", "cpu", "--dtype", "float32", "--non-blocking"]
-
-
-def wait_ready(client, model: str, timeout: float = 120.0) -> None:
-    """Until the server answers `/v1/models` (it is up: the model was loaded before uvicorn started)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            client.models.list()
-            return
-        except Exception:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
 
 
 class _Records(logging.Handler):
@@ -110,36 +54,6 @@ class _Records(logging.Handler):
         if record.exc_info:
             text += "\n" + "".join(traceback.format_exception(*record.exc_info))
         self.messages.append(text)
-
-
-def ask(client, model: str, kind: str, stream: bool, words: int, **extra) -> str:
-    """One request (`chat` or `completion`), its answer's text (streamed chunks joined)."""
-    common = {"model": model, "max_tokens": NEW_TOKENS, "temperature": 0, **extra}
-    if kind == "chat":
-        response = client.chat.completions.create(
-            messages=[{"role": "user", "content": prompt(words)}], stream=stream, **common
-        )
-        if not stream:
-            return response.choices[0].message.content
-        return "".join(c.choices[0].delta.content or "" for c in response if c.choices)
-    response = client.completions.create(prompt=prompt(words) + " w3", stream=stream, **common)
-    if not stream:
-        return response.choices[0].text
-    return "".join(c.choices[0].text or "" for c in response if c.choices)
-
-
-def set_up_tiny_model_folder(test_class) -> None:
-    """For a test class: `openai` as `test_class.openai`, and the tiny model saved in a folder removed after the class."""
-    import openai
-
-    test_class.openai = openai
-    test_class.tmp = tempfile.TemporaryDirectory()
-    test_class.addClassCleanup(test_class.tmp.cleanup)
-    test_class.folder = os.path.join(test_class.tmp.name, "tiny-llama")
-    save_tiny_model(test_class.folder)
-
-
-REQUESTS = [(kind, stream, words) for words in WORDS for kind in ("chat", "completion") for stream in (False, True)]
 
 
 @unittest.skipUnless(is_serve_available(), 'needs pip install "transformers-prefill-buckets[serving]"')
@@ -188,7 +102,7 @@ class ServeTest(unittest.TestCase):
         """A request's own `generation_config` with its own bucket: 100, a length no served bucket has."""
         return {
             "generation_config": json.dumps(
-                {"max_new_tokens": NEW_TOKENS, "do_sample": False, "prefill_buckets": [100]}
+                {"max_new_tokens": ASKED_NEW_TOKENS, "do_sample": False, "prefill_buckets": [100]}
             )
         }
 
@@ -198,7 +112,7 @@ class ServeTest(unittest.TestCase):
         try:
             client.chat.completions.create(
                 model=cls.folder,
-                messages=[{"role": "user", "content": prompt(5)}],
+                messages=[{"role": "user", "content": word_prompt(5)}],
                 extra_body={"generation_config": json.dumps(config)},
             )
         except cls.openai.APIError as error:
@@ -246,7 +160,7 @@ class ServeTest(unittest.TestCase):
             # A client that goes away mid-stream: generation is cancelled; the next request is exact.
             stream = client.chat.completions.create(
                 model=self.folder,
-                messages=[{"role": "user", "content": prompt(31)}],
+                messages=[{"role": "user", "content": word_prompt(31)}],
                 max_tokens=SERVED_NEW_TOKENS,
                 temperature=0,
                 stream=True,

@@ -21,7 +21,7 @@ import prefill_buckets
 from prefill_buckets import GraphCounter, serving, serving_loads
 from prefill_buckets.upstream import transformers_serve
 
-from .test_serving import SERVED_NEW_TOKENS, save_tiny_model
+from .tiny_models import SERVED_NEW_TOKENS, save_tiny_model
 
 
 class FolderLoader:

@@ -11,12 +11,15 @@ ids (test_checks.py, test_gate.py, test_selftest.py, test_compiled_calls.py).
 import functools
 import json
 import os
+import socket
 import tempfile
+import time
 import unittest
 from pathlib import Path
 from unittest import mock
 
 import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
 from torch._dynamo.backends.registry import register_backend
 from transformers import (
     GemmaConfig,
@@ -30,6 +33,7 @@ from transformers import (
     MistralForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
+    PreTrainedTokenizerFast,
     Qwen3Config,
     Qwen3ForCausalLM,
     masking_utils,
@@ -103,6 +107,17 @@ __all__ = [
     # the benchmark tests' parser and workload (below)
     "bench_parser",
     "tiny_workload",
+    # the serving tests' tiny model folder, requests and server calls (below)
+    "ASKED_NEW_TOKENS",
+    "MAX_PROMPT",
+    "REQUESTS",
+    "SERVED_NEW_TOKENS",
+    "ask",
+    "free_port",
+    "save_tiny_model",
+    "set_up_tiny_model_folder",
+    "wait_ready",
+    "word_prompt",
     # the robustness tests' base class (below)
     "UPSTREAM_IGNORE_CAUSAL_MASK_SDPA",
     "RobustnessTestBase",
@@ -681,6 +696,106 @@ def bench_parser():
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     return parser
+
+
+# =====================================================================================================================
+# The serving tests' tiny Llama folder (offline word-level tokenizer, chat template), their requests and the calls they
+# make to a server (moved from test_serving.py; test_serving_loads.py, test_serve_process.py). The `openai` client
+# (the serving extra) is imported only by `set_up_tiny_model_folder`, when called.
+# =====================================================================================================================
+
+# Prompt lengths in words, each word one token; the chat template adds one (`w3`). 13 lengths, up to 61 tokens.
+REQUEST_WORDS = (3, 5, 7, 10, 13, 17, 21, 26, 31, 37, 44, 52, 60)
+MAX_PROMPT = 64
+ASKED_NEW_TOKENS = 8
+SERVED_NEW_TOKENS = 32  # --max-new-tokens: the cache holds the largest bucket and these
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['content'] }} {% endfor %}{% if add_generation_prompt %}w3{% endif %}"
+)
+
+
+def chat_word_tokenizer() -> PreTrainedTokenizerFast:
+    """
+    A word-level tokenizer over the tiny model's ids: `w<id>` is one token from id 3 on; pad `<pad>`, eos `</s>`, bos
+    `<s>` (special tokens are matched inside words, so they share no text with the others).
+    """
+    vocab = {"<pad>": 0, "</s>": 1, "<s>": 2} | {f"w{i}": i for i in range(3, VOCAB)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        pad_token="<pad>",
+        eos_token="</s>",
+        bos_token="<s>",
+        model_input_names=["input_ids", "attention_mask"],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def save_tiny_model(folder: str) -> None:
+    """A tiny Llama, its tokenizer and chat template, in `folder`: what `transformers serve` loads by path."""
+    model = tiny_llama(seed=0)
+    model.generation_config.do_sample = False
+    model.save_pretrained(folder)
+    chat_word_tokenizer().save_pretrained(folder)
+
+
+def word_prompt(words: int, offset: int = 0) -> str:
+    """`words` distinct-ish words, seeded by the length so that every prompt differs."""
+    ids = torch.randint(4, VOCAB, (words,), generator=torch.Generator().manual_seed(words + offset)).tolist()
+    return " ".join(f"w{i}" for i in ids)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(client, model: str, timeout: float = 120.0) -> None:
+    """Until the server answers `/v1/models` (it is up: the model was loaded before uvicorn started)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            client.models.list()
+            return
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def ask(client, model: str, kind: str, stream: bool, words: int, **extra) -> str:
+    """One request (`chat` or `completion`), its answer's text (streamed chunks joined)."""
+    common = {"model": model, "max_tokens": ASKED_NEW_TOKENS, "temperature": 0, **extra}
+    if kind == "chat":
+        response = client.chat.completions.create(
+            messages=[{"role": "user", "content": word_prompt(words)}], stream=stream, **common
+        )
+        if not stream:
+            return response.choices[0].message.content
+        return "".join(c.choices[0].delta.content or "" for c in response if c.choices)
+    response = client.completions.create(prompt=word_prompt(words) + " w3", stream=stream, **common)
+    if not stream:
+        return response.choices[0].text
+    return "".join(c.choices[0].text or "" for c in response if c.choices)
+
+
+def set_up_tiny_model_folder(test_class) -> None:
+    """For a test class: `openai` as `test_class.openai`, and the tiny model saved in a folder removed after the class."""
+    import openai
+
+    test_class.openai = openai
+    test_class.tmp = tempfile.TemporaryDirectory()
+    test_class.addClassCleanup(test_class.tmp.cleanup)
+    test_class.folder = os.path.join(test_class.tmp.name, "tiny-llama")
+    save_tiny_model(test_class.folder)
+
+
+REQUESTS = [
+    (kind, stream, words) for words in REQUEST_WORDS for kind in ("chat", "completion") for stream in (False, True)
+]
 
 
 # =====================================================================================================================
