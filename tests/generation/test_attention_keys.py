@@ -35,8 +35,7 @@ import prefill_buckets
 from prefill_buckets import GraphCounter
 from prefill_buckets.kvcache import attention_keys, windows
 
-from .test_sliding import MODELS as SLIDING_MODELS
-from .tiny_models import CACHE, assert_same, hide_user_pads, single_thread_module
+from .tiny_models import CACHE, SLIDING_MODELS, assert_same, hide_user_pads, single_thread_module
 
 
 SLOTS = 512  # pinned in both runs: the bucketed call's windows read 256 of them

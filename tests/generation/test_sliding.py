@@ -23,19 +23,7 @@ from unittest import mock
 import torch
 from parameterized import parameterized
 from transformers import (
-    Cohere2Config,
-    Cohere2ForCausalLM,
-    Gemma2Config,
-    Gemma2ForCausalLM,
-    Gemma3ForCausalLM,
-    Gemma3TextConfig,
     GenerationConfig,
-    GptOssConfig,
-    GptOssForCausalLM,
-    Llama4ForCausalLM,
-    Llama4TextConfig,
-    MistralConfig,
-    MistralForCausalLM,
     StaticLayer,
     StaticSlidingWindowLayer,
 )
@@ -49,34 +37,17 @@ from prefill_buckets.kvcache.ring import SlidingWindowRing
 from prefill_buckets.state import state_of
 from prefill_buckets.upstream import checks
 
-from .tiny_models import CACHE, assert_same_generation, single_thread_module, static_config
+from .tiny_models import (
+    CACHE,
+    SLIDING_MODELS,
+    SLIDING_WINDOW,
+    assert_same_generation,
+    single_thread_module,
+    static_config,
+)
 
 
-WINDOW = 16  # the sliding window (Llama 4: the attention chunk)
 NEW_TOKENS = 30
-_SIZES = {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4}
-_BASE = {**_SIZES, "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 1024, "num_hidden_layers": 2}
-_TOKENS = {"pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2}
-_HYBRID = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": WINDOW}
-_EXPERTS = {"num_local_experts": 2, "num_experts_per_tok": 1}
-# Each a sliding (or chunked) layer and a full-attention one, except Mistral, whose layers all slide.
-MODELS = {
-    "gemma2": lambda: Gemma2ForCausalLM(Gemma2Config(**_BASE, **_TOKENS, sliding_window=WINDOW)),
-    "gemma3": lambda: Gemma3ForCausalLM(Gemma3TextConfig(**_BASE, **_TOKENS, **_HYBRID)),
-    "gpt_oss": lambda: GptOssForCausalLM(GptOssConfig(**_BASE, **_TOKENS, **_EXPERTS, sliding_window=WINDOW)),
-    "mistral": lambda: MistralForCausalLM(MistralConfig(**_BASE, **_TOKENS, sliding_window=WINDOW)),
-    "llama4": lambda: Llama4ForCausalLM(
-        Llama4TextConfig(
-            **_BASE,
-            **_TOKENS,
-            **_EXPERTS,
-            attention_chunk_size=WINDOW,
-            no_rope_layers=[1, 0],
-            intermediate_size_mlp=64,
-        )
-    ),
-    "cohere2": lambda: Cohere2ForCausalLM(Cohere2Config(**_BASE, **_TOKENS, **_HYBRID)),
-}
 # Each case runs on these in CI (a hybrid of sliding and full attention, and chunked attention), on all with
 # RUN_SLOW=1.
 FAST_MODELS = ("gemma3", "llama4")
@@ -87,7 +58,7 @@ setUpModule, tearDownModule = single_thread_module()
 def make(name: str):
     torch.manual_seed(0)
     with CaptureLogger(transformers_logging.get_logger("transformers")):  # GPT-OSS's default rope scaling warns
-        model = MODELS[name]().eval()
+        model = SLIDING_MODELS[name]().eval()
     return model
 
 
@@ -151,20 +122,20 @@ class RingEquivalenceTest(unittest.TestCase):
                 model, prompt, generation_config=generation_config or config(cache_implementation="static"), **fields
             )
         self.assertTrue(layers, "no ring served the call")
-        self.assertEqual(set(layers), {WINDOW})  # the storage is the window
+        self.assertEqual(set(layers), {SLIDING_WINDOW})  # the storage is the window
         return out
 
-    @parameterized.expand([(name, length) for name in MODELS for length in (12, 40)])
+    @parameterized.expand([(name, length) for name in SLIDING_MODELS for length in (12, 40)])
     def test_prompt_and_decode_past_the_window(self, name, length):
         # 12 tokens: right-padded to 16, decode crosses the window; 40: longer than the window, padded on the left.
         model = self.model(name)
         prompt = ids(1, length)
         theirs = model.generate(prompt, generation_config=config())
-        for side in ("left", "auto") if length <= WINDOW else ("left",):  # past the window "auto" is the left
+        for side in ("left", "auto") if length <= SLIDING_WINDOW else ("left",):  # past the window "auto" is the left
             ours = self.bucketed(model, prompt, prefill_buckets="pow2", prefill_padding_side=side)
             self.assert_upstream(ours, theirs)
 
-    @parameterized.expand([(name,) for name in MODELS])
+    @parameterized.expand([(name,) for name in SLIDING_MODELS])
     def test_continued_conversation_past_the_window(self, name):
         # Left-padded from the first turn: a later turn, whose bucket the window can't hold past the cached tokens,
         # is padded on the left, in front of the cache's own padding (a right-padded first turn would leave it
@@ -217,9 +188,11 @@ class RingEquivalenceTest(unittest.TestCase):
         self.assert_upstream(ours, theirs)
         message = " ".join(captured.out.split())
         self.assertIn("already holds tokens from a right-padded call, so the prompt can't be padded in front", message)
-        self.assertIn(f"and it is not padded on the right: a sliding window of {WINDOW} slots is shorter", message)
+        self.assertIn(
+            f"and it is not padded on the right: a sliding window of {SLIDING_WINDOW} slots is shorter", message
+        )
 
-    @parameterized.expand([(name,) for name in MODELS])
+    @parameterized.expand([(name,) for name in SLIDING_MODELS])
     def test_handed_back_upstream_continues_past_the_window(self, name):
         # A right-padded call leaves no padding in the cache: upstream's own `generate` continues it as its own.
         model = self.model(name)
@@ -235,7 +208,7 @@ class RingEquivalenceTest(unittest.TestCase):
         )
         self.assert_upstream(ours, theirs)
 
-    @parameterized.expand([(name,) for name in MODELS])
+    @parameterized.expand([(name,) for name in SLIDING_MODELS])
     def test_chunked_prefill_across_the_window(self, name):
         model = self.model(name)
         prompt = ids(1, 30)  # padded to 32: 4 chunks of 8, the last two past the window
@@ -249,7 +222,7 @@ class RingEquivalenceTest(unittest.TestCase):
         )
         self.assert_upstream(ours, theirs)
 
-    @parameterized.expand([(name,) for name in MODELS])
+    @parameterized.expand([(name,) for name in SLIDING_MODELS])
     def test_batch_buckets_rows_of_different_lengths(self, name):
         model = self.model(name)
         prompt = ids(3, 20)
@@ -267,7 +240,7 @@ class RingEquivalenceTest(unittest.TestCase):
         )
         self.assert_upstream(ours, theirs)
 
-    @parameterized.expand([(name, side) for name in MODELS for side in ("left", "right")])
+    @parameterized.expand([(name, side) for name in SLIDING_MODELS for side in ("left", "right")])
     def test_beam_search(self, name, side):
         model = self.model(name)
         prompt = ids(1, 12)
@@ -318,10 +291,10 @@ class RingGraphTest(unittest.TestCase):
             used |= windows.windows_between(1, policy.bucket(n) + NEW_TOKENS, slots)
         self.assertLessEqual(counter.graphs, len(buckets) + len(used) + 2, counter.shapes)
 
-    @parameterized.expand([(name,) for name in MODELS])
+    @parameterized.expand([(name,) for name in SLIDING_MODELS])
     def test_buckets_plus_windows_plus_two(self, name):
         model, counter = self.compiled(name)
-        lengths = random.Random(0).sample(range(1, 4 * WINDOW), 20)  # around and beyond the window
+        lengths = random.Random(0).sample(range(1, 4 * SLIDING_WINDOW), 20)  # around and beyond the window
         self.run_workload(model, counter, lengths)
         self.assert_bound(model, counter, lengths)
         self.assertEqual(state_of(model).budget.graphs, counter.graphs)  # the budget counts what torch compiled
@@ -329,11 +302,11 @@ class RingGraphTest(unittest.TestCase):
         self.run_workload(model, counter, lengths)  # a second pass compiles nothing
         self.assertEqual(counter.graphs, graphs)
 
-    @parameterized.expand([(name,) for name in MODELS])
+    @parameterized.expand([(name,) for name in SLIDING_MODELS])
     @slow
     def test_per_batch_size(self, name):
         model, counter = self.compiled(name)
-        lengths = random.Random(1).sample(range(1, 4 * WINDOW), 6)
+        lengths = random.Random(1).sample(range(1, 4 * SLIDING_WINDOW), 6)
         self.run_workload(model, counter, lengths, batch_size=1)
         one = counter.graphs
         self.run_workload(model, counter, lengths, batch_size=2)
@@ -344,11 +317,13 @@ class RingGraphTest(unittest.TestCase):
     def test_precompile_counts_the_graphs(self, name):
         model, counter = self.compiled(name)
         generation_config = static_config(NEW_TOKENS, prefill_buckets="pow2")
-        compiled = prefill_buckets.precompile(model, generation_config, max_prompt_length=WINDOW, progress=False)
+        compiled = prefill_buckets.precompile(
+            model, generation_config, max_prompt_length=SLIDING_WINDOW, progress=False
+        )
         self.assertEqual(sum(shape.graphs for shape in compiled), counter.graphs)
         self.assertEqual(state_of(model).budget.graphs, counter.graphs)
         graphs = counter.graphs
-        for length in random.Random(2).sample(range(1, WINDOW + 1), 5):
+        for length in random.Random(2).sample(range(1, SLIDING_WINDOW + 1), 5):
             calls = counter.calls
             prefill_buckets.generate(model, ids(1, length), generation_config=generation_config)
             self.assertEqual(counter.calls - calls, NEW_TOKENS, "a forward ran eagerly")
@@ -382,10 +357,10 @@ class RingMemoryTest(unittest.TestCase):
         )
         sliding, full = out[CACHE].layers
         self.assertIs(type(sliding), StaticSlidingWindowLayer)
-        self.assertEqual(tuple(sliding.keys.shape), (1, 2, WINDOW, 8))
-        self.assertEqual(tuple(sliding.values.shape), (1, 2, WINDOW, 8))
+        self.assertEqual(tuple(sliding.keys.shape), (1, 2, SLIDING_WINDOW, 8))
+        self.assertEqual(tuple(sliding.values.shape), (1, 2, SLIDING_WINDOW, 8))
         self.assertEqual(full.keys.shape[-2], model._previous_max_cache_length)
-        self.assertGreater(model._previous_max_cache_length, WINDOW)
+        self.assertGreater(model._previous_max_cache_length, SLIDING_WINDOW)
         # Upstream's count, and its layout: the last 16 of the 64 + 29 tokens held.
         self.assertEqual(sliding.cumulative_length_int, 64 + NEW_TOKENS - 1)
         self.assertEqual(int(sliding.cumulative_length), 64 + NEW_TOKENS - 1)

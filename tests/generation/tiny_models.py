@@ -22,11 +22,21 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from torch._dynamo.backends.registry import register_backend
 from transformers import (
+    Cohere2Config,
+    Cohere2ForCausalLM,
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     GemmaConfig,
     GemmaForCausalLM,
     GenerationConfig,
     GPT2Config,
     GPT2LMHeadModel,
+    GptOssConfig,
+    GptOssForCausalLM,
+    Llama4ForCausalLM,
+    Llama4TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -118,6 +128,9 @@ __all__ = [
     "set_up_tiny_model_folder",
     "wait_ready",
     "word_prompt",
+    # the sliding-window tests' models (below)
+    "SLIDING_MODELS",
+    "SLIDING_WINDOW",
     # the robustness tests' base class (below)
     "UPSTREAM_IGNORE_CAUSAL_MASK_SDPA",
     "RobustnessTestBase",
@@ -796,6 +809,48 @@ def set_up_tiny_model_folder(test_class) -> None:
 REQUESTS = [
     (kind, stream, words) for words in REQUEST_WORDS for kind in ("chat", "completion") for stream in (False, True)
 ]
+
+
+# =====================================================================================================================
+# The sliding-window tests' models (moved from test_sliding.py; test_attention_keys.py). Their pad, eos and bos ids
+# are `SPECIAL_TOKENS` above.
+# =====================================================================================================================
+
+SLIDING_WINDOW = 16  # the sliding window (Llama 4: the attention chunk)
+_SLIDING_SIZES = {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4}
+_SLIDING_BASE = {
+    **_SLIDING_SIZES,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "max_position_embeddings": 1024,
+    "num_hidden_layers": 2,
+}
+_SLIDING_HYBRID = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": SLIDING_WINDOW}
+_SLIDING_EXPERTS = {"num_local_experts": 2, "num_experts_per_tok": 1}
+# Each a sliding (or chunked) layer and a full-attention one, except Mistral, whose layers all slide.
+SLIDING_MODELS = {
+    "gemma2": lambda: Gemma2ForCausalLM(
+        Gemma2Config(**_SLIDING_BASE, **SPECIAL_TOKENS, sliding_window=SLIDING_WINDOW)
+    ),
+    "gemma3": lambda: Gemma3ForCausalLM(Gemma3TextConfig(**_SLIDING_BASE, **SPECIAL_TOKENS, **_SLIDING_HYBRID)),
+    "gpt_oss": lambda: GptOssForCausalLM(
+        GptOssConfig(**_SLIDING_BASE, **SPECIAL_TOKENS, **_SLIDING_EXPERTS, sliding_window=SLIDING_WINDOW)
+    ),
+    "mistral": lambda: MistralForCausalLM(
+        MistralConfig(**_SLIDING_BASE, **SPECIAL_TOKENS, sliding_window=SLIDING_WINDOW)
+    ),
+    "llama4": lambda: Llama4ForCausalLM(
+        Llama4TextConfig(
+            **_SLIDING_BASE,
+            **SPECIAL_TOKENS,
+            **_SLIDING_EXPERTS,
+            attention_chunk_size=SLIDING_WINDOW,
+            no_rope_layers=[1, 0],
+            intermediate_size_mlp=64,
+        )
+    ),
+    "cohere2": lambda: Cohere2ForCausalLM(Cohere2Config(**_SLIDING_BASE, **SPECIAL_TOKENS, **_SLIDING_HYBRID)),
+}
 
 
 # =====================================================================================================================
