@@ -1,11 +1,26 @@
-"""Tiny randomly initialised models built from configs, and the helpers more than one test file needs: the one place
-for them, so that no test file copies another's. Never a hub download.
+"""Tiny randomly initialised models built from configs, and every helper more than one test file needs: the one place
+for them, so that no test file imports another's (a test file holds only what it alone uses). Never a hub download.
+Imports nothing relative, so that a process a test starts can import it by name (test_aot_forward.py).
 
 The models live in `prefill_buckets.testing_utils`, shared with the CLI and `utils/`; this module names them for the
-tests, with what only the tests need: the compile tests' tiny Llama, their registered counting backend and
-`CompilationTestCase` (test_compiled_calls.py, test_precompile.py, test_budget.py, test_decision.py,
-test_generation.py; test_compile_counts.py takes its prompts and references), and `random_ids`, one prompt of random
-ids (test_checks.py, test_gate.py, test_selftest.py, test_compiled_calls.py).
+tests, with what only the tests need, in sections (each says which test files use it):
+
+- the compile tests' tiny Llama, their registered counting backend and `CompilationTestCase`; `PAD`, `EOS`, `BOS`,
+  `VOCAB`, the ids every section here shares;
+- `random_ids`, one prompt of random ids;
+- the equivalence suite's models of several architectures (`MODEL_SPECS`, `get_model`), its batches
+  (`random_batch_ids`, `left_padded_batch`) and `ForwardRecorder`;
+- `assert_same` and `hide_user_pads`: every field of two `generate` outputs compared;
+- the right-padding tests' runs (`right_padding_config`, `run`, `run_bucketed`), `SideSpy`, `first_right_turn` and
+  `CompiledLlamaTestCase`;
+- the config and patch tests' `tiny_llama_256_positions` and `FirstForwardLength`;
+- the benchmark tests' `bench_parser` and `tiny_workload`;
+- the serving tests' tiny model folder (`save_tiny_model`, `set_up_tiny_model_folder`), requests (`REQUESTS`, `ask`)
+  and server helpers (`free_port`, `wait_ready`);
+- the sliding-window tests' `SLIDING_MODELS`;
+- `RobustnessTestBase`, the robustness tests' base class.
+
+Its base classes have no tests of their own, and pytest collects none from this module (its name is not `test_*`).
 """
 
 import functools
@@ -86,7 +101,7 @@ __all__ = [
     "make_prompt",
     "make_reference",
     "prefill_lengths",
-    # the upstream-coupling tests' prompt
+    # the upstream-coupling, config and patch tests' prompt
     "random_ids",
     # the equivalence suite's models, prompts and forward recorder (below)
     "ForwardRecorder",
@@ -357,7 +372,8 @@ class CompilationTestCase(unittest.TestCase):
         self.assertEqual(counter.calls, MAX_NEW_TOKENS * len(LENGTHS))
 
 
-# ---- one prompt of random ids (test_checks.py, test_gate.py, test_selftest.py, test_compiled_calls.py) -------------
+# ---- one prompt of random ids (test_checks.py, test_gate.py, test_selftest.py, test_compiled_calls.py, test_config.py,
+# test_patch.py) ------------------------------------------------------------------------------------------------------
 
 
 def random_ids(length: int, seed: int = 0) -> torch.Tensor:
