@@ -280,7 +280,7 @@ def _before_forward(plan, model_inputs: dict, tokens: int | None, new: int | Non
     every prompt forward and the first decode step, and the window a decode step reads recorded for the budget.
     """
     if tokens is not None:
-        mask_to_window(plan.run.windowed_cache, model_inputs)
+        mask_to_window(plan.run.windowed_cache, model_inputs, tokens)
     if plan.run.compiled is False:
         return
     decode = new == 1

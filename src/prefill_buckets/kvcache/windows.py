@@ -158,17 +158,20 @@ def set_window(cache, tokens: int, query: bool = False) -> None:
             layer.set_tokens(tokens)
 
 
-def mask_to_window(cache, model_inputs: dict) -> None:
+def mask_to_window(cache, model_inputs: dict, tokens: int) -> None:
     """
-    Cuts a 2D attention mask of `model_inputs` that spans more slots than `cache`'s windowed layers read to the window:
-    BLOOM pads its 2D mask to the cache's `get_max_length()` and builds its ALiBi bias from it, which must match the
-    keys a layer returns. The slots cut are past the tokens, masked either way.
+    Cuts a 2D attention mask of `model_inputs` that spans more slots than `cache`'s windowed layers read, after which
+    the cache holds `tokens` tokens, to the window (`QUERY_WINDOW`: the forward's own `tokens`): BLOOM pads its 2D
+    mask to the cache's `get_max_length()` and builds its ALiBi bias from it, which must match the keys a layer
+    returns. The slots cut are past the tokens, masked either way.
     """
     mask = model_inputs.get("attention_mask")
     if not isinstance(mask, torch.Tensor) or mask.ndim != 2:
         return
     window = next((layer.window for layer in cache.layers if type(layer) is WindowedStaticLayer), None)
-    if window and mask.shape[-1] > window:  # `QUERY_WINDOW`: the mask spans the new tokens only
+    if window == QUERY_WINDOW:  # the first forward into the empty cache: the keys are its own tokens'
+        window = tokens
+    if window and mask.shape[-1] > window:
         model_inputs["attention_mask"] = mask[:, :window].contiguous()  # [B, W]: one layout per window
 
 
