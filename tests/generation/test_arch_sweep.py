@@ -168,8 +168,15 @@ class CompiledSweepTest(unittest.TestCase):
     shape-generic prefill's own slots); Gemma 3 has sliding layers, Jamba recurrent ones beside attention.
     """
 
-    @parameterized.expand([("bloom",), ("gemma3_text",), ("jamba",)])
-    def test_sample(self, model_type):
+    def assertRowIsOk(self, model_type):
         as_a_user = argparse.Namespace(fullgraph=False, dynamic_false=False, upstream_compiled=False)
         row = compiled_sweep.sweep_one(model_type, 180, as_a_user)
         self.assertTrue(row.cell.startswith("ok ("), f"{model_type}: {row.cell}; {'; '.join(row.notes)}")
+
+    @parameterized.expand([("bloom",), ("gemma3_text",)])
+    def test_sample(self, model_type):
+        self.assertRowIsOk(model_type)
+
+    @slow
+    def test_a_hybrid(self):  # 35 s on the 2-core machine: with `RUN_SLOW=1`
+        self.assertRowIsOk("jamba")
