@@ -143,8 +143,8 @@ CASES = [
     ({"other_inputs": ["pixel_values"]}, None),
     ({"peft_from_the_end": "alora_offsets"}, None),
     ({"prompt": torch.zeros(3, dtype=torch.long)}, None),
-    (settings(cache_implementation=None), None),
-    ({"cache": object()}, None),
+    (lambda f: {**settings(cache_implementation=None)(f), "static_cache": False}, None),
+    ({"cache": object(), "static_cache": False}, None),
     ({**STATIC, "continued": SimpleNamespace(columns=2, padded_rows=1, rows=1), "continued_rows": 1}, None),
     (
         {

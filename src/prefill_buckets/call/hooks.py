@@ -105,14 +105,8 @@ def _prepare_generated_length(plan, step):
 def _prepare_cache_for_generation(plan, step):
     generation_config, model_kwargs = step["generation_config"], step["model_kwargs"]
     creates_static = plan.call.cache is None and plan.call.static_cache  # `generate` makes the call a static cache
-    if not (creates_static or getattr(passed_cache(model_kwargs), "is_compileable", False)):
-        # No static cache: nothing to size or window. Whether the forwards are compiled (by the user, or by upstream for
-        # a compileable cache it makes) is known once the cache is.
-        result = step.call()
-        plan.run.auto_compile, plan.run.compiled, plan.run.fullgraph, plan.run.generic_prefill = call_compilation(
-            plan.model, model_kwargs, generation_config
-        )
-        return result
+    # Without a static cache there is nothing to size or window; the forwards' compilation is known once the cache is.
+    static = creates_static or getattr(passed_cache(model_kwargs), "is_compileable", False)
     # `generation_config` is upstream's private copy: what the user passed is untouched.
     sized_here = creates_static and generation_config.max_cache_len is None
     if sized_here:
@@ -121,20 +115,23 @@ def _prepare_cache_for_generation(plan, step):
         # needs: both sides size alike).
         needed = step["max_cache_length"] + (plan.prompt_slots - plan.prompt_length if plan.right is not None else 0)
         generation_config.max_cache_len = static_cache_length(plan.model, plan.settings, needed, plan.prompt_slots)
-    if generation_config.compile_config is not None:
+    if static and generation_config.compile_config is not None:
         # An explicit `compile_config` compiles on every device, CPU included (upstream: CUDA/XPU only).
         transformers_api.compile_on_all_devices(generation_config.compile_config)
     result = step.call()
     if sized_here:
         # The cache is made. Unset again, so configs derived from this one (an assistant model's) don't inherit it.
         generation_config.max_cache_len = None
+    # Whether the forwards are compiled (by the user, or by upstream for a compileable cache it makes).
+    plan.run.auto_compile, plan.run.compiled, plan.run.fullgraph, plan.run.generic_prefill = call_compilation(
+        plan.model, model_kwargs, generation_config
+    )
+    if not static:
+        return result
     cache = passed_cache(model_kwargs)
     if creates_static:
         plan.run.made_cache = cache
     _learn_cache(plan, cache)
-    plan.run.auto_compile, plan.run.compiled, plan.run.fullgraph, plan.run.generic_prefill = call_compilation(
-        plan.model, model_kwargs, generation_config
-    )
     if creates_static and plan.run.compiled and cache is not None:
         plan.run.allocated_early = early_initialize(plan.model, cache, plan.padded_rows)
     # The user's chunks have one length already: a chunked prefill stays static (`generic_prefill` off).

@@ -82,10 +82,11 @@ class RuleFacts:
 
     @cached_property
     def bucketable_cache(self) -> bool:
-        """Whether the call's cache can be bucketed: a `StaticCache` passed in, or one `generate` makes (`is_dynamic`)."""
-        if self.cache is not None:
-            return transformers_api.is_static_cache(self.cache)
-        return not transformers_api.is_dynamic(self.settings.cache_implementation)
+        """
+        Whether the call's cache can be bucketed: its `static_cache`, unless `generate` makes it offloaded (an offloaded
+        cache is not compiled).
+        """
+        return self.static_cache and (self.cache is not None or "offloaded" not in self.settings.cache_implementation)
 
     @cached_property
     def sliding_static_cache(self) -> bool:

@@ -151,11 +151,6 @@ def is_static_cache(cache) -> bool:
     return type(cache).__name__ == "StaticCache"
 
 
-def is_dynamic(cache_implementation) -> bool:
-    """Whether `generate` makes a cache that is not compiled for a `cache_implementation`: dynamic, or offloaded."""
-    return cache_implementation not in ALL_STATIC_CACHE_IMPLEMENTATIONS or "offloaded" in str(cache_implementation)
-
-
 # The static cache layers right padding can rewind (`call/decision.py`): attention layers whose length is a counter.
 RIGHT_PADDED_LAYERS = ("StaticLayer", "StaticSlidingWindowLayer")
 
