@@ -1,5 +1,6 @@
 # `generate` (`call/generation.py`): the warnings of a call on a compiled forward, one new token per call (prefill
-# only): a second prompt length of an unbucketed call recompiles, and a prompt longer than the largest bucket.
+# only): a second prompt length of an unbucketed call recompiles, and a prompt longer than the largest bucket; and the
+# warning of a call that ran unpadded, on upstream's path, past torch's recompile limit.
 #
 # The model, the counting backend and `CompilationTestCase` are shared (`tiny_models.py`): `GraphCounter` (eager
 # backend) counts graphs and compiled calls, every compile uses `dynamic=False, fullgraph=True` unless a test says
@@ -7,6 +8,7 @@
 
 import unittest
 
+import torch
 from parameterized import parameterized
 from transformers.testing_utils import CaptureLogger
 
@@ -75,6 +77,27 @@ class CompileWarningTest(CompilationTestCase):
         self.assertIn("16", captured.out)  # past the largest bucket: the next multiple of it
         expected = reference.generate(input_ids, generation_config=make_config())
         self.assertEqual(output.tolist(), expected.tolist())
+
+
+class UnpaddedCallTest(CompilationTestCase):
+    """A call with bucket fields that runs unpadded is upstream's: torch's refusals at its limit are said all the same."""
+
+    @parameterized.expand([("at_the_limit", 2, True), ("under_it", 64, False)])
+    def test_refusals_are_said(self, _, limit, refused):
+        # Without a cache every step's forward runs the whole sequence, a token longer than the last: a graph per step
+        # on a forward compiled with `dynamic=False`, which the package leaves to upstream (unpadded).
+        model = make_model()
+        reference = make_reference(model)
+        counter = GraphCounter()
+        model.compile(backend=counter, dynamic=False)
+        config = make_config(use_cache=False, prefill_buckets=BUCKETS)
+        with torch._dynamo.config.patch(recompile_limit=limit), CaptureLogger(logger) as captured:
+            got = prefill_buckets.generate(model, make_prompt(5), generation_config=config)
+        expected = reference.generate(make_prompt(5), generation_config=make_config(use_cache=False))
+        self.assertEqual(got.tolist(), expected.tolist())
+        self.assertIn("are ignored for this call", captured.out)
+        self.assertEqual("Torch refused to compile the forward of" in captured.out, refused, captured.out)
+        self.assertEqual(counter.graphs, limit if refused else len(expected[0]) - 5)
 
 
 if __name__ == "__main__":

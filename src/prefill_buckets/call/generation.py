@@ -97,10 +97,13 @@ def generate(model, *args, **kwargs):
         call = resolve_call(model, wrapper, arguments, model_kwargs, field_kwargs)
         prepared = _prepare(call)
     if prepared.plan is None:
+        refused = torch_api.limit_refusals()
         with room_for_upstream_call(model):  # the graphs bucketed calls left don't count against the user's limit
             output = UPSTREAM_GENERATE(model, **prepared.arguments, **prepared.model_kwargs)
         if prepared.after is not None:
             prepared.after()
+        if call.bucketed:  # the fields were set, and the call ran unpadded: says so if torch ran forwards eagerly
+            _warn_refused(model, torch_api.limit_refusals() - refused)
         return output
 
     # 6. Run upstream `generate` on the padded inputs, hooked.
@@ -159,6 +162,18 @@ def _prepare(call: ResolvedCall) -> PreparedCall:
     # 4. Plan: pad the prompt and the batch.
     plan, arguments, model_kwargs = plan_call(call, side)
     return PreparedCall(arguments, model_kwargs, plan=plan)
+
+
+def _warn_refused(model, refused: int) -> None:
+    """Warns when torch refused `refused` compiles at its recompile limit during a call that ran unpadded."""
+    if refused > 0:
+        times = "once" if refused == 1 else f"{refused} times"
+        logger.warning(
+            f"Torch refused to compile the forward of `{type(model).__name__}` {times} at its "
+            f"`torch._dynamo.config.recompile_limit` ({torch_api.recompile_limit()}) during this call, which ran "
+            "unpadded (the warning that the prefill bucket fields are ignored says why): as in upstream's own call, it "
+            "ran those forwards eagerly (same outputs, uncompiled). Raise the limit for calls like this one."
+        )
 
 
 def _warn_unbucketed(call: ResolvedCall):
