@@ -39,7 +39,7 @@ RANGE_TESTS := tests/generation/test_equivalence.py tests/generation/test_compil
 	tests/generation/test_sizing.py tests/generation/test_decision.py tests/generation/test_architectures.py \
 	tests/generation/test_peft.py tests/generation/test_multimodal.py tests/generation/test_compiled_calls.py \
 	tests/generation/test_resolved.py tests/generation/test_side_assumptions.py tests/generation/test_views.py \
-	tests/generation/test_padding_side.py tests/generation/test_record_recurrent.py
+	tests/generation/test_padding_side.py tests/generation/test_record_recurrent.py tests/generation/test_aot_key.py
 OLDEST_TESTS := $(RANGE_TESTS) tests/generation/test_robustness.py tests/generation/test_hooks.py \
 	tests/generation/test_arch_sweep.py
 # `prefill-buckets serve` hooks the server's private loading, which transformers 5.25 rebuilt: the newest runs them too.

@@ -1,5 +1,5 @@
-# Tests `compile/aot_forward.py`, and `compile/aot_key.py` through it (`AOTForwardTest.test_dispatch_key` and the
-# guards a saved graph keeps); was test_aot_compiled.py.
+# Tests `compile/aot_forward.py`, and `compile/aot_key.py` through it (the guards a saved graph keeps; its dispatch key
+# directly in test_aot_key.py); was test_aot_compiled.py.
 #
 # `aot_forward`: graphs compiled ahead of time that a compile cache file carries whole, so that a process that loads
 # it traces nothing and compiles nothing.
@@ -26,12 +26,11 @@ from transformers.utils import logging
 
 import prefill_buckets
 from prefill_buckets.compile import aot_forward
-from prefill_buckets.compile.aot_key import UNNAMED, dispatch_key
 from prefill_buckets.state import PROCESS
 from prefill_buckets.testing_utils import as_new_process
-from prefill_buckets.upstream import checks, transformers_api
+from prefill_buckets.upstream import checks
 
-from .tiny_models import CACHE, tiny_llama, tiny_llama_config
+from .tiny_models import CACHE, tiny_llama
 
 
 logger = logging.get_logger("prefill_buckets.compile.aot_forward")
@@ -331,20 +330,6 @@ class AOTForwardTest(unittest.TestCase):
         model.forward = prefill_buckets.aot_forward(model, backend="aot_eager")
         self.assertEqual(self.run_prompts(model), tokens)
         self.assertEqual(traced(), 0, dict(counters["stats"]))
-
-    def test_dispatch_key(self):
-        cache = StaticCache(config=tiny_llama_config(), max_cache_len=64)
-        ids = torch.ones(1, 8, dtype=torch.long)
-        continued = dispatch_key((), {"input_ids": ids, "cache": cache})
-        with transformers_api.reports_empty(cache):
-            fresh = dispatch_key((), {"input_ids": ids, "cache": cache})
-        self.assertNotEqual(fresh.text(), continued.text())
-        self.assertEqual(continued.instance_functions, ())
-        self.assertEqual(
-            json.loads(fresh.text())["inputs"], [["cache", "StaticCache"], ["input_ids", [1, 8], "torch.int64"]]
-        )
-        cache.get_mask_sizes = lambda *args: None
-        self.assertIn(("cache", "get_mask_sizes", UNNAMED), dispatch_key((), {"cache": cache}).instance_functions)
 
     def test_two_right_padded_turns_in_a_second_process(self):
         model = self.compiled_model()
