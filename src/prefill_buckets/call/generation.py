@@ -24,7 +24,7 @@ from ..state import PROCESS, state_of
 from ..upstream import torch_api, transformers_api
 from ..upstream.transformers_api import cache_seq_length, tensor_parallel_group
 from . import hooks
-from .budget import budget_of, check_compiled, graph_variant, room_for_upstream_call
+from .budget import budget_of, check_compiled, graph_variant, model_name, room_for_upstream_call
 from .decision import choose_side
 from .hook_registry import active_plan
 from .hooks import bucketed_call
@@ -97,12 +97,14 @@ def generate(model, *args, **kwargs):
         call = resolve_call(model, wrapper, arguments, model_kwargs, field_kwargs)
         prepared = _prepare(call)
     if prepared.plan is None:
-        refused = torch_api.limit_refusals()
+        # The fields were set, and the call runs unpadded: says so if torch runs its forwards eagerly. A call without
+        # fields is upstream's, unchanged: nothing is read for it.
+        refused = torch_api.limit_refusals() if call.bucketed else None
         with room_for_upstream_call(model):  # the graphs bucketed calls left don't count against the user's limit
             output = UPSTREAM_GENERATE(model, **prepared.arguments, **prepared.model_kwargs)
         if prepared.after is not None:
             prepared.after()
-        if call.bucketed:  # the fields were set, and the call ran unpadded: says so if torch ran forwards eagerly
+        if refused is not None:
             _warn_refused(model, torch_api.limit_refusals() - refused)
         return output
 
@@ -169,7 +171,7 @@ def _warn_refused(model, refused: int) -> None:
     if refused > 0:
         times = "once" if refused == 1 else f"{refused} times"
         logger.warning(
-            f"Torch refused to compile the forward of `{type(model).__name__}` {times} at its "
+            f"Torch refused to compile the forward of `{model_name(model)}` {times} at its "
             f"`torch._dynamo.config.recompile_limit` ({torch_api.recompile_limit()}) during this call, which ran "
             "unpadded (the warning that the prefill bucket fields are ignored says why): as in upstream's own call, it "
             "ran those forwards eagerly (same outputs, uncompiled). Raise the limit for calls like this one."
